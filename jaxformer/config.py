@@ -1,0 +1,300 @@
+"""Typed, validated run configuration: YAML files plus dotted `a.b=c` overrides.
+
+A config is a tree of frozen dataclasses. `load_config(path, overrides)` reads the
+YAML, applies overrides such as `train.num_steps=200`, checks every key and type,
+and raises `ConfigError` (one line: what is wrong and how to fix it) on bad input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+  """A user mistake in a config file or override; the message is one line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Transformer shape (Vaswani et al. 2017, Table 3 names)."""
+  kind: str = "encoder_decoder"
+  vocab_size: int = 8000        # shared source/target vocabulary, tokens
+  d_model: int = 256
+  num_heads: int = 4
+  d_ff: int = 1024
+  num_encoder_layers: int = 3
+  num_decoder_layers: int = 3
+  dropout_rate: float = 0.1     # residual, embedding (paper section 5.4)
+  attention_dropout_rate: float = 0.0
+  pre_norm: bool = False        # paper: post-LN
+  share_embeddings: bool = True  # one matrix for source, target and output logits
+  max_length: int = 256         # longest sequence the positional table covers, tokens
+  dtype: str = "float32"        # compute dtype; params stay float32
+
+  def validate(self) -> None:
+    if self.kind != "encoder_decoder":
+      raise ConfigError(f"model.kind={self.kind!r} is not supported; use model.kind=encoder_decoder")
+    if self.d_model % self.num_heads:
+      raise ConfigError(
+          f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}; "
+          f"choose num_heads among {[h for h in range(1, 33) if self.d_model % h == 0]}")
+    for name in ("vocab_size", "d_model", "num_heads", "d_ff", "num_encoder_layers",
+                 "num_decoder_layers", "max_length"):
+      if getattr(self, name) <= 0:
+        raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+    for name in ("dropout_rate", "attention_dropout_rate"):
+      if not 0.0 <= getattr(self, name) < 1.0:
+        raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
+    if self.dtype not in ("float32", "bfloat16", "float16"):
+      raise ConfigError(f"model.dtype={self.dtype!r} is unknown; use float32, bfloat16 or float16")
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Device mesh sizes; one of them may be -1 (use the remaining devices)."""
+  data: int = -1
+  fsdp: int = 1
+  tensor: int = 1
+
+  def validate(self) -> None:
+    sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+    if list(sizes.values()).count(-1) > 1:
+      raise ConfigError("at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
+    for name, size in sizes.items():
+      if size == 0 or size < -1:
+        raise ConfigError(f"mesh.{name} must be a positive size or -1, got {size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  """Adam with the paper's inverse-square-root warmup schedule (section 5.3)."""
+  schedule: str = "rsqrt"       # rsqrt (paper) | constant
+  learning_rate: float = 1.0    # rsqrt: scale factor on d_model^-0.5 * min(...); constant: the rate
+  warmup_steps: int = 4000
+  b1: float = 0.9
+  b2: float = 0.98
+  eps: float = 1e-9
+  weight_decay: float = 0.0
+  clip_grad_norm: float = 0.0   # 0 disables global-norm clipping
+  label_smoothing: float = 0.1
+
+  def validate(self) -> None:
+    if self.schedule not in ("rsqrt", "constant"):
+      raise ConfigError(f"optim.schedule={self.schedule!r} is unknown; use rsqrt or constant")
+    if self.warmup_steps < 1:
+      raise ConfigError(f"optim.warmup_steps must be >= 1, got {self.warmup_steps}")
+    if not 0.0 <= self.label_smoothing < 1.0:
+      raise ConfigError(f"optim.label_smoothing must be in [0, 1), got {self.label_smoothing}")
+    if self.learning_rate <= 0:
+      raise ConfigError(f"optim.learning_rate must be positive, got {self.learning_rate}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Where the data lives and how it is tokenized and batched."""
+  dataset: str = "multi30k"
+  source_lang: str = "en"
+  target_lang: str = "de"
+  data_dir: str = "~/.cache/jaxformer"  # TFDS ArrayRecord files and the cached tokenizer
+  tokenizer: str = "unigram"           # SentencePiece model type: unigram | bpe
+  max_length: int = 64                 # tokens per side including EOS
+  overlong: str = "drop"               # drop | truncate (train split only)
+  buckets: tuple[int, ...] = (12, 14, 16, 18, 20, 24, 32, 48, 64)  # padded lengths, tokens
+
+  def validate(self) -> None:
+    if self.dataset != "multi30k":
+      raise ConfigError(f"data.dataset={self.dataset!r} is unknown; use multi30k")
+    if {self.source_lang, self.target_lang} != {"en", "de"}:
+      raise ConfigError("data.source_lang/target_lang must be en and de (either direction)")
+    if self.overlong not in ("drop", "truncate"):
+      raise ConfigError(f"data.overlong={self.overlong!r} is unknown; use drop or truncate")
+    if self.tokenizer not in ("unigram", "bpe"):
+      raise ConfigError(f"data.tokenizer={self.tokenizer!r} is unknown; use unigram or bpe")
+    if not self.buckets or list(self.buckets) != sorted(set(self.buckets)):
+      raise ConfigError(f"data.buckets={self.buckets} must be strictly increasing lengths")
+    if self.buckets[-1] != self.max_length:
+      raise ConfigError(
+          f"the last of data.buckets ({self.buckets[-1]}) must equal data.max_length "
+          f"({self.max_length}); e.g. data.buckets=[16,32,{self.max_length}]")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Length of the run and how often it logs, evaluates and checkpoints (in steps)."""
+  num_steps: int = 10000
+  batch_size: int = 64          # global, in sentence pairs
+  log_every: int = 50
+  eval_every: int = 500         # validation loss
+  checkpoint_every: int = 1000
+  keep_checkpoints: int = 3
+  async_checkpoint: bool = True
+
+  def validate(self) -> None:
+    for name in ("num_steps", "batch_size", "log_every", "eval_every", "checkpoint_every",
+                 "keep_checkpoints"):
+      if getattr(self, name) < 1:
+        raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+  """Process-level settings that do not change the model."""
+  seed: int = 0
+  num_cpu_devices: int = 0      # >0: simulate this many CPU devices (multi-device runs on a laptop)
+  platform: str = ""            # "" picks JAX's default backend; cpu | gpu | tpu forces one
+
+  def validate(self) -> None:
+    if self.num_cpu_devices < 0:
+      raise ConfigError(f"runtime.num_cpu_devices must be >= 0, got {self.num_cpu_devices}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """The whole run: every section is validated on construction by `load_config`."""
+  name: str = "unnamed"
+  model: ModelConfig = ModelConfig()
+  mesh: MeshConfig = MeshConfig()
+  optim: OptimConfig = OptimConfig()
+  data: DataConfig = DataConfig()
+  train: TrainConfig = TrainConfig()
+  runtime: RuntimeConfig = RuntimeConfig()
+
+  def validate(self) -> None:
+    for field in dataclasses.fields(self):
+      section = getattr(self, field.name)
+      if hasattr(section, "validate"):
+        section.validate()
+    if self.data.max_length > self.model.max_length:
+      raise ConfigError(
+          f"data.max_length={self.data.max_length} exceeds model.max_length={self.model.max_length}; "
+          "raise model.max_length or lower data.max_length")
+
+
+def _type_name(tp: Any) -> str:
+  return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+  """Checks `value` against the annotation `tp`, converting ints to floats and lists to tuples."""
+  origin = typing.get_origin(tp)
+  if origin is tuple:
+    (elem, _) = typing.get_args(tp)
+    if not isinstance(value, (list, tuple)):
+      raise ConfigError(f"{where} must be a list of {_type_name(elem)}, got {value!r}")
+    return tuple(_coerce(v, elem, f"{where}[{i}]") for i, v in enumerate(value))
+  if tp is float and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  if tp in (int, float, str, bool):
+    if type(value) is not tp:
+      raise ConfigError(f"{where} must be {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    return value
+  raise ConfigError(f"{where} has an unsupported type {tp}")
+
+
+def _build(cls: type, values: dict[str, Any], where: str) -> Any:
+  hints = typing.get_type_hints(cls)
+  names = [f.name for f in dataclasses.fields(cls)]
+  kwargs = {}
+  for key, value in values.items():
+    path = f"{where}{key}"
+    if key not in names:
+      close = difflib.get_close_matches(key, names, n=1)
+      hint = f"; did you mean {where}{close[0]}?" if close else f"; valid keys: {', '.join(names)}"
+      raise ConfigError(f"unknown config key {path!r}{hint}")
+    tp = hints[key]
+    if dataclasses.is_dataclass(tp):
+      if not isinstance(value, dict):
+        raise ConfigError(f"{path} must be a mapping of {tp.__name__} fields, got {value!r}")
+      kwargs[key] = _build(tp, value, f"{path}.")
+    else:
+      kwargs[key] = _coerce(value, tp, path)
+  return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+  *parents, leaf = dotted.split(".")
+  node = tree
+  for part in parents:
+    node = node.setdefault(part, {})
+    if not isinstance(node, dict):
+      raise ConfigError(f"override {dotted!r}: {part!r} is a value, not a section")
+  node[leaf] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+  """Splits `a.b=value` and parses the value as YAML (so 3, 0.5, true, [1,2] are typed)."""
+  if "=" not in text or text.startswith("="):
+    raise ConfigError(f"override {text!r} is not of the form section.key=value")
+  key, raw = text.split("=", 1)
+  try:
+    value = yaml.safe_load(raw) if raw else ""
+  except yaml.YAMLError:
+    value = raw
+  return key.strip(), value
+
+
+def config_from_dict(tree: dict[str, Any], overrides: typing.Sequence[str] = ()) -> Config:
+  """Builds and validates a Config from a nested dict plus `a.b=c` overrides."""
+  tree = _deep_copy(tree)
+  for text in overrides:
+    key, value = parse_override(text)
+    _set_dotted(tree, key, value)
+  config = _build(Config, tree, "")
+  config.validate()
+  return config
+
+
+def _deep_copy(tree: dict[str, Any]) -> dict[str, Any]:
+  return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in tree.items()}
+
+
+def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Config:
+  """Reads a YAML config file and applies overrides.
+
+  Raises:
+    ConfigError: the file is missing or not a mapping, a key is unknown (the message
+      suggests the nearest valid key), a value has the wrong type, or validation fails.
+  """
+  path = Path(path)
+  if not path.is_file():
+    raise ConfigError(f"config file {str(path)!r} does not exist; pass --config configs/NAME.yaml")
+  try:
+    tree = yaml.safe_load(path.read_text()) or {}
+  except yaml.YAMLError as e:
+    raise ConfigError(f"config file {str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+  if not isinstance(tree, dict):
+    raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+  return config_from_dict(tree, overrides)
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+  """The config as plain YAML-safe types (tuples become lists)."""
+  def plain(x: Any) -> Any:
+    if isinstance(x, dict):
+      return {k: plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+      return [plain(v) for v in x]
+    return x
+  return plain(dataclasses.asdict(config))
+
+
+def dump_config(config: Config) -> str:
+  """The resolved config as YAML text; `load_config` of it gives back an equal Config."""
+  return yaml.safe_dump(to_dict(config), sort_keys=False)
+
+
+__all__ = [
+    "Config", "ConfigError", "DataConfig", "MeshConfig", "ModelConfig", "OptimConfig",
+    "RuntimeConfig", "TrainConfig", "config_from_dict", "dump_config", "load_config",
+    "parse_override", "to_dict",
+]

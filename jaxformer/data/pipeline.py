@@ -1,0 +1,282 @@
+"""Length-bucketed translation batches: step-indexed train stream, eval batches.
+
+A split is tokenized once (:func:`tokenize_split`): source ids are
+``encode(src) + [EOS]``, target ids ``encode(tgt) + [EOS]`` (the model adds BOS
+when shifting right). Each batch has one bucket length ``L`` (the smallest
+bucket >= the longest source/target in it); ``inputs`` and ``targets`` are
+``int32 [rows, L]`` padded with ``PAD_ID=0``. There are at most
+``len(buckets)`` distinct shapes.
+
+Training (:class:`TrainBatches`) is a pure function of the global step: epoch
+``e = step // batches_per_epoch`` permutes the examples with
+``np.random.default_rng((seed, e))``, sorts chunks of ``batch_size *
+chunk_batches`` examples by length, cuts them into full batches and shuffles
+the batch order. Resuming at step ``k`` is just starting at index ``k``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Iterator, Sequence
+
+import grain
+import numpy as np
+
+from jaxformer.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
+
+DEFAULT_BUCKETS = (12, 14, 16, 18, 20, 24, 32, 48, 64)
+OVERLONG_MODES = ("drop", "truncate")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizedSplit:
+  """A tokenized parallel split.
+
+  Attributes:
+    inputs: per example an ``int32 [len_i]`` array ending with EOS.
+    targets: per example an ``int32 [len_i]`` array ending with EOS.
+    source_texts: raw source strings (aligned with ``inputs``).
+    target_texts: raw reference strings (aligned with ``targets``).
+    index: ``int64 [n]`` position of each example in the raw split.
+    max_length: length limit the split was built with (tokens, incl. EOS).
+    num_dropped: overlong pairs dropped. num_truncated: pairs truncated.
+  """
+  inputs: list[np.ndarray]
+  targets: list[np.ndarray]
+  source_texts: list[str]
+  target_texts: list[str]
+  index: np.ndarray
+  max_length: int
+  num_dropped: int = 0
+  num_truncated: int = 0
+
+  def __len__(self) -> int:
+    return len(self.inputs)
+
+  @property
+  def lengths(self) -> np.ndarray:
+    """``int32 [n]``: max(source length, target length) per example."""
+    return np.array([max(len(s), len(t)) for s, t in
+                     zip(self.inputs, self.targets)], dtype=np.int32)
+
+
+def tokenize_split(tokenizer: Tokenizer, source_texts: Sequence[str],
+                   target_texts: Sequence[str], max_length: int,
+                   overlong: str = "truncate") -> TokenizedSplit:
+  """Tokenize a parallel split and enforce ``max_length`` (tokens incl. EOS).
+
+  ``overlong="drop"`` removes pairs whose source or target is too long;
+  ``"truncate"`` keeps the first ``max_length - 1`` tokens plus EOS.
+  """
+  if overlong not in OVERLONG_MODES:
+    raise ValueError(f"overlong={overlong!r} is invalid; use one of "
+                     f"{OVERLONG_MODES}.")
+  if len(source_texts) != len(target_texts):
+    raise ValueError(f"got {len(source_texts)} sources but "
+                     f"{len(target_texts)} targets; pass aligned lists.")
+  if max_length < 2:
+    raise ValueError(f"max_length={max_length} is too small; use >= 2.")
+  src_ids = tokenizer.encode_batch(source_texts)
+  tgt_ids = tokenizer.encode_batch(target_texts)
+  inputs, targets, keep = [], [], []
+  dropped = truncated = 0
+  for i, (s, t) in enumerate(zip(src_ids, tgt_ids)):
+    if len(s) >= max_length or len(t) >= max_length:
+      if overlong == "drop":
+        dropped += 1
+        continue
+      truncated += 1
+      s, t = s[:max_length - 1], t[:max_length - 1]
+    inputs.append(np.array(s + [EOS_ID], dtype=np.int32))
+    targets.append(np.array(t + [EOS_ID], dtype=np.int32))
+    keep.append(i)
+  return TokenizedSplit(
+      inputs=inputs, targets=targets,
+      source_texts=[source_texts[i] for i in keep],
+      target_texts=[target_texts[i] for i in keep],
+      index=np.array(keep, dtype=np.int64), max_length=max_length,
+      num_dropped=dropped, num_truncated=truncated)
+
+
+def make_buckets(max_length: int,
+                 base: Sequence[int] = DEFAULT_BUCKETS) -> tuple[int, ...]:
+  """Buckets of ``base`` below ``max_length``, plus ``max_length`` last."""
+  return tuple(b for b in base if b < max_length) + (int(max_length),)
+
+
+def _check_buckets(buckets: Sequence[int], data: TokenizedSplit
+                   ) -> tuple[int, ...]:
+  buckets = tuple(int(b) for b in buckets)
+  if not buckets or any(b <= 0 for b in buckets) or list(buckets) != sorted(
+      set(buckets)):
+    raise ValueError(f"buckets={buckets} must be positive and strictly "
+                     "increasing; e.g. make_buckets(max_length).")
+  longest = int(data.lengths.max()) if len(data) else 0
+  if longest > buckets[-1]:
+    raise ValueError(f"an example has {longest} tokens > the largest bucket "
+                     f"{buckets[-1]}; make the last bucket = max_length.")
+  return buckets
+
+
+def _shard_rows(batch_size: int, process_index: int,
+                process_count: int) -> slice:
+  if process_count < 1 or not 0 <= process_index < process_count:
+    raise ValueError(f"process_index={process_index} must be in "
+                     f"[0, process_count={process_count}).")
+  if batch_size <= 0 or batch_size % process_count:
+    raise ValueError(f"batch_size={batch_size} is not a positive multiple of "
+                     f"process_count={process_count}; change batch_size.")
+  local = batch_size // process_count
+  return slice(process_index * local, (process_index + 1) * local)
+
+
+def _bucket_length(data: TokenizedSplit, ids: np.ndarray,
+                   buckets: tuple[int, ...]) -> int:
+  """Smallest bucket >= the longest example among ``ids`` (``-1`` ignored)."""
+  longest = max((max(len(data.inputs[i]), len(data.targets[i]))
+                 for i in ids.tolist() if i >= 0), default=1)
+  return next(b for b in buckets if b >= longest)
+
+
+def _pack(data: TokenizedSplit, ids: np.ndarray,
+          length: int) -> dict[str, np.ndarray]:
+  """Pad examples ``ids`` (``-1`` = filler row) into ``[len(ids), length]``."""
+  inputs = np.full((len(ids), length), PAD_ID, dtype=np.int32)
+  targets = np.full((len(ids), length), PAD_ID, dtype=np.int32)
+  for r, i in enumerate(ids.tolist()):
+    if i >= 0:
+      src, tgt = data.inputs[i], data.targets[i]
+      inputs[r, :len(src)] = src
+      targets[r, :len(tgt)] = tgt
+  return {"inputs": inputs, "targets": targets}
+
+
+class TrainBatches:
+  """Infinite, deterministic stream of training batches indexed by step.
+
+  ``batches[step]`` is this process's rows of global batch ``step``:
+  ``{"inputs": int32 [batch_size // process_count, L], "targets": same}``.
+  """
+
+  def __init__(self, data: TokenizedSplit, batch_size: int,
+               buckets: Sequence[int] | None = None, *, seed: int = 0,
+               process_index: int = 0, process_count: int = 1,
+               chunk_batches: int = 64, prefetch: int = 4,
+               num_threads: int = 1):
+    """See class docstring. ``prefetch``/``num_threads`` size grain's
+    thread prefetch in :meth:`iterate` (``num_threads=0``: no threads)."""
+    if buckets is None:
+      buckets = make_buckets(data.max_length)
+    self._buckets = _check_buckets(buckets, data)
+    self._rows = _shard_rows(batch_size, process_index, process_count)
+    if len(data) < batch_size:
+      raise ValueError(f"the training split has {len(data)} examples, fewer "
+                       f"than batch_size={batch_size}; lower batch_size.")
+    self._data = data
+    self.batch_size = batch_size
+    self.seed = seed
+    self._chunk = batch_size * max(1, chunk_batches)
+    self._lengths = data.lengths
+    self._prefetch = prefetch
+    self._num_threads = num_threads
+    self._lock = threading.Lock()
+    self._plans: dict[int, np.ndarray] = {}
+
+  @property
+  def batches_per_epoch(self) -> int:
+    """Full global batches per epoch (``len(data) // batch_size``)."""
+    return len(self._data) // self.batch_size
+
+  @property
+  def buckets(self) -> tuple[int, ...]:
+    return self._buckets
+
+  def _epoch_plan(self, epoch: int) -> np.ndarray:
+    """``int64 [batches_per_epoch, batch_size]`` example ids of an epoch."""
+    with self._lock:
+      plan = self._plans.get(epoch)
+      if plan is not None:
+        return plan
+    rng = np.random.default_rng((self.seed, epoch))
+    order = rng.permutation(len(self._data))
+    batches = []
+    for start in range(0, len(order), self._chunk):
+      chunk = order[start:start + self._chunk]
+      chunk = chunk[np.argsort(self._lengths[chunk], kind="stable")]
+      full = len(chunk) // self.batch_size * self.batch_size
+      batches.extend(chunk[:full].reshape(-1, self.batch_size))
+    plan = np.stack(batches)[rng.permutation(len(batches))]
+    with self._lock:
+      if len(self._plans) >= 2:
+        self._plans.pop(min(self._plans))
+      self._plans[epoch] = plan
+    return plan
+
+  def __getitem__(self, step: int) -> dict[str, np.ndarray]:
+    step = int(step)
+    if step < 0:
+      raise ValueError(f"step={step} must be >= 0.")
+    epoch, k = divmod(step, self.batches_per_epoch)
+    ids = self._epoch_plan(epoch)[k]
+    # The bucket comes from the global batch so all processes agree on L.
+    length = _bucket_length(self._data, ids, self._buckets)
+    return _pack(self._data, ids[self._rows], length)
+
+  def dataset(self, start_step: int = 0,
+              num_steps: int | None = None) -> grain.MapDataset:
+    """A ``grain.MapDataset`` whose item ``i`` is batch ``start_step + i``."""
+    stop = start_step + num_steps if num_steps is not None else 2**62
+    return grain.MapDataset.range(start_step, stop).map(self.__getitem__)
+
+  def iterate(self, start_step: int = 0, num_steps: int | None = None
+              ) -> Iterator[dict[str, np.ndarray]]:
+    """Batches ``start_step, start_step + 1, ...`` with thread prefetch."""
+    ds = self.dataset(start_step, num_steps)
+    if self._num_threads <= 0:
+      return iter(ds)
+    return iter(ds.to_iter_dataset(grain.ReadOptions(
+        num_threads=self._num_threads,
+        prefetch_buffer_size=max(1, self._prefetch))))
+
+
+def eval_batches(data: TokenizedSplit, batch_size: int,
+                 buckets: Sequence[int] | None = None, *,
+                 sort_by_length: bool = True, process_index: int = 0,
+                 process_count: int = 1) -> list[dict[str, np.ndarray]]:
+  """Every example exactly once, in fixed order, last batch padded.
+
+  Returns a list of dicts: ``inputs``/``targets`` ``int32 [rows, L]`` and
+  ``index`` ``int32 [rows]`` = position of the row's example in ``data``
+  (``-1`` for all-PAD filler rows). ``rows = batch_size // process_count``;
+  this process gets its slice of each global batch. With ``sort_by_length``
+  the examples are ordered by length (less padding); use ``index`` to restore
+  the original order. Filler rows have all-PAD targets, so token weights
+  ``targets != PAD_ID`` already ignore them.
+  """
+  if buckets is None:
+    buckets = make_buckets(data.max_length)
+  buckets = _check_buckets(buckets, data)
+  rows = _shard_rows(batch_size, process_index, process_count)
+  order = np.arange(len(data))
+  if sort_by_length:
+    order = order[np.argsort(data.lengths, kind="stable")]
+  out = []
+  for start in range(0, len(order), batch_size):
+    ids = np.full(batch_size, -1, dtype=np.int64)
+    chunk = order[start:start + batch_size]
+    ids[:len(chunk)] = chunk
+    local = ids[rows]
+    # The bucket comes from the global batch so all processes agree on L.
+    batch = _pack(data, local, _bucket_length(data, ids, buckets))
+    batch["index"] = local.astype(np.int32)
+    out.append(batch)
+  return out
+
+
+def padding_fraction(batch: dict[str, np.ndarray]) -> float:
+  """Fraction of PAD entries over ``inputs`` and ``targets`` together."""
+  total = batch["inputs"].size + batch["targets"].size
+  pads = (np.count_nonzero(batch["inputs"] == PAD_ID)
+          + np.count_nonzero(batch["targets"] == PAD_ID))
+  return pads / total if total else 0.0

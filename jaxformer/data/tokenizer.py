@@ -1,0 +1,212 @@
+"""SentencePiece tokenizer with fixed special ids, trained in memory.
+
+Ids: ``PAD_ID=0``, ``UNK_ID=1``, ``BOS_ID=2``, ``EOS_ID=3``. Training uses the
+``identity`` normalization rule and keeps whitespace as is, so
+``decode(encode(text)) == text`` for any text whose characters were seen in
+training (and for *any* text when byte fallback is on, the default for
+vocabularies of at least 1024 pieces).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import sentencepiece as spm
+
+PAD_ID = 0
+UNK_ID = 1
+BOS_ID = 2
+EOS_ID = 3
+MODEL_TYPES = ("unigram", "bpe", "char")
+_BYTE_FALLBACK_MIN_VOCAB = 1024
+
+
+class Tokenizer:
+  """A SentencePiece model with ``PAD=0, UNK=1, BOS=2, EOS=3``."""
+
+  def __init__(self, processor: spm.SentencePieceProcessor):
+    specials = (processor.pad_id(), processor.unk_id(), processor.bos_id(),
+                processor.eos_id())
+    if specials != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
+      raise ValueError(
+          f"SentencePiece model has special ids (pad, unk, bos, eos)="
+          f"{specials}, expected {(PAD_ID, UNK_ID, BOS_ID, EOS_ID)}; retrain "
+          "it with jaxformer.data.tokenizer.train_tokenizer.")
+    self._sp = processor
+
+  @classmethod
+  def from_bytes(cls, serialized: bytes) -> "Tokenizer":
+    """Build from a serialized SentencePiece ``ModelProto`` (bytes)."""
+    processor = spm.SentencePieceProcessor()
+    try:
+      processor.LoadFromSerializedProto(serialized)
+    except Exception as e:  # sentencepiece raises RuntimeError/OSError.
+      raise ValueError(f"invalid SentencePiece model bytes ({e}); retrain "
+                       "the tokenizer or delete the cached model file.") from e
+    return cls(processor)
+
+  @classmethod
+  def load(cls, path: str | os.PathLike) -> "Tokenizer":
+    """Load a ``.model`` file written by :meth:`save`."""
+    path = Path(path)
+    if not path.is_file() or path.stat().st_size == 0:
+      raise FileNotFoundError(
+          f"tokenizer file {path} is missing or empty; train one with "
+          "train_tokenizer() or load_or_train_tokenizer().")
+    return cls.from_bytes(path.read_bytes())
+
+  def save(self, path: str | os.PathLike) -> None:
+    """Write the model atomically (temp file in the same folder, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp",
+                               dir=path.parent)
+    try:
+      with os.fdopen(fd, "wb") as f:
+        f.write(self.serialized)
+        f.flush()
+        os.fsync(f.fileno())
+      os.replace(tmp, path)
+    except BaseException:
+      Path(tmp).unlink(missing_ok=True)
+      raise
+
+  @property
+  def serialized(self) -> bytes:
+    """The model as serialized ``ModelProto`` bytes."""
+    return self._sp.serialized_model_proto()
+
+  @property
+  def vocab_size(self) -> int:
+    """Number of ids (all ids lie in ``[0, vocab_size)``)."""
+    return self._sp.get_piece_size()
+
+  def encode(self, text: str) -> list[int]:
+    """Token ids of ``text``; no BOS/EOS added."""
+    return self._sp.encode(text, out_type=int)
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    """:meth:`encode` for many texts at once (faster)."""
+    return self._sp.encode(list(texts), out_type=int)
+
+  def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+    """Text of ``ids``: stops at the first EOS, skips PAD and BOS."""
+    out = []
+    for i in np.asarray(ids, dtype=np.int64).reshape(-1).tolist():
+      if i == EOS_ID:
+        break
+      if i not in (PAD_ID, BOS_ID):
+        out.append(i)
+    return self._sp.decode(out)
+
+  def decode_batch(self, ids: np.ndarray | Sequence[Sequence[int]]
+                   ) -> list[str]:
+    """:meth:`decode` of each row of an ``[batch, length]`` int array."""
+    return [self.decode(row) for row in ids]
+
+  def id_to_piece(self, i: int) -> str:
+    """The piece (string) for id ``i``."""
+    return self._sp.id_to_piece(int(i))
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int,
+                    model_type: str = "unigram", *,
+                    input_sentence_size: int = 1_000_000,
+                    byte_fallback: bool | None = None,
+                    seed: int = 0, num_threads: int = 2) -> Tokenizer:
+  """Train a SentencePiece model in memory (no files), deterministically.
+
+  Args:
+    texts: training sentences (empty ones are skipped).
+    vocab_size: number of pieces incl. the 4 specials. For ``"char"`` it is an
+      upper bound (the vocabulary is the set of seen characters).
+    model_type: ``"unigram"``, ``"bpe"`` or ``"char"``.
+    input_sentence_size: if there are more sentences, a seeded random subset
+      of this many is used.
+    byte_fallback: encode unseen characters as UTF-8 byte pieces (exact round
+      trip for any text; needs 256 extra pieces). Default: on when
+      ``vocab_size >= 1024`` and ``model_type != "char"``.
+    seed: seed of the sentence subsampling.
+    num_threads: trainer threads.
+
+  Returns:
+    The trained :class:`Tokenizer`.
+  """
+  if model_type not in MODEL_TYPES:
+    raise ValueError(f"unknown tokenizer model_type {model_type!r}; use one "
+                     f"of {MODEL_TYPES}.")
+  if vocab_size < 8:
+    raise ValueError(f"vocab_size={vocab_size} is too small; use at least 8.")
+  sentences = [t for t in texts if t and not t.isspace()]
+  if not sentences:
+    raise ValueError("train_tokenizer got no non-empty texts; check the "
+                     "training data.")
+  if len(sentences) > input_sentence_size:
+    rng = np.random.default_rng(seed)
+    keep = np.sort(rng.choice(len(sentences), input_sentence_size,
+                              replace=False))
+    sentences = [sentences[i] for i in keep]
+  if byte_fallback is None:
+    byte_fallback = (model_type != "char"
+                     and vocab_size >= _BYTE_FALLBACK_MIN_VOCAB)
+  model = io.BytesIO()
+  try:
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences), model_writer=model,
+        vocab_size=vocab_size, model_type=model_type,
+        pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+        normalization_rule_name="identity", remove_extra_whitespaces=False,
+        character_coverage=1.0, byte_fallback=byte_fallback,
+        input_sentence_size=0, shuffle_input_sentence=False,
+        hard_vocab_limit=(model_type != "char"),
+        max_sentence_length=1 << 16, num_threads=num_threads,
+        minloglevel=2)
+  except RuntimeError as e:
+    raise ValueError(
+        f"SentencePiece training failed ({e}); try a smaller vocab_size or "
+        "more training text.") from e
+  return Tokenizer.from_bytes(model.getvalue())
+
+
+def cache_file(cache_path: str | os.PathLike, vocab_size: int,
+               model_type: str) -> Path:
+  """Model file used by :func:`load_or_train_tokenizer`.
+
+  ``cache_path`` is a folder (file ``spm_<model_type>_<vocab_size>.model``
+  inside it) or a ``*.model`` name whose stem gets ``_<model_type>_<vocab>``.
+  """
+  cache_path = Path(cache_path).expanduser()
+  key = f"{model_type}_{vocab_size}"
+  if cache_path.suffix == ".model":
+    return cache_path.with_name(f"{cache_path.stem}_{key}.model")
+  return cache_path / f"spm_{key}.model"
+
+
+def load_or_train_tokenizer(cache_path: str | os.PathLike,
+                            texts_fn: Callable[[], Iterable[str]],
+                            vocab_size: int = 8000,
+                            model_type: str = "unigram",
+                            **train_kwargs) -> Tokenizer:
+  """Load the cached tokenizer for (vocab_size, model_type) or train and save.
+
+  Args:
+    cache_path: folder or ``*.model`` name, see :func:`cache_file`.
+    texts_fn: called (only when training) to get the training texts.
+    vocab_size, model_type, train_kwargs: passed to :func:`train_tokenizer`.
+
+  Returns:
+    The :class:`Tokenizer`. The cache is not keyed on the training texts:
+    delete the file to retrain on different data.
+  """
+  path = cache_file(cache_path, vocab_size, model_type)
+  if path.is_file() and path.stat().st_size > 0:
+    return Tokenizer.load(path)
+  tokenizer = train_tokenizer(texts_fn(), vocab_size, model_type,
+                              **train_kwargs)
+  tokenizer.save(path)
+  return tokenizer

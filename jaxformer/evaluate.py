@@ -1,0 +1,119 @@
+"""Restore a trained model from its workdir, translate, and score with sacrebleu.
+
+Everything needed comes from the workdir: `config.yaml`, `tokenizer.model` and the
+Orbax checkpoints. Runtime/mesh overrides let a checkpoint written on one mesh be
+evaluated on another (the arrays are restored straight into the new shardings).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+import sacrebleu
+
+from jaxformer import checkpoint as ckpt
+from jaxformer.config import Config, config_from_dict, load_config, to_dict
+from jaxformer.data import Tokenizer, eval_batches, tokenize_split
+from jaxformer.decode import make_greedy_fn
+from jaxformer.models.transformer import EncoderDecoder
+from jaxformer.runtime import build_mesh
+from jaxformer.train.loop import global_batch
+from jaxformer.train.optim import make_optimizer
+from jaxformer.train.state import state_shardings
+
+RUNTIME_SECTIONS = ("runtime.", "mesh.", "train.batch_size")
+
+
+@dataclasses.dataclass
+class Restored:
+  """A model ready for inference: config, tokenizer, mesh, params (sharded) and step."""
+  config: Config
+  tokenizer: Tokenizer
+  model: EncoderDecoder
+  mesh: Any
+  params: Any
+  step: int
+
+
+def workdir_config(workdir: str | Path, overrides: Sequence[str] = ()) -> Config:
+  """The run's saved config with runtime/mesh overrides applied.
+
+  Raises:
+    ConfigError: an override touches anything but runtime.*, mesh.* or train.batch_size
+      (the model must match the checkpoint).
+  """
+  from jaxformer.config import ConfigError
+  for o in overrides:
+    if not o.startswith(RUNTIME_SECTIONS):
+      raise ConfigError(f"override {o!r} is not allowed at eval time; only runtime.*, mesh.* and train.batch_size")
+  saved = load_config(ckpt.run_file(workdir, ckpt.CONFIG_FILE))
+  return config_from_dict(to_dict(saved), overrides)
+
+
+def restore(workdir: str | Path, config: Config, step: int | None = None) -> Restored:
+  """Restores params of `step` (default: latest) into the shardings of `config`'s mesh.
+
+  Raises:
+    CheckpointError: the workdir has no (such) checkpoint.
+  """
+  tokenizer = Tokenizer.load(ckpt.run_file(workdir, ckpt.TOKENIZER_FILE))
+  checkpointer = ckpt.Checkpointer(workdir, async_save=False)
+  if not checkpointer.all_steps():
+    raise ckpt.CheckpointError(f"no checkpoint in {checkpointer.directory}; train first or check --workdir")
+  mesh = build_mesh(config)
+  model = EncoderDecoder(config.model)
+  tx = make_optimizer(config.optim, config.model.d_model)
+  abstract, shardings = state_shardings(model, tx, mesh)
+  state = checkpointer.restore(ckpt.sharded_target(abstract, shardings), step)
+  checkpointer.close()
+  return Restored(config, tokenizer, model, mesh, state.params, int(jax.device_get(state.step)))
+
+
+def translate(restored: Restored, sources: Sequence[str], batch_size: int = 64) -> tuple[list[str], dict]:
+  """Greedy-translates `sources`; returns (hypotheses in input order, speed stats).
+
+  Speed stats: `sentences_per_sec`, `tokens_per_sec` (generated tokens incl. EOS), `seconds`.
+  """
+  cfg = restored.config
+  dp = restored.mesh.shape["data"] * restored.mesh.shape["fsdp"]
+  batch_size = max(dp, batch_size // dp * dp)
+  data = tokenize_split(restored.tokenizer, list(sources), list(sources), cfg.data.max_length, overlong="truncate")
+  decode = make_greedy_fn(restored.model, restored.mesh, cfg.model.max_length)
+  hyps: list[str] = [""] * len(sources)
+  generated = 0
+  start = time.perf_counter()
+  for batch in eval_batches(data, batch_size, cfg.data.buckets):
+    tokens = np.asarray(jax.device_get(decode(restored.params, global_batch(batch, restored.mesh)["inputs"])))
+    for row, index in zip(tokens, batch["index"]):
+      if index >= 0:
+        hyps[index] = restored.tokenizer.decode(row)
+        generated += int(np.count_nonzero(row))
+  seconds = time.perf_counter() - start
+  return hyps, {"sentences_per_sec": len(sources) / seconds, "tokens_per_sec": generated / seconds,
+                "seconds": seconds}
+
+
+def score(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any]:
+  """Corpus BLEU and chrF with sacrebleu defaults (cased, 13a tokenizer on detokenised text)."""
+  bleu = sacrebleu.metrics.BLEU()
+  chrf = sacrebleu.metrics.CHRF()
+  b = bleu.corpus_score(list(hypotheses), [list(references)])
+  c = chrf.corpus_score(list(hypotheses), [list(references)])
+  return {"bleu": round(b.score, 2), "chrf": round(c.score, 2),
+          "bleu_signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature())}
+
+
+def write_lines_atomic(path: str | Path, lines: Sequence[str]) -> None:
+  """Writes `lines` to `path` through a temporary file, so a crash leaves no partial file."""
+  path = Path(path)
+  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+  with os.fdopen(fd, "w") as f:
+    f.write("".join(line + "\n" for line in lines))
+  os.replace(tmp, path)

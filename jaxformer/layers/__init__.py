@@ -1,0 +1,1 @@
+"""Transformer building blocks: attention, feed-forward, embeddings, normalization."""

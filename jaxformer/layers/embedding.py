@@ -1,0 +1,51 @@
+"""Token embeddings (scaled by sqrt(d_model), optionally tied to the output logits)
+and sinusoidal positional encodings (paper section 3.4 and 3.5)."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer import sharding as sh
+
+
+def sinusoidal_positions(positions: jax.Array, d_model: int) -> jax.Array:
+  """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(same) (section 3.5).
+
+  Args:
+    positions: int `[batch, length]` token positions (0-based).
+    d_model: even model width.
+  Returns:
+    float32 `[batch, length, d_model]`.
+  """
+  if d_model % 2:
+    raise ValueError(f"sinusoidal positions need an even d_model, got {d_model}")
+  inv_freq = 1.0 / (10000.0 ** (np.arange(0, d_model, 2, dtype=np.float32) / d_model))  # [D/2]
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq                          # [B, T, D/2]
+  pe = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)                            # [B, T, D/2, 2]
+  return pe.reshape(*positions.shape, d_model)                                           # [B, T, D]
+
+
+class Embed(nn.Module):
+  """Token embedding table `[vocab_size, d_model]`, sharded over vocab (tensor) and embed (fsdp).
+
+  `__call__` maps int `[batch, length]` ids to `[batch, length, d_model]` vectors times
+  sqrt(d_model); `attend` maps `[batch, length, d_model]` to float32 logits
+  `[batch, length, vocab_size]` with the same matrix (weight tying, section 3.4).
+  """
+  vocab_size: int
+  d_model: int
+  dtype: jnp.dtype = jnp.float32
+
+  def setup(self):
+    init = nn.initializers.normal(stddev=self.d_model ** -0.5)
+    self.embedding = self.param(
+        "embedding", sh.param_with_axes(init, (sh.VOCAB, sh.EMBED)), (self.vocab_size, self.d_model))
+
+  def __call__(self, ids: jax.Array) -> jax.Array:
+    x = jnp.take(self.embedding, ids, axis=0)
+    return (x * np.sqrt(self.d_model)).astype(self.dtype)
+
+  def attend(self, x: jax.Array) -> jax.Array:
+    logits = jnp.einsum("btd,vd->btv", x.astype(self.dtype), self.embedding.astype(self.dtype))
+    return logits.astype(jnp.float32)

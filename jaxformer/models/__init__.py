@@ -1,0 +1,1 @@
+"""Transformer models built from `jaxformer.layers`."""

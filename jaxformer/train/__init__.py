@@ -1,0 +1,1 @@
+"""Training: state, losses, optimizer schedules, the jitted step and the loop."""

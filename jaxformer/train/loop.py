@@ -1,0 +1,178 @@
+"""The training loop: data, sharded state, jitted step, logging, validation, checkpoints.
+
+`train(config, workdir)` starts fresh or resumes from the latest checkpoint in `workdir`
+(step, optimizer state and schedule continue; dropout keys are derived from the step, and
+the batch at step k is a pure function of (seed, k), so a resumed run sees the same data).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import tqdm
+from tensorboardX import SummaryWriter
+
+from jaxformer import checkpoint as ckpt
+from jaxformer import sharding as sh
+from jaxformer.config import Config, ConfigError, dump_config, load_config
+from jaxformer.data import TrainBatches, eval_batches, padding_fraction, prepare_translation_data
+from jaxformer.models.transformer import EncoderDecoder
+from jaxformer.runtime import build_mesh
+from jaxformer.train.optim import make_optimizer
+from jaxformer.train.state import create_state, state_shardings
+from jaxformer.train.step import make_eval_step, make_train_step
+
+
+def load_data(config: Config):
+  """(tokenizer, splits) for the configured dataset; the tokenizer vocabulary size is
+  `model.vocab_size`."""
+  return prepare_translation_data(
+      Path(config.data.data_dir).expanduser(), vocab_size=config.model.vocab_size,
+      max_length=config.data.max_length, model_type=config.data.tokenizer,
+      source_lang=config.data.source_lang, target_lang=config.data.target_lang,
+      train_overlong=config.data.overlong)
+
+
+def global_batch(local: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
+  """Assembles the global `[batch, length]` arrays from each process's rows."""
+  sharding = sh.batch_sharding(mesh)
+  return {k: jax.make_array_from_process_local_data(sharding, local[k]) for k in ("inputs", "targets")}
+
+
+def _check_resume_config(workdir: Path, config: Config) -> None:
+  saved_path = workdir / ckpt.CONFIG_FILE
+  if not saved_path.is_file():
+    return
+  saved = load_config(saved_path)
+  if saved.model != config.model:
+    raise ConfigError(
+        f"{workdir} holds a run with a different model config; use a new --workdir "
+        "or the same model.* settings to resume")
+
+
+def evaluate_loss(eval_step, params, batches, mesh) -> dict[str, float]:
+  """Token-averaged validation loss, NLL and accuracy over `batches` (dropout off)."""
+  totals: dict[str, float] = {}
+  for batch in batches:
+    sums = jax.device_get(eval_step(params, global_batch(batch, mesh)))
+    for k, v in sums.items():
+      totals[k] = totals.get(k, 0.0) + float(v)
+  n = max(totals["num_tokens"], 1.0)
+  return {"loss": totals["loss"] / n, "nll": totals["nll"] / n, "accuracy": totals["correct"] / n,
+          "num_tokens": totals["num_tokens"]}
+
+
+class _Logger:
+  """Appends JSON lines to metrics.jsonl and mirrors scalars to TensorBoard (process 0 only)."""
+
+  def __init__(self, workdir: Path):
+    self.enabled = jax.process_index() == 0
+    if self.enabled:
+      self._file = open(workdir / "metrics.jsonl", "a")
+      self._tb = SummaryWriter(str(workdir / "tensorboard"))
+
+  def write(self, record: dict[str, Any], prefix: str = "train") -> None:
+    if not self.enabled:
+      return
+    self._file.write(json.dumps(record) + "\n")
+    self._file.flush()
+    for k, v in record.items():
+      if k != "step" and isinstance(v, (int, float)):
+        self._tb.add_scalar(f"{prefix}/{k}", v, record["step"])
+    self._tb.flush()
+
+  def close(self) -> None:
+    if self.enabled:
+      self._file.close()
+      self._tb.close()
+
+
+def train(config: Config, workdir: str | Path) -> dict[str, Any]:
+  """Trains `config` in `workdir`, resuming from its latest checkpoint if there is one.
+
+  Returns the last logged training metrics. Raises ConfigError for a mesh or batch that
+  does not fit the devices, or a workdir that holds a different model.
+  """
+  workdir = Path(workdir)
+  _check_resume_config(workdir, config)
+  mesh = build_mesh(config)
+  tokenizer, splits = load_data(config)
+  if jax.process_index() == 0:
+    ckpt.save_run_files(workdir, dump_config(config), tokenizer.serialized)
+
+  model = EncoderDecoder(config.model)
+  tx = make_optimizer(config.optim, config.model.d_model)
+  abstract, shardings = state_shardings(model, tx, mesh)
+  checkpointer = ckpt.Checkpointer(workdir, config.train.checkpoint_every, config.train.keep_checkpoints,
+                                   config.train.async_checkpoint)
+  start = checkpointer.latest_step()
+  if start is None:
+    state = create_state(model, tx, mesh, config.runtime.seed, shardings)
+    start = 0
+  else:
+    state = checkpointer.restore(ckpt.sharded_target(abstract, shardings), start)
+  train_step = make_train_step(model, tx, config, mesh, shardings)
+  eval_step = make_eval_step(model, config, mesh, shardings.params)
+  rng = jax.random.key(config.runtime.seed)
+
+  process = dict(process_index=jax.process_index(), process_count=jax.process_count())
+  batches = TrainBatches(splits["train"], config.train.batch_size, config.data.buckets,
+                         seed=config.runtime.seed, **process)
+  val_batches = eval_batches(splits["validation"], config.train.batch_size, config.data.buckets, **process)
+  logger = _Logger(workdir)
+  show_bar = jax.process_index() == 0 and sys.stderr.isatty()
+  bar = tqdm.tqdm(total=config.train.num_steps, initial=start, disable=not show_bar, unit="step")
+  record: dict[str, Any] = {}
+  pending: list[dict] = []
+  padding: list[float] = []
+  last_time = time.perf_counter()
+  try:
+    for step, local in zip(range(start, config.train.num_steps), batches.iterate(start)):
+      padding.append(padding_fraction(local))
+      state, metrics = train_step(state, global_batch(local, mesh), rng)
+      pending.append(metrics)
+      done = step + 1
+      bar.update(1)
+      if done % config.train.log_every == 0 or done == config.train.num_steps:
+        record = _summarise(jax.device_get(pending), done, time.perf_counter() - last_time, padding)
+        logger.write(record)
+        bar.set_postfix(loss=f"{record['loss']:.3f}")
+        if not show_bar and jax.process_index() == 0:
+          print(json.dumps(record), flush=True)
+        pending, padding, last_time = [], [], time.perf_counter()
+      if done % config.train.eval_every == 0 or done == config.train.num_steps:
+        val = evaluate_loss(eval_step, state.params, val_batches, mesh)
+        logger.write({"step": done, **{f"val_{k}": v for k, v in val.items()}}, prefix="validation")
+        if jax.process_index() == 0:
+          print(json.dumps({"step": done, "val_loss": val["loss"], "val_nll": val["nll"]}), flush=True)
+        last_time = time.perf_counter()
+      if done % config.train.checkpoint_every == 0 or done == config.train.num_steps:
+        checkpointer.save(state, force=True)
+  finally:
+    bar.close()
+    checkpointer.close()
+    logger.close()
+  return record
+
+
+def _summarise(history: list[dict], step: int, seconds: float, padding: list[float]) -> dict[str, Any]:
+  """Token-weighted averages over the steps since the last log line."""
+  tokens = sum(float(m["num_tokens"]) for m in history)
+  n = max(tokens, 1.0)
+  return {
+      "step": step,
+      "loss": sum(float(m["loss"]) for m in history) / n,
+      "nll": sum(float(m["nll"]) for m in history) / n,
+      "accuracy": sum(float(m["correct"]) for m in history) / n,
+      "learning_rate": float(history[-1]["learning_rate"]),
+      "grad_norm": float(np.mean([float(m["grad_norm"]) for m in history])),
+      "tokens_per_sec": tokens / max(seconds, 1e-9),
+      "steps_per_sec": len(history) / max(seconds, 1e-9),
+      "padding_fraction": float(np.mean(padding)),
+  }

@@ -1,0 +1,36 @@
+"""Label-smoothed cross-entropy over non-padding tokens (paper section 5.4)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def cross_entropy_sums(logits: jax.Array, targets: jax.Array, weights: jax.Array,
+                       label_smoothing: float = 0.0) -> dict[str, jax.Array]:
+  """Summed losses, to be divided by `num_tokens` after summing over batches and devices.
+
+  The smoothed target puts 1 - label_smoothing on the true token and spreads
+  label_smoothing uniformly over all `vocab_size` tokens.
+
+  Args:
+    logits: float `[batch, length, vocab_size]` (computed in float32 here).
+    targets: int `[batch, length]` token ids.
+    weights: float `[batch, length]`, 1 for real tokens and 0 for padding.
+    label_smoothing: epsilon in [0, 1).
+  Returns:
+    float32 scalars: `loss` (smoothed cross-entropy sum, nats), `nll` (unsmoothed
+    negative log-likelihood sum, nats), `correct` (argmax hits), `num_tokens`.
+  """
+  logits = logits.astype(jnp.float32)
+  log_probs = jax.nn.log_softmax(logits, axis=-1)
+  nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]   # [B, T]
+  smooth = -jnp.mean(log_probs, axis=-1)                                       # [B, T]
+  loss = (1.0 - label_smoothing) * nll + label_smoothing * smooth
+  correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+  return {
+      "loss": jnp.sum(loss * weights),
+      "nll": jnp.sum(nll * weights),
+      "correct": jnp.sum(correct * weights),
+      "num_tokens": jnp.sum(weights),
+  }

@@ -1,0 +1,69 @@
+"""The training state and how it is created already sharded on a mesh."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from jaxformer import sharding as sh
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything a checkpoint holds: `step` (int32 scalar, updates done), `params`, `opt_state`.
+
+  Dropout randomness is derived from (seed, step), so it needs no stored key and a
+  resumed run draws the same bits it would have drawn without the interruption.
+  """
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+def _dummy_batch(batch_size: int, length: int) -> tuple[jax.Array, jax.Array]:
+  ids = jnp.ones((batch_size, length), jnp.int32)
+  return ids, ids
+
+
+def abstract_state(model: nn.Module, tx: optax.GradientTransformation) -> tuple[TrainState, TrainState]:
+  """Shapes and logical PartitionSpecs of the train state, without allocating it.
+
+  Returns:
+    (abstract TrainState of ShapeDtypeStructs, TrainState of logical PartitionSpecs).
+  """
+  def init(rng):
+    boxed = model.init(rng, *_dummy_batch(1, 8))["params"]
+    params = nn.meta.unbox(boxed)
+    return TrainState(jnp.array(0, jnp.int32), params, tx.init(params)), boxed
+
+  abstract, boxed = jax.eval_shape(init, jax.random.key(0))
+  param_specs = nn.get_partition_spec(boxed)
+  # Optimizer moments mirror the params; scalars (counts) are replicated.
+  opt_specs = optax.tree_map_params(tx, lambda _, spec: spec, abstract.opt_state, param_specs,
+                                    transform_non_params=lambda _: jax.sharding.PartitionSpec())
+  specs = TrainState(jax.sharding.PartitionSpec(), param_specs, opt_specs)
+  return abstract, specs
+
+
+def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh) -> tuple[TrainState, TrainState]:
+  """(abstract state, NamedSharding tree) for `mesh` via the logical-axis rules."""
+  abstract, specs = abstract_state(model, tx)
+  return abstract, sh.logical_to_sharding(specs, mesh)
+
+
+def create_state(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, seed: int,
+                 shardings: TrainState) -> TrainState:
+  """Initialises the state directly into `shardings`: no device ever holds the full,
+  unsharded parameters unless the mesh says so."""
+  def init(rng):
+    params = nn.meta.unbox(model.init(rng, *_dummy_batch(1, 8))["params"])
+    return TrainState(jnp.array(0, jnp.int32), params, tx.init(params))
+
+  with jax.set_mesh(mesh), sh.axis_rules():
+    return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
