@@ -19,7 +19,7 @@ import numpy as np
 import sacrebleu
 
 from jaxformer import checkpoint as ckpt
-from jaxformer.config import Config, config_from_dict, load_config, to_dict
+from jaxformer.config import Config, ConfigError, config_from_dict, load_config, to_dict
 from jaxformer.data import Tokenizer, eval_batches, tokenize_split
 from jaxformer.decode import make_greedy_fn
 from jaxformer.models.transformer import EncoderDecoder
@@ -28,7 +28,7 @@ from jaxformer.train.loop import global_batch
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import state_shardings
 
-RUNTIME_SECTIONS = ("runtime.", "mesh.", "train.batch_size")
+RUNTIME_SECTIONS = ("runtime.", "mesh.", "train.batch_size", "data.data_dir")
 
 
 @dataclasses.dataclass
@@ -46,13 +46,12 @@ def workdir_config(workdir: str | Path, overrides: Sequence[str] = ()) -> Config
   """The run's saved config with runtime/mesh overrides applied.
 
   Raises:
-    ConfigError: an override touches anything but runtime.*, mesh.* or train.batch_size
-      (the model must match the checkpoint).
+    ConfigError: an override touches anything but runtime.*, mesh.*, train.batch_size or
+      data.data_dir (the model and tokenizer must match the checkpoint).
   """
-  from jaxformer.config import ConfigError
   for o in overrides:
     if not o.startswith(RUNTIME_SECTIONS):
-      raise ConfigError(f"override {o!r} is not allowed at eval time; only runtime.*, mesh.* and train.batch_size")
+      raise ConfigError(f"override {o!r} is not allowed at eval time; only runtime.*, mesh.*, train.batch_size and data.data_dir")
   saved = load_config(ckpt.run_file(workdir, ckpt.CONFIG_FILE))
   return config_from_dict(to_dict(saved), overrides)
 
@@ -63,10 +62,10 @@ def restore(workdir: str | Path, config: Config, step: int | None = None) -> Res
   Raises:
     CheckpointError: the workdir has no (such) checkpoint.
   """
-  tokenizer = Tokenizer.load(ckpt.run_file(workdir, ckpt.TOKENIZER_FILE))
   checkpointer = ckpt.Checkpointer(workdir, async_save=False)
   if not checkpointer.all_steps():
     raise ckpt.CheckpointError(f"no checkpoint in {checkpointer.directory}; train first or check --workdir")
+  tokenizer = Tokenizer.load(ckpt.run_file(workdir, ckpt.TOKENIZER_FILE))
   mesh = build_mesh(config)
   model = EncoderDecoder(config.model)
   tx = make_optimizer(config.optim, config.model.d_model)

@@ -17,7 +17,13 @@ def init_runtime(runtime: RuntimeConfig) -> None:
   if runtime.platform:
     jax.config.update("jax_platforms", runtime.platform)
   if runtime.num_cpu_devices:
-    jax.config.update("jax_num_cpu_devices", runtime.num_cpu_devices)
+    try:
+      jax.config.update("jax_num_cpu_devices", runtime.num_cpu_devices)
+    except RuntimeError:  # backend already started (e.g. in-process use): accept a matching count
+      if len(jax.devices("cpu")) != runtime.num_cpu_devices:
+        raise ConfigError(
+            f"runtime.num_cpu_devices={runtime.num_cpu_devices} cannot be applied: JAX already started "
+            f"with {len(jax.devices('cpu'))} CPU devices; set it before any JAX computation") from None
   if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 

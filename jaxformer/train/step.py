@@ -56,7 +56,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, config: 
     (_, sums), grads = grad_fn(state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = dict(sums, grad_norm=optax.global_norm(grads), learning_rate=schedule(state.step))
+    metrics = dict(sums, grad_norm=optax.tree.norm(grads), learning_rate=schedule(state.step))
     return TrainState(state.step + 1, params, opt_state), metrics
 
   batch_sharding = {"inputs": sh.batch_sharding(mesh), "targets": sh.batch_sharding(mesh)}

@@ -1,0 +1,130 @@
+"""The `jaxformer` command end to end: train on 4 simulated devices, resume, eval, errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+def run_cli(*args, check=True):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # the CLI sets its own device count from runtime.num_cpu_devices
+  proc = subprocess.run([sys.executable, "-m", "jaxformer", *args], capture_output=True, text=True, env=env,
+                        cwd=ROOT, timeout=600)
+  if check and proc.returncode != 0:
+    raise AssertionError(f"jaxformer {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+  return proc
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("data"))
+
+
+def _common(data_dir):
+  return [f"data.data_dir={data_dir}", "data.buckets=[32,64]", "train.log_every=5", "train.eval_every=10",
+          "train.checkpoint_every=10", "train.batch_size=16"]
+
+
+def _metrics(workdir):
+  return [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train_losses(workdir):
+  return {m["step"]: m["loss"] for m in _metrics(workdir) if "loss" in m}
+
+
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory, data_dir):
+  workdir = tmp_path_factory.mktemp("run4")
+  four = ["mesh.data=4", "runtime.num_cpu_devices=4"]
+  run_cli("train", "--config", TINY, "--workdir", str(workdir), *_common(data_dir), *four, "train.num_steps=20")
+  first = _metrics(workdir)
+  run_cli("train", "--config", TINY, "--workdir", str(workdir), *_common(data_dir), *four, "train.num_steps=30")
+  return workdir, first
+
+
+@pytest.mark.slow
+def test_train_on_four_devices_then_resume(resumed_run, tmp_path, data_dir):
+  workdir, first = resumed_run
+  losses = _train_losses(workdir)
+  assert sorted(losses) == [5, 10, 15, 20, 25, 30]         # the resumed run continued at step 21
+  assert [m["step"] for m in first if "loss" in m] == [5, 10, 15, 20]
+  record = [m for m in _metrics(workdir) if "loss" in m][-1]
+  for key in ("step", "loss", "learning_rate", "grad_norm", "tokens_per_sec"):
+    assert key in record
+  assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [10, 20, 30]
+  assert (workdir / "config.yaml").is_file() and (workdir / "tokenizer.model").is_file()
+  assert list((workdir / "tensorboard").iterdir())
+  # An uninterrupted single-device run gives the same loss curve: the resumed run picked up
+  # step, optimizer state, schedule, data order and dropout keys exactly.
+  straight = tmp_path / "straight"
+  run_cli("train", "--config", TINY, "--workdir", str(straight), *_common(data_dir), "train.num_steps=30")
+  for step, loss in _train_losses(straight).items():
+    assert losses[step] == pytest.approx(loss, rel=1e-4), step
+
+
+@pytest.mark.slow
+def test_eval_prints_json_and_writes_hypotheses(resumed_run, tmp_path):
+  workdir, _ = resumed_run
+  src, ref = tmp_path / "src.en", tmp_path / "ref.de"
+  src.write_text("A man is riding a bike.\nTwo dogs play in the snow.\n")
+  ref.write_text("Ein Mann fährt Fahrrad.\nZwei Hunde spielen im Schnee.\n")
+  out = tmp_path / "hyps.txt"
+  proc = run_cli("eval", "--workdir", str(workdir), "--src", str(src), "--ref", str(ref), "--output", str(out),
+                 "runtime.num_cpu_devices=2", "mesh.data=2")
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert result["step"] == 30 and result["num_sentences"] == 2
+  assert 0.0 <= result["bleu"] <= 100.0 and 0.0 <= result["chrf"] <= 100.0
+  assert result["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
+  assert len(out.read_text().splitlines()) == 2
+  older = run_cli("eval", "--workdir", str(workdir), "--step", "20", "--src", str(src), "--ref", str(ref),
+                  "--output", str(out))
+  assert json.loads(older.stdout.strip().splitlines()[-1])["step"] == 20
+  translated = subprocess.run([sys.executable, "-m", "jaxformer", "translate", "--workdir", str(workdir)],
+                              input="A man is riding a bike.\n", capture_output=True, text=True, cwd=ROOT)
+  assert translated.returncode == 0 and len(translated.stdout.splitlines()) == 1
+
+
+def _error_line(proc):
+  assert proc.returncode == 2, proc.stderr
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+  return lines[0]
+
+
+def test_bad_inputs_give_one_line_errors(tmp_path, data_dir):
+  workdir = str(tmp_path / "w")
+  line = _error_line(run_cli("train", "--config", TINY, "--workdir", workdir, "train.num_step=3", check=False))
+  assert "did you mean train.num_steps?" in line
+  line = _error_line(run_cli("train", "--config", TINY, "--workdir", workdir, "train.batch_size=x", check=False))
+  assert "train.batch_size must be int" in line
+  line = _error_line(run_cli("train", "--config", TINY, "--workdir", workdir, "mesh.data=3", check=False))
+  assert "but there are 1 devices" in line
+  line = _error_line(run_cli("train", "--config", TINY, "--workdir", workdir, "runtime.num_cpu_devices=4",
+                             "mesh.data=4", "train.batch_size=6", check=False))
+  assert "train.batch_size=6 is not divisible by the data-parallel size 4" in line
+  line = _error_line(run_cli("eval", "--workdir", str(tmp_path / "empty"), check=False))
+  assert "not a jaxformer workdir" in line
+  assert not (tmp_path / "w").exists() or not list((tmp_path / "w").glob("checkpoints/*"))
+
+
+def test_eval_errors_on_workdir_without_checkpoints_and_mismatched_files(tmp_path):
+  from jaxformer.checkpoint import save_run_files
+  from jaxformer.config import dump_config, load_config
+  workdir = tmp_path / "w"
+  save_run_files(workdir, dump_config(load_config(TINY)), b"not used before the checks")
+  src, ref = tmp_path / "src", tmp_path / "ref"
+  src.write_text("a\nb\n")
+  ref.write_text("a\n")
+  line = _error_line(run_cli("eval", "--workdir", str(workdir), "--src", str(src), "--ref", str(ref), check=False))
+  assert "--src has 2 lines but --ref has 1" in line
+  ref.write_text("a\nb\n")
+  line = _error_line(run_cli("eval", "--workdir", str(workdir), "--src", str(src), "--ref", str(ref), check=False))
+  assert "no checkpoint in" in line

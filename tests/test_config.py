@@ -1,0 +1,61 @@
+"""Config loading, overrides and validation errors."""
+
+from pathlib import Path
+
+import pytest
+
+from jaxformer.config import Config, ConfigError, config_from_dict, dump_config, load_config
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_every_config_loads_and_round_trips(path, tmp_path):
+  config = load_config(path)
+  assert isinstance(config, Config)
+  assert config.model.d_model % config.model.num_heads == 0
+  dumped = tmp_path / "resolved.yaml"
+  dumped.write_text(dump_config(config))
+  assert load_config(dumped) == config
+
+
+def test_presets_have_paper_shapes():
+  base = load_config(Path(__file__).parent.parent / "configs/multi30k_base.yaml").model
+  big = load_config(Path(__file__).parent.parent / "configs/multi30k_big.yaml").model
+  assert (base.d_model, base.num_heads, base.d_ff, base.num_encoder_layers, base.dropout_rate) == (512, 8, 2048, 6, 0.1)
+  assert (big.d_model, big.num_heads, big.d_ff, big.num_decoder_layers, big.dropout_rate) == (1024, 16, 4096, 6, 0.3)
+
+
+def test_overrides_are_typed():
+  config = config_from_dict({}, ["train.num_steps=7", "optim.learning_rate=2", "data.buckets=[8, 64]",
+                                 "model.pre_norm=true"])
+  assert config.train.num_steps == 7
+  assert config.optim.learning_rate == 2.0 and isinstance(config.optim.learning_rate, float)
+  assert config.data.buckets == (8, 64)
+  assert config.model.pre_norm is True
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.num_step=5", "unknown config key 'train.num_step'; did you mean train.num_steps?"),
+    ("trian.num_steps=5", "did you mean train?"),
+    ("train.num_steps=abc", "train.num_steps must be int, got str 'abc'"),
+    ("model.pre_norm=3", "model.pre_norm must be bool"),
+    ("model.num_heads=3", "not divisible by model.num_heads=3"),
+    ("data.buckets=[32, 16]", "strictly increasing"),
+    ("mesh.data=0", "mesh.data must be a positive size or -1"),
+    ("train.num_steps", "not of the form section.key=value"),
+])
+def test_bad_overrides_give_one_line_errors(override, message):
+  with pytest.raises(ConfigError) as info:
+    config_from_dict({}, [override])
+  assert message in str(info.value)
+  assert "\n" not in str(info.value)
+
+
+def test_missing_and_malformed_files(tmp_path):
+  with pytest.raises(ConfigError, match="does not exist"):
+    load_config(tmp_path / "nope.yaml")
+  bad = tmp_path / "bad.yaml"
+  bad.write_text("- just\n- a list\n")
+  with pytest.raises(ConfigError, match="must hold a mapping"):
+    load_config(bad)

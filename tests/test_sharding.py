@@ -1,0 +1,41 @@
+"""Mesh construction, logical-axis rules and their errors."""
+
+import jax
+import pytest
+from jax.sharding import AxisType, PartitionSpec
+
+from jaxformer import sharding as sh
+from jaxformer.config import ConfigError, MeshConfig, config_from_dict
+from jaxformer.runtime import build_mesh
+
+
+def test_mesh_fills_minus_one_and_uses_auto_axes():
+  mesh = sh.make_mesh(MeshConfig(data=-1, fsdp=2, tensor=1))
+  assert dict(mesh.shape) == {"data": 4, "fsdp": 2, "tensor": 1}
+  assert mesh.axis_types == (AxisType.Auto,) * 3
+
+
+def test_mesh_size_must_match_devices():
+  with pytest.raises(ConfigError, match=r"= 6 but there are 8 devices; e.g. use mesh.data=8"):
+    sh.make_mesh(MeshConfig(data=3, fsdp=2, tensor=1))
+  with pytest.raises(ConfigError, match="3 does not divide 8"):
+    sh.make_mesh(MeshConfig(data=-1, fsdp=3, tensor=1))
+
+
+def test_batch_must_divide_data_parallel_size():
+  config = config_from_dict({}, ["mesh.data=8", "train.batch_size=12"])
+  with pytest.raises(ConfigError, match=r"train.batch_size=12 is not divisible by the data-parallel size 8"):
+    build_mesh(config)
+
+
+def test_rules_map_logical_axes():
+  mesh = sh.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+  assert sh.batch_sharding(mesh).spec == PartitionSpec(("data", "fsdp"), None)
+  specs = {"w": PartitionSpec(sh.EMBED, sh.MLP), "e": PartitionSpec(sh.VOCAB, sh.EMBED),
+           "q": PartitionSpec(sh.EMBED, sh.HEADS, sh.KV)}
+  out = sh.logical_to_sharding(specs, mesh)
+  assert out["w"].spec == PartitionSpec("fsdp", "tensor")
+  assert out["e"].spec == PartitionSpec("tensor", "fsdp")
+  assert out["q"].spec == PartitionSpec("fsdp", "tensor", None)
+  assert sh.data_parallel_size(mesh) == 4
+  assert len(jax.devices()) == 8
