@@ -23,6 +23,7 @@ def _parser() -> argparse.ArgumentParser:
   t = sub.add_parser("train", help="train (or resume) a model in a workdir")
   t.add_argument("--config", required=True, help="YAML config, e.g. configs/multi30k_small.yaml")
   t.add_argument("--workdir", required=True, help="directory for checkpoints, logs, config and tokenizer")
+  t.add_argument("--dry-run", action="store_true", help="print the sharding summary and exit without training")
   t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.num_steps=100 mesh.data=4")
 
   e = sub.add_parser("eval", help="restore a checkpoint, translate a split and report BLEU/chrF")
@@ -33,14 +34,45 @@ def _parser() -> argparse.ArgumentParser:
   e.add_argument("--ref", help="reference file, line-aligned with --src")
   e.add_argument("--batch-size", type=int, default=64, help="sentences per decoding batch")
   e.add_argument("--output", help="hypotheses file (default: WORKDIR/hypotheses.<split>.txt)")
+  _add_search_args(e)
   e.add_argument("overrides", nargs="*", help="runtime/mesh overrides, e.g. runtime.num_cpu_devices=4 mesh.data=4")
 
   tr = sub.add_parser("translate", help="translate stdin lines to stdout")
   tr.add_argument("--workdir", required=True)
   tr.add_argument("--step", type=int, default=None)
   tr.add_argument("--batch-size", type=int, default=64)
+  _add_search_args(tr)
   tr.add_argument("overrides", nargs="*")
   return p
+
+
+def _add_search_args(p: argparse.ArgumentParser) -> None:
+  """Decoding flags of `eval`/`translate`. Strategy: --beam-size > 1 is beam search; else
+  any of --temperature/--top-k/--top-p turns on sampling; else greedy search."""
+  g = p.add_argument_group("decoding", "beam search if --beam-size > 1; sampling if --beam-size is 1 and any of "
+                           "--temperature/--top-k/--top-p is given; greedy otherwise")
+  g.add_argument("--beam-size", type=int, default=1, help="beams per sentence; 1 = greedy (paper: 4)")
+  g.add_argument("--length-penalty", type=float, default=0.6,
+                 help="GNMT length-penalty alpha for beam search (paper: 0.6)")
+  g.add_argument("--max-length", type=int, default=50,
+                 help="tokens allowed beyond the source length (paper: 50); capped by model.max_length")
+  g.add_argument("--temperature", type=float, default=None, help="sampling temperature > 0 (default 1.0 when sampling)")
+  g.add_argument("--top-k", type=int, default=None, help="sample among the k most probable tokens (0 = all)")
+  g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1] (1 = all)")
+  g.add_argument("--seed", type=int, default=0,
+                 help="sampling seed; a sentence's sample depends only on the seed and the sentence")
+
+
+def _search_options(args):
+  """SearchOptions from the decoding flags; ValueError (one line) on a bad combination."""
+  from jaxformer.search import SearchOptions
+  sampling = [f for f, v in (("--temperature", args.temperature), ("--top-k", args.top_k), ("--top-p", args.top_p))
+              if v is not None]
+  if args.beam_size > 1 and sampling:
+    raise ValueError(f"--beam-size {args.beam_size} cannot be combined with {'/'.join(sampling)}: "
+                     "sampling needs --beam-size 1")
+  return SearchOptions(beam_size=args.beam_size, length_penalty=args.length_penalty, extra_tokens=args.max_length,
+                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed).validate()
 
 
 def _read_lines(path: str, what: str) -> list[str]:
@@ -65,7 +97,7 @@ def cmd_train(args) -> None:
   config = load_config(args.config, args.overrides)
   init_runtime(config.runtime)
   from jaxformer.train.loop import train
-  train(config, args.workdir)
+  train(config, args.workdir, dry_run=args.dry_run)
 
 
 def _eval_sources(args, splits_loader):
@@ -88,15 +120,16 @@ def cmd_eval(args) -> None:
   init_runtime(_runtime_from_overrides(args.overrides))
   from jaxformer import evaluate
   from jaxformer.train.loop import load_data
+  search = _search_options(args)
   config = evaluate.workdir_config(args.workdir, args.overrides)
   name, sources, references = _eval_sources(args, lambda: load_data(config)[1])
   restored = evaluate.restore(args.workdir, config, args.step)
-  hyps, speed = evaluate.translate(restored, sources, args.batch_size)
+  hyps, speed = evaluate.translate(restored, sources, args.batch_size, search)
   output = Path(args.output) if args.output else Path(args.workdir) / f"hypotheses.{name}.txt"
   evaluate.write_lines_atomic(output, hyps)
   result = {"step": restored.step, "split": name, "num_sentences": len(sources),
             **evaluate.score(hyps, references), **{k: round(v, 3) for k, v in speed.items()},
-            "hypotheses": str(output)}
+            "search": search.summary(), "hypotheses": str(output)}
   print(json.dumps(result), flush=True)
 
 
@@ -104,11 +137,12 @@ def cmd_translate(args) -> None:
   from jaxformer.runtime import init_runtime
   init_runtime(_runtime_from_overrides(args.overrides))
   from jaxformer import evaluate
+  search = _search_options(args)
   config = evaluate.workdir_config(args.workdir, args.overrides)
   restored = evaluate.restore(args.workdir, config, args.step)
   lines = [line.rstrip("\n") for line in sys.stdin]
   if lines:
-    hyps, _ = evaluate.translate(restored, lines, args.batch_size)
+    hyps, _ = evaluate.translate(restored, lines, args.batch_size, search)
     sys.stdout.write("".join(h + "\n" for h in hyps))
 
 

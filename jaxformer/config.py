@@ -194,6 +194,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     return tuple(_coerce(v, elem, f"{where}[{i}]") for i, v in enumerate(value))
   if tp is float and isinstance(value, int) and not isinstance(value, bool):
     return float(value)
+  if tp is float and isinstance(value, str):  # YAML 1.1 reads "1e-9" (no dot) as a string
+    try:
+      return float(value)
+    except ValueError:
+      pass
   if tp in (int, float, str, bool):
     if type(value) is not tp:
       raise ConfigError(f"{where} must be {_type_name(tp)}, got {type(value).__name__} {value!r}")

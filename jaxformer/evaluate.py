@@ -21,9 +21,9 @@ import sacrebleu
 from jaxformer import checkpoint as ckpt
 from jaxformer.config import Config, ConfigError, config_from_dict, load_config, to_dict
 from jaxformer.data import Tokenizer, eval_batches, tokenize_split
-from jaxformer.decode import make_greedy_fn
 from jaxformer.models.transformer import EncoderDecoder
 from jaxformer.runtime import build_mesh
+from jaxformer.search import SearchOptions, make_decode_fn
 from jaxformer.train.loop import global_batch
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import state_shardings
@@ -75,16 +75,22 @@ def restore(workdir: str | Path, config: Config, step: int | None = None) -> Res
   return Restored(config, tokenizer, model, mesh, state.params, int(jax.device_get(state.step)))
 
 
-def translate(restored: Restored, sources: Sequence[str], batch_size: int = 64) -> tuple[list[str], dict]:
-  """Greedy-translates `sources`; returns (hypotheses in input order, speed stats).
+def translate(restored: Restored, sources: Sequence[str], batch_size: int = 64,
+              search: SearchOptions | None = None) -> tuple[list[str], dict]:
+  """Translates `sources`; returns (hypotheses in input order, speed stats).
 
+  `search` picks greedy (default), beam search or sampling and the output length
+  (source length + `extra_tokens`, capped by model.max_length); see `SearchOptions`.
   Speed stats: `sentences_per_sec`, `tokens_per_sec` (generated tokens incl. EOS), `seconds`.
+
+  Raises:
+    ValueError: invalid search options (one line).
   """
   cfg = restored.config
   dp = restored.mesh.shape["data"] * restored.mesh.shape["fsdp"]
   batch_size = max(dp, batch_size // dp * dp)
   data = tokenize_split(restored.tokenizer, list(sources), list(sources), cfg.data.max_length, overlong="truncate")
-  decode = make_greedy_fn(restored.model, restored.mesh, cfg.model.max_length)
+  decode = make_decode_fn(restored.model, restored.mesh, cfg.model.max_length, search)
   hyps: list[str] = [""] * len(sources)
   generated = 0
   start = time.perf_counter()

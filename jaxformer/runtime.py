@@ -36,9 +36,32 @@ def build_mesh(config: Config) -> Mesh:
       evenly over the data-parallel axes.
   """
   mesh = sh.make_mesh(config.mesh)
+  check_model_fits_mesh(config, mesh.shape["fsdp"], mesh.shape["tensor"])
   dp = sh.data_parallel_size(mesh)
   if config.train.batch_size % dp:
     raise ConfigError(
         f"train.batch_size={config.train.batch_size} is not divisible by the data-parallel size "
         f"{dp} (mesh.data*mesh.fsdp); use train.batch_size={max(dp, config.train.batch_size // dp * dp)}")
   return mesh
+
+
+def _divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_model_fits_mesh(config: Config, fsdp: int, tensor: int) -> None:
+  """Fails before compiling if a sharded dimension does not split evenly.
+
+  The tensor axis splits num_heads, d_ff and vocab_size; the fsdp axis splits d_model.
+
+  Raises:
+    ConfigError: naming the axis, the sizes and the valid choices.
+  """
+  m = config.model
+  for name, size in (("model.num_heads", m.num_heads), ("model.d_ff", m.d_ff), ("model.vocab_size", m.vocab_size)):
+    if size % tensor:
+      valid = [d for d in _divisors(m.num_heads) if m.d_ff % d == 0 and m.vocab_size % d == 0]
+      raise ConfigError(f"mesh.tensor={tensor} does not divide {name}={size}; use mesh.tensor in {valid}")
+  if m.d_model % fsdp:
+    raise ConfigError(f"mesh.fsdp={fsdp} does not divide model.d_model={m.d_model}; "
+                      f"use mesh.fsdp in {[d for d in _divisors(m.d_model) if d <= 64]}")

@@ -28,11 +28,12 @@ def test_presets_have_paper_shapes():
 
 def test_overrides_are_typed():
   config = config_from_dict({}, ["train.num_steps=7", "optim.learning_rate=2", "data.buckets=[8, 64]",
-                                 "model.pre_norm=true"])
+                                 "model.pre_norm=true", "optim.eps=1e-9"])
   assert config.train.num_steps == 7
   assert config.optim.learning_rate == 2.0 and isinstance(config.optim.learning_rate, float)
   assert config.data.buckets == (8, 64)
   assert config.model.pre_norm is True
+  assert config.optim.eps == 1e-9
 
 
 @pytest.mark.parametrize("override, message", [

@@ -43,7 +43,10 @@ class Embed(nn.Module):
         "embedding", sh.param_with_axes(init, (sh.VOCAB, sh.EMBED)), (self.vocab_size, self.d_model))
 
   def __call__(self, ids: jax.Array) -> jax.Array:
-    x = jnp.take(self.embedding, ids, axis=0)
+    # Gather the table over the vocab (tensor) axis first: a lookup into a vocab-sharded
+    # table would make XLA replicate it anyway, with a warning and extra copies.
+    table = sh.constrain(self.embedding, (None, sh.EMBED))
+    x = jnp.take(table, ids, axis=0)
     return (x * np.sqrt(self.d_model)).astype(self.dtype)
 
   def attend(self, x: jax.Array) -> jax.Array:

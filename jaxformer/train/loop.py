@@ -25,7 +25,8 @@ from jaxformer.data import TrainBatches, eval_batches, padding_fraction, prepare
 from jaxformer.models.transformer import EncoderDecoder
 from jaxformer.runtime import build_mesh
 from jaxformer.train.optim import make_optimizer
-from jaxformer.train.state import create_state, state_shardings
+from jaxformer.summary import format_summary
+from jaxformer.train.state import abstract_state, create_state
 from jaxformer.train.step import make_eval_step, make_train_step
 
 
@@ -93,22 +94,28 @@ class _Logger:
       self._tb.close()
 
 
-def train(config: Config, workdir: str | Path) -> dict[str, Any]:
+def train(config: Config, workdir: str | Path, dry_run: bool = False) -> dict[str, Any]:
   """Trains `config` in `workdir`, resuming from its latest checkpoint if there is one.
 
-  Returns the last logged training metrics. Raises ConfigError for a mesh or batch that
-  does not fit the devices, or a workdir that holds a different model.
+  Prints the sharding summary first (to stdout and nothing else when `dry_run`, else to
+  stderr). Returns the last logged training metrics. Raises ConfigError for a mesh or
+  batch that does not fit the devices, or a workdir that holds a different model.
   """
   workdir = Path(workdir)
   _check_resume_config(workdir, config)
   mesh = build_mesh(config)
+  model = EncoderDecoder(config.model)
+  tx = make_optimizer(config.optim, config.model.d_model)
+  abstract, logical = abstract_state(model, tx)
+  shardings = sh.logical_to_sharding(logical, mesh)
+  if jax.process_index() == 0:
+    print(format_summary(abstract, logical, shardings, mesh), file=sys.stdout if dry_run else sys.stderr,
+          flush=True)
+  if dry_run:
+    return {}
   tokenizer, splits = load_data(config)
   if jax.process_index() == 0:
     ckpt.save_run_files(workdir, dump_config(config), tokenizer.serialized)
-
-  model = EncoderDecoder(config.model)
-  tx = make_optimizer(config.optim, config.model.d_model)
-  abstract, shardings = state_shardings(model, tx, mesh)
   checkpointer = ckpt.Checkpointer(workdir, config.train.checkpoint_every, config.train.keep_checkpoints,
                                    config.train.async_checkpoint)
   start = checkpointer.latest_step()

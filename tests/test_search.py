@@ -1,0 +1,286 @@
+"""Tests of jaxformer.search: beam search, sampling and the decoding factory."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer import sharding as sh
+from jaxformer.config import MeshConfig, ModelConfig
+from jaxformer.decode import EOS_ID, greedy_decode
+from jaxformer.models.transformer import PAD_ID, EncoderDecoder
+from jaxformer.search import (SearchOptions, beam_search, beam_search_core, default_decode_len, filter_logits,
+                              length_penalty, make_decode_fn, sample_core, sample_decode, source_row_keys)
+
+VOCAB, MAX_LEN = 37, 16
+
+
+# --- a tiny random model ----------------------------------------------------------------------
+
+def _sources(seed=0, lengths=(11, 4, 7, 2)):
+  rng = np.random.default_rng(seed)
+  src = rng.integers(4, VOCAB, (len(lengths), max(lengths)))
+  src[np.arange(src.shape[1])[None] >= np.array(lengths)[:, None]] = PAD_ID
+  return jnp.asarray(src, jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def model_and_params():
+  cfg = ModelConfig(vocab_size=VOCAB, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1,
+                    num_decoder_layers=1, dropout_rate=0.0, max_length=MAX_LEN)
+  model = EncoderDecoder(cfg)
+  src = _sources()
+  shapes = nn.meta.unbox(jax.eval_shape(lambda k: model.init(k, src, src), jax.random.key(0)))["params"]
+  rng = np.random.default_rng(1)
+
+  def fill(path, s):
+    x = 0.5 * rng.standard_normal(s.shape)
+    if jax.tree_util.keystr(path).endswith("['scale']"):
+      x = x + 1.0
+    return jnp.asarray(x, jnp.float32)
+  params = jax.tree_util.tree_map_with_path(fill, shapes)
+  # Point EOS's (tied) embedding along the decoder's final LayerNorm bias so EOS is likely
+  # in some rows: with these params beam search ends row 0 of `_sources()` with EOS at once
+  # (greedy does not) while the other rows run to the length limit.
+  bias = params["decoder_0"]["ffn_sublayer"]["norm"]["bias"]
+  params["embed"]["embedding"] = params["embed"]["embedding"].at[EOS_ID].set(3.0 * bias / jnp.linalg.norm(bias))
+  return model, params
+
+
+@pytest.fixture(scope="module")
+def fns(model_and_params):
+  model, _ = model_and_params
+  greedy = jax.jit(lambda p, x: greedy_decode(model, p, x, 12))
+  beam = {(k, a): jax.jit(lambda p, x, k=k, a=a: beam_search(model, p, x, k, 12, a)) for k, a in ((1, 0.0), (3, 0.6))}
+  sample = jax.jit(lambda p, x, rng, t, k: sample_decode(model, p, x, 12, rng, t, k), static_argnums=(3, 4))
+  return greedy, beam, sample
+
+
+@pytest.fixture(scope="module")
+def rescore(model_and_params):
+  """(src, tokens, alpha) -> sum log p(y_t) / lp(|Y|) by teacher forcing, |Y| = tokens
+  through EOS (or all of them)."""
+  model, params = model_and_params
+  forward = jax.jit(lambda s, t: jax.nn.log_softmax(model.apply({"params": params}, s, t), axis=-1))
+  return lambda src, tokens, alpha: _rescore(forward(src, tokens), tokens, alpha)
+
+
+def _rescore(logp, tokens, alpha):
+  token_logp = np.take_along_axis(np.asarray(logp), np.asarray(tokens)[..., None], -1)[..., 0]
+  out = []
+  for row, lp_row in zip(np.asarray(tokens), token_logp):
+    eos = np.flatnonzero(row == EOS_ID)
+    n = eos[0] + 1 if eos.size else len(row)
+    assert (row[n:] == PAD_ID).all() and (row[:n] != PAD_ID).all()
+    out.append(lp_row[:n].sum() / ((5 + n) / 6) ** alpha)
+  return np.array(out)
+
+
+def test_length_penalty_formula():
+  np.testing.assert_allclose(length_penalty(2, 0.6), (7 / 6) ** 0.6, rtol=1e-6)
+  np.testing.assert_allclose(length_penalty(jnp.array([1, 10]), 0.6), [1.0, 2.5 ** 0.6], rtol=1e-6)
+  assert float(length_penalty(30, 0.0)) == 1.0
+
+
+def test_beam_one_equals_greedy_and_scores_are_log_probs(model_and_params, fns, rescore):
+  _, params = model_and_params
+  greedy, beam, _ = fns
+  src = _sources()
+  tokens, scores = beam[1, 0.0](params, src)
+  np.testing.assert_array_equal(tokens, greedy(params, src))
+  np.testing.assert_allclose(scores, rescore(src, tokens, 0.0), rtol=1e-4, atol=1e-4)
+
+
+def test_beam_scores_match_teacher_forced_rescoring(model_and_params, fns, rescore):
+  """Scores of the returned hypotheses equal their teacher-forced length-normalised
+  log-probs, which fails if the cache were not reordered with the beams."""
+  _, params = model_and_params
+  _, beam, _ = fns
+  src = _sources()
+  tokens, scores = beam[3, 0.6](params, src)
+  assert tokens.shape == (4, 12) and tokens.dtype == jnp.int32
+  assert (np.asarray(tokens) == EOS_ID).any(axis=1).tolist() == [True, False, False, False]  # row 0 stops
+  np.testing.assert_allclose(scores, rescore(src, tokens, 0.6), rtol=1e-4, atol=1e-4)
+  greedy_tokens = fns[0](params, src)
+  # the wider beam never does worse than greedy here (checked under the same penalty)
+  assert (scores >= rescore(src, greedy_tokens, 0.6) - 1e-5).all()
+
+
+# --- hand-weighted next-token distribution --------------------------------------------------
+A, B = 4, 5
+_OTHER = 0.01  # PAD, UNK, BOS
+
+
+def _table(rows):
+  """log-prob table [6, 6]: next-token distribution given the previous token."""
+  t = np.full((6, 6), 1 / 6)
+  for prev, probs in rows.items():
+    t[prev] = probs
+  return np.log(t / t.sum(1, keepdims=True))
+
+
+def _fake_logits_fn(table):
+  table = jnp.asarray(table, jnp.float32)
+
+  def fn(tokens, cache, position):
+    return table[tokens], {"prev": tokens, "index": cache["index"] + 1}
+  return fn
+
+
+def _fake_cache(batch):
+  return {"prev": jnp.zeros((batch,), jnp.int32), "index": jnp.array(0, jnp.int32)}
+
+
+#                   PAD     UNK     BOS     EOS   A     B
+INIT = np.log([_OTHER, _OTHER, _OTHER, 0.07, 0.5, 0.4])
+TRAP = _table({A: [_OTHER, _OTHER, _OTHER, 0.37, 0.3, 0.3],    # greedy: A (0.5) then EOS: 0.185
+               B: [_OTHER, _OTHER, _OTHER, 0.9, 0.03, 0.04]})  # better: B (0.4) then EOS: 0.36
+
+
+def test_beam_finds_hypothesis_greedy_misses():
+  fn = _fake_logits_fn(TRAP)
+  init = jnp.asarray(INIT[None], jnp.float32)
+  g_tokens, g_score = beam_search_core(fn, init, _fake_cache(1), beam_size=1, max_decode_len=5, alpha=0.0)
+  np.testing.assert_array_equal(g_tokens, [[A, EOS_ID, 0, 0, 0]])
+  np.testing.assert_allclose(g_score, [np.log(0.5 * 0.37)], rtol=1e-5)
+  s_tokens = sample_core(fn, init, _fake_cache(1), source_row_keys(jax.random.key(0), jnp.ones((1, 2), jnp.int32)),
+                         max_decode_len=5, top_k=1)
+  np.testing.assert_array_equal(s_tokens, g_tokens)
+
+  tokens, score = beam_search_core(fn, init, _fake_cache(1), beam_size=2, max_decode_len=5, alpha=0.6)
+  np.testing.assert_array_equal(tokens, [[B, EOS_ID, 0, 0, 0]])
+  np.testing.assert_allclose(score, [np.log(0.4 * 0.9) / (7 / 6) ** 0.6], rtol=1e-5)
+
+
+def test_eos_stops_one_row_while_the_other_runs_to_max_length():
+  cycle = _table({A: [1e-4, 1e-4, 1e-4, 1e-4, 0.01, 0.9], B: [1e-4, 1e-4, 1e-4, 1e-4, 0.9, 0.01]})
+  init = np.stack([np.log([1e-4, 1e-4, 1e-4, 0.9, 0.05, 0.05]),     # row 0: EOS at once
+                   np.log([1e-4, 1e-4, 1e-4, 1e-4, 0.9, 0.05])])    # row 1: A B A B ... never EOS
+  calls = []
+
+  def fn(tokens, cache, position):
+    jax.debug.callback(lambda p: calls.append(int(p)), position)
+    return _fake_logits_fn(cycle)(tokens, cache, position)
+
+  for k in (1, 3):
+    calls.clear()
+    tokens, scores = beam_search_core(fn, jnp.asarray(init, jnp.float32), _fake_cache(2), beam_size=k,
+                                      max_decode_len=6, alpha=0.6)
+    np.testing.assert_array_equal(tokens, [[EOS_ID, 0, 0, 0, 0, 0], [A, B, A, B, A, B]])
+    init_lp = jax.nn.log_softmax(jnp.asarray(init), -1)
+    cyc = jax.nn.log_softmax(jnp.asarray(cycle), -1)
+    expect1 = (init_lp[1, A] + 3 * cyc[A, B] + 2 * cyc[B, A]) / (11 / 6) ** 0.6
+    np.testing.assert_allclose(scores, [init_lp[0, EOS_ID], expect1], rtol=1e-5)
+    assert calls == [1, 2, 3, 4, 5, 6]  # exactly max_decode_len steps, then the loop ends
+
+  calls.clear()  # a batch whose rows all stop early ends the loop early
+  beam_search_core(fn, jnp.asarray(init[:1], jnp.float32), _fake_cache(1), beam_size=3, max_decode_len=6)
+  assert calls == [1]
+
+
+# --- sampling -------------------------------------------------------------------------------
+
+def test_sampling_top_k_one_is_greedy_and_seeds_reproduce(model_and_params, fns):
+  _, params = model_and_params
+  greedy, _, sample = fns
+  src = _sources()
+  np.testing.assert_array_equal(sample(params, src, jax.random.key(5), 1.0, 1), greedy(params, src))
+  a = np.asarray(sample(params, src, jax.random.key(0), 2.0, 0))
+  b = np.asarray(sample(params, src, jax.random.key(0), 2.0, 0))
+  c = np.asarray(sample(params, src, jax.random.key(1), 2.0, 0))
+  np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(a, c)
+  assert a.shape == (4, 12)
+
+
+def test_filter_logits_top_k_top_p_and_temperature():
+  logits = jnp.log(jnp.array([0.05, 0.4, 0.3, 0.15, 0.1]))
+  kept = lambda x: np.flatnonzero(np.isfinite(np.asarray(x))).tolist()  # noqa: E731
+  assert kept(filter_logits(logits, top_k=2)) == [1, 2]
+  assert kept(filter_logits(logits, top_p=0.7)) == [1, 2]          # 0.4 + 0.3 reaches 0.7
+  assert kept(filter_logits(logits, top_p=0.71)) == [1, 2, 3]
+  assert kept(filter_logits(logits, top_p=1e-6)) == [1]            # top-1 always kept
+  assert kept(filter_logits(logits, top_k=3, top_p=0.8)) == [1, 2]  # p over the renormalised top 3
+  np.testing.assert_allclose(filter_logits(logits, temperature=2.0), logits / 2, rtol=1e-6)
+
+
+# --- batch safety ---------------------------------------------------------------------------
+
+def test_sentence_alone_equals_sentence_in_batch(model_and_params, fns):
+  """A sentence decodes identically alone and between a longer and a shorter neighbour
+  (more padding, another batch position), for beam search and for sampling."""
+  _, params = model_and_params
+  _, beam, sample = fns
+  batch = _sources()                                     # lengths 11, 4, 7, 2: probe row 2
+  alone = batch[2:3, :7]
+  tokens_b, scores_b = beam[3, 0.6](params, batch)
+  tokens_a, scores_a = beam[3, 0.6](params, alone)
+  np.testing.assert_array_equal(tokens_b[2:3], tokens_a)
+  np.testing.assert_allclose(scores_b[2:3], scores_a, rtol=1e-5)
+  rng = jax.random.key(0)
+  in_batch = sample(params, batch, rng, 2.0, 0)[2]
+  np.testing.assert_array_equal(sample(params, alone, rng, 2.0, 0)[0], in_batch)
+  moved = batch[jnp.array([2, 0, 1, 3])]                 # the probe first: same draws
+  np.testing.assert_array_equal(sample(params, moved, rng, 2.0, 0)[0], in_batch)
+
+
+# --- factory, options and errors ------------------------------------------------------------
+
+def test_search_options_strategy_rule():
+  assert SearchOptions().strategy == "greedy"
+  assert SearchOptions(beam_size=4).strategy == "beam"
+  assert SearchOptions(top_p=0.9).strategy == "sample"
+  assert SearchOptions(temperature=1.0).summary() == {"strategy": "sample", "extra_tokens": 50, "temperature": 1.0,
+                                                      "top_k": 0, "top_p": 1.0, "seed": 0}
+  with pytest.raises(ValueError, match="cannot be combined with sampling"):
+    SearchOptions(beam_size=4, top_k=5).validate()
+  for bad in (dict(beam_size=0), dict(length_penalty=-1.0), dict(temperature=0.0), dict(top_p=0.0),
+              dict(top_p=1.5), dict(top_k=-1), dict(extra_tokens=-1)):
+    with pytest.raises(ValueError):
+      SearchOptions(**bad).validate()
+
+
+def test_bad_inputs_raise_one_line_errors(model_and_params):
+  model, params = model_and_params
+  src = _sources()
+  for call, match in [
+      (lambda: beam_search(model, params, src, 0, 5), "beam_size"),
+      (lambda: beam_search(model, params, src, 2, MAX_LEN + 1), "max_decode_len"),
+      (lambda: beam_search(model, params, src[0], 2, 5), "inputs"),
+      (lambda: beam_search(model, params, src, 2, 5, alpha=-0.5), "alpha"),
+      (lambda: sample_decode(model, params, src, 5, jax.random.key(0), temperature=0.0), "greedy"),
+      (lambda: sample_decode(model, params, src, 5, jax.random.key(0), top_p=0.0), "top_p"),
+      (lambda: sample_decode(model, params, src.astype(jnp.float32), 5, jax.random.key(0)), "integer")]:
+    with pytest.raises(ValueError, match=match) as e:
+      call()
+    assert "\n" not in str(e.value)
+
+
+def test_make_decode_fn_matches_direct_calls_on_a_mesh(model_and_params, fns):
+  _, params = model_and_params
+  _, beam, sample = fns
+  mesh = sh.make_mesh(MeshConfig(data=2), jax.devices()[:2])
+  src = _sources()                                       # [4, 11]; 11 + 1 extra = 12 tokens
+  out = make_decode_fn(model_and_params[0], mesh, MAX_LEN, SearchOptions(beam_size=3, extra_tokens=1))(params, src)
+  assert out.shape == (4, 12)
+  np.testing.assert_array_equal(out, beam[3, 0.6](params, src)[0])
+  out = make_decode_fn(model_and_params[0], mesh, MAX_LEN, SearchOptions(temperature=2.0, seed=0, extra_tokens=1))(
+      params, src)
+  np.testing.assert_array_equal(out, sample(params, src, jax.random.key(0), 2.0, 0))
+  assert default_decode_len(11, MAX_LEN) == MAX_LEN and default_decode_len(3, 100) == 53
+
+
+def test_cli_decoding_flags_pick_the_strategy():
+  from jaxformer.cli import _parser, _search_options
+  parse = lambda *a: _search_options(_parser().parse_args(["translate", "--workdir", "w", *a]))  # noqa: E731
+  assert parse() == SearchOptions()
+  assert parse("--beam-size", "4", "--length-penalty", "1.0", "--max-length", "10").summary() == {
+      "strategy": "beam", "extra_tokens": 10, "beam_size": 4, "length_penalty": 1.0}
+  assert parse("--top-p", "0.9", "--seed", "3").summary() == {
+      "strategy": "sample", "extra_tokens": 50, "temperature": 1.0, "top_k": 0, "top_p": 0.9, "seed": 3}
+  with pytest.raises(ValueError, match="--beam-size 2 cannot be combined with --temperature/--top-k"):
+    _search_options(_parser().parse_args(["eval", "--workdir", "w", "--beam-size", "2", "--temperature", "1",
+                                          "--top-k", "3"]))
+  with pytest.raises(ValueError, match="beam size must be"):
+    parse("--beam-size", "0")
