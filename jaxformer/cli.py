@@ -24,6 +24,7 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--config", required=True, help="YAML config, e.g. configs/multi30k_small.yaml")
   t.add_argument("--workdir", required=True, help="directory for checkpoints, logs, config and tokenizer")
   t.add_argument("--dry-run", action="store_true", help="print the sharding summary and exit without training")
+  _add_distributed_args(t)
   t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.num_steps=100 mesh.data=4")
 
   e = sub.add_parser("eval", help="restore a checkpoint, translate a split and report BLEU/chrF")
@@ -44,6 +45,15 @@ def _parser() -> argparse.ArgumentParser:
   _add_search_args(tr)
   tr.add_argument("overrides", nargs="*")
   return p
+
+
+def _add_distributed_args(p: argparse.ArgumentParser) -> None:
+  """Multi-process flags; without them JAXFORMER_* or SLURM variables are used (see jaxformer/distributed.py)."""
+  g = p.add_argument_group("multi-process", "give all three to run as one of several processes (one per host); "
+                           "default: JAXFORMER_COORDINATOR/_NUM_PROCESSES/_PROCESS_ID or SLURM, else one process")
+  g.add_argument("--coordinator", default=None, help="HOST:PORT of process 0's coordinator service")
+  g.add_argument("--num-processes", type=int, default=None, help="number of processes in the run")
+  g.add_argument("--process-id", type=int, default=None, help="this process's index in [0, num_processes)")
 
 
 def _add_search_args(p: argparse.ArgumentParser) -> None:
@@ -95,6 +105,8 @@ def _runtime_from_overrides(overrides: list[str]):
 def cmd_train(args) -> None:
   from jaxformer.runtime import init_runtime
   config = load_config(args.config, args.overrides)
+  from jaxformer.distributed import initialize_from_args
+  initialize_from_args(args)  # before any other JAX use
   init_runtime(config.runtime)
   from jaxformer.train.loop import train
   train(config, args.workdir, dry_run=args.dry_run)

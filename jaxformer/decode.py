@@ -20,8 +20,12 @@ from jaxformer.models.transformer import BOS_ID, PAD_ID
 
 EOS_ID = 3
 
+# logits_fn(tokens int32 [N], cache, position int32 scalar) -> (float logits [N, vocab], cache):
+# feeds `tokens` at decoder position `position` and returns the next-token logits.
+LogitsFn = Callable[[jax.Array, Any, jax.Array], "tuple[jax.Array, Any]"]
 
-def _prefill(module: nn.Module, inputs: jax.Array, bos: jax.Array):
+
+def _encode_and_decode_bos(module: nn.Module, inputs: jax.Array, bos: jax.Array):
   encoded = module.encode(inputs)
   return module.decode(encoded, inputs, bos, decode=True)
 
@@ -30,8 +34,34 @@ def init_cache(model: nn.Module, batch_size: int, src_len: int) -> Any:
   """A zeroed KV cache for `batch_size` rows and sources of `src_len` tokens."""
   inputs = jnp.ones((batch_size, src_len), jnp.int32)
   bos = jnp.full((batch_size, 1), BOS_ID, jnp.int32)
-  shapes = jax.eval_shape(functools.partial(model.init, method=_prefill), jax.random.key(0), inputs, bos)
+  shapes = jax.eval_shape(functools.partial(model.init, method=_encode_and_decode_bos), jax.random.key(0), inputs, bos)
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
+
+
+def prefill(model: nn.Module, params: Any, inputs: jax.Array) -> tuple[jax.Array, Any]:
+  """Encodes `inputs` (int `[batch, src_len]`) once and feeds BOS to the decoder.
+
+  Returns float32 logits `[batch, vocab]` of the first generated token and the filled
+  cache (self-attention K/V of BOS, cross-attention K/V of the encoder output).
+  """
+  batch = inputs.shape[0]
+  cache = init_cache(model, batch, inputs.shape[1])
+  bos = jnp.full((batch, 1), BOS_ID, jnp.int32)
+  encoded = model.apply({"params": params}, inputs, method="encode")
+  logits, mutated = model.apply({"params": params, "cache": cache}, encoded, inputs, bos,
+                                decode=True, mutable=["cache"], method="decode")
+  return logits[:, -1], mutated["cache"]
+
+
+def model_logits_fn(model: nn.Module, params: Any, inputs: jax.Array) -> LogitsFn:
+  """A `LogitsFn` for one cached decode step of `model`; `inputs` `[N, src_len]` must have
+  the same rows as the cache (repeat them per beam for beam search)."""
+  def fn(tokens, cache, position):
+    positions = jnp.full((tokens.shape[0], 1), position, jnp.int32)
+    logits, mutated = model.apply({"params": params, "cache": cache}, None, inputs, tokens[:, None],
+                                  positions=positions, decode=True, mutable=["cache"], method="decode")
+    return logits[:, -1], mutated["cache"]
+  return fn
 
 
 def greedy_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_len: int,
@@ -47,11 +77,8 @@ def greedy_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_l
     Rows stop independently; the loop ends when every row has emitted EOS.
   """
   batch = inputs.shape[0]
-  cache = init_cache(model, batch, inputs.shape[1])
-  bos = jnp.full((batch, 1), BOS_ID, jnp.int32)
-  encoded = model.apply({"params": params}, inputs, method="encode")
-  logits, mutated = model.apply({"params": params, "cache": cache}, encoded, inputs, bos,
-                                decode=True, mutable=["cache"], method="decode")
+  logits, cache = prefill(model, params, inputs)
+  step = model_logits_fn(model, params, inputs)
 
   def cond(carry):
     i, _, _, _, finished = carry
@@ -59,17 +86,15 @@ def greedy_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_l
 
   def body(carry):
     i, cache, logits, out, finished = carry
-    token = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)       # [B]
+    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)               # [B]
     token = jnp.where(finished, PAD_ID, token)
     out = out.at[:, i].set(token)
     finished = finished | (token == eos_id)
-    positions = jnp.full((batch, 1), i + 1, jnp.int32)
-    logits, mutated = model.apply({"params": params, "cache": cache}, None, inputs, token[:, None],
-                                  positions=positions, decode=True, mutable=["cache"], method="decode")
-    return i + 1, mutated["cache"], logits, out, finished
+    logits, cache = step(token, cache, i + 1)
+    return i + 1, cache, logits, out, finished
 
   out = jnp.zeros((batch, max_decode_len), jnp.int32)
-  init = (jnp.array(0), mutated["cache"], logits, out, jnp.zeros((batch,), bool))
+  init = (jnp.array(0), cache, logits, out, jnp.zeros((batch,), bool))
   return jax.lax.while_loop(cond, body, init)[3]
 
 

@@ -32,16 +32,12 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxformer import sharding as sh
-from jaxformer.decode import EOS_ID, init_cache, make_greedy_fn
+from jaxformer.decode import EOS_ID, LogitsFn, make_greedy_fn, model_logits_fn, prefill
 from jaxformer.models.transformer import BOS_ID, PAD_ID
 
 BEAM_SIZE = 4          # paper section 6.1
 LENGTH_PENALTY = 0.6   # paper section 6.1 (alpha of Wu et al. 2016)
 EXTRA_TOKENS = 50      # paper section 6.1: maximum output length = input length + 50
-
-# logits_fn(tokens int32 [N], cache, position int32 scalar) -> (float logits [N, vocab], cache):
-# feeds `tokens` at decoder position `position` and returns the next-token logits.
-LogitsFn = Callable[[jax.Array, Any, jax.Array], "tuple[jax.Array, Any]"]
 
 
 def length_penalty(length: jax.Array | int, alpha: float) -> jax.Array:
@@ -75,32 +71,6 @@ def _resolve_decode_len(model: nn.Module, inputs: jax.Array, max_decode_len: int
   if not 1 <= max_decode_len <= cache_size:
     raise ValueError(f"max_decode_len must be in [1, model max_length={cache_size}], got {max_decode_len}")
   return int(max_decode_len)
-
-
-def prefill(model: nn.Module, params: Any, inputs: jax.Array) -> tuple[jax.Array, Any]:
-  """Encodes `inputs` (int `[batch, src_len]`) once and feeds BOS to the decoder.
-
-  Returns float32 logits `[batch, vocab]` of the first generated token and the filled
-  cache (self-attention K/V of BOS, cross-attention K/V of the encoder output).
-  """
-  batch = inputs.shape[0]
-  cache = init_cache(model, batch, inputs.shape[1])
-  bos = jnp.full((batch, 1), BOS_ID, jnp.int32)
-  encoded = model.apply({"params": params}, inputs, method="encode")
-  logits, mutated = model.apply({"params": params, "cache": cache}, encoded, inputs, bos,
-                                decode=True, mutable=["cache"], method="decode")
-  return logits[:, -1], mutated["cache"]
-
-
-def model_logits_fn(model: nn.Module, params: Any, inputs: jax.Array) -> LogitsFn:
-  """A `LogitsFn` for one cached decode step of `model`; `inputs` `[N, src_len]` must have
-  the same rows as the cache (repeat them per beam for beam search)."""
-  def fn(tokens, cache, position):
-    positions = jnp.full((tokens.shape[0], 1), position, jnp.int32)
-    logits, mutated = model.apply({"params": params, "cache": cache}, None, inputs, tokens[:, None],
-                                  positions=positions, decode=True, mutable=["cache"], method="decode")
-    return logits[:, -1], mutated["cache"]
-  return fn
 
 
 def _gather_beams(cache: Any, parent: jax.Array) -> Any:

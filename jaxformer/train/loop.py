@@ -21,6 +21,7 @@ from tensorboardX import SummaryWriter
 from jaxformer import checkpoint as ckpt
 from jaxformer import sharding as sh
 from jaxformer.config import Config, ConfigError, dump_config, load_config
+from jaxformer.distributed import main_process_first
 from jaxformer.data import TrainBatches, eval_batches, padding_fraction, prepare_translation_data
 from jaxformer.models.transformer import EncoderDecoder
 from jaxformer.runtime import build_mesh
@@ -113,7 +114,8 @@ def train(config: Config, workdir: str | Path, dry_run: bool = False) -> dict[st
           flush=True)
   if dry_run:
     return {}
-  tokenizer, splits = load_data(config)
+  # Process 0 builds the dataset and tokenizer cache in data_dir; the others wait, then read them.
+  tokenizer, splits = main_process_first(lambda: load_data(config), "prepare_data")
   if jax.process_index() == 0:
     ckpt.save_run_files(workdir, dump_config(config), tokenizer.serialized)
   checkpointer = ckpt.Checkpointer(workdir, config.train.checkpoint_every, config.train.keep_checkpoints,
