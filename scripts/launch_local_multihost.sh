@@ -58,13 +58,24 @@ for ((i = 0; i < P; i++)); do
 done
 
 status=0
-for ((n = 0; n < P; n++)); do
-  wait -n -p done_pid "${PIDS[@]}"
+remaining=("${PIDS[@]}")
+while [ ${#remaining[@]} -gt 0 ]; do
+  done_pid=
+  wait -n -p done_pid "${remaining[@]}"
   rc=$?
+  if [ -z "$done_pid" ]; then  # no child left to wait for (should not happen): do not spin
+    echo "launch_local_multihost: lost track of the processes (wait status $rc)" >&2
+    status=1
+    break
+  fi
+  left=()
+  for pid in "${remaining[@]}"; do [ "$pid" != "$done_pid" ] && left+=("$pid"); done
+  remaining=("${left[@]+"${left[@]}"}")
   if [ "$rc" -ne 0 ]; then
+    failed=?
     for ((i = 0; i < P; i++)); do [ "${PIDS[$i]}" = "$done_pid" ] && failed=$i; done
-    echo "launch_local_multihost: process ${failed:-?} exited with status $rc; stopping the others" >&2
-    if [ "${failed:-0}" != 0 ] && [ -f "$LOG_DIR/process_$failed.log" ]; then
+    echo "launch_local_multihost: process $failed exited with status $rc; stopping the others" >&2
+    if [ -f "$LOG_DIR/process_$failed.log" ]; then
       tail -n 20 "$LOG_DIR/process_$failed.log" | sed "s/^/[process $failed] /" >&2
     fi
     status=$rc
