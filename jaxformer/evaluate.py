@@ -43,7 +43,8 @@ class Restored:
 
 
 def workdir_config(workdir: str | Path, overrides: Sequence[str] = ()) -> Config:
-  """The run's saved config with runtime/mesh overrides applied.
+  """The run's saved config with runtime/mesh overrides applied; the mesh defaults to
+  data parallelism over all devices of this process (not the training run's mesh).
 
   Raises:
     ConfigError: an override touches anything but runtime.*, mesh.*, train.batch_size or
@@ -52,8 +53,11 @@ def workdir_config(workdir: str | Path, overrides: Sequence[str] = ()) -> Config
   for o in overrides:
     if not o.startswith(RUNTIME_SECTIONS):
       raise ConfigError(f"override {o!r} is not allowed at eval time; only runtime.*, mesh.*, train.batch_size and data.data_dir")
-  saved = load_config(ckpt.run_file(workdir, ckpt.CONFIG_FILE))
-  return config_from_dict(to_dict(saved), overrides)
+  saved = to_dict(load_config(ckpt.run_file(workdir, ckpt.CONFIG_FILE)))
+  # The training mesh rarely fits the evaluating machine: default to data parallelism over
+  # whatever devices are here, unless mesh.* overrides say otherwise.
+  saved.pop("mesh")
+  return config_from_dict(saved, overrides)
 
 
 def restore(workdir: str | Path, config: Config, step: int | None = None) -> Restored:
