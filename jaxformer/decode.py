@@ -76,9 +76,29 @@ def greedy_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_l
     int32 `[batch, max_decode_len]`: each row's tokens up to and including EOS, then PAD.
     Rows stop independently; the loop ends when every row has emitted EOS.
   """
-  batch = inputs.shape[0]
   logits, cache = prefill(model, params, inputs)
-  step = model_logits_fn(model, params, inputs)
+
+  def greedy(logits, _):
+    return jnp.argmax(logits, axis=-1)
+
+  return token_loop(model_logits_fn(model, params, inputs), logits, cache, greedy, max_decode_len, eos_id)
+
+
+def token_loop(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any,
+               choose: Callable[[jax.Array, jax.Array], jax.Array], max_decode_len: int,
+               eos_id: int = EOS_ID) -> jax.Array:
+  """The one-token-per-step loop shared by greedy search and sampling.
+
+  Args:
+    logits_fn: one cached decode step (see `LogitsFn`).
+    init_logits: float `[batch, vocab]` logits of the first token (from `prefill`).
+    choose: `(logits [batch, vocab], step) -> tokens [batch]`, e.g. argmax or a draw.
+    max_decode_len: tokens to generate at most per row (EOS included).
+  Returns:
+    int32 `[batch, max_decode_len]`: tokens through EOS, then PAD. Rows stop
+    independently; the `jax.lax.while_loop` ends once every row has emitted EOS.
+  """
+  batch = init_logits.shape[0]
 
   def cond(carry):
     i, _, _, _, finished = carry
@@ -86,15 +106,15 @@ def greedy_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_l
 
   def body(carry):
     i, cache, logits, out, finished = carry
-    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)               # [B]
+    token = choose(logits, i).astype(jnp.int32)                         # [B]
     token = jnp.where(finished, PAD_ID, token)
     out = out.at[:, i].set(token)
     finished = finished | (token == eos_id)
-    logits, cache = step(token, cache, i + 1)
+    logits, cache = logits_fn(token, cache, i + 1)
     return i + 1, cache, logits, out, finished
 
   out = jnp.zeros((batch, max_decode_len), jnp.int32)
-  init = (jnp.array(0), cache, logits, out, jnp.zeros((batch,), bool))
+  init = (jnp.array(0, jnp.int32), cache, init_logits.astype(jnp.float32), out, jnp.zeros((batch,), bool))
   return jax.lax.while_loop(cond, body, init)[3]
 
 

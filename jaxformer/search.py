@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxformer import sharding as sh
-from jaxformer.decode import EOS_ID, LogitsFn, make_greedy_fn, model_logits_fn, prefill
+from jaxformer.decode import EOS_ID, LogitsFn, make_greedy_fn, model_logits_fn, prefill, token_loop
 from jaxformer.models.transformer import BOS_ID, PAD_ID
 
 BEAM_SIZE = 4          # paper section 6.1
@@ -280,27 +280,13 @@ def sample_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, row_key
   _check_sampling(temperature, top_k, top_p)
   if not isinstance(max_decode_len, int) or max_decode_len < 1:
     raise ValueError(f"max_decode_len must be an integer >= 1, got {max_decode_len!r}")
-  batch = init_logits.shape[0]
-
   def draw(key, logits, i):
     return jax.random.categorical(jax.random.fold_in(key, i), filter_logits(logits, temperature, top_k, top_p))
 
-  def cond(carry):
-    i, _, _, _, finished = carry
-    return (i < max_decode_len) & ~jnp.all(finished)
+  def choose(logits, i):
+    return jax.vmap(draw, (0, 0, None))(row_keys, logits, i)
 
-  def body(carry):
-    i, cache, logits, out, finished = carry
-    token = jax.vmap(draw, (0, 0, None))(row_keys, logits, i).astype(jnp.int32)   # [B]
-    token = jnp.where(finished, PAD_ID, token)
-    out = out.at[:, i].set(token)
-    finished = finished | (token == eos_id)
-    logits, cache = logits_fn(token, cache, i + 1)
-    return i + 1, cache, logits, out, finished
-
-  out = jnp.zeros((batch, max_decode_len), jnp.int32)
-  init = (jnp.array(0, jnp.int32), cache, init_logits.astype(jnp.float32), out, jnp.zeros((batch,), bool))
-  return jax.lax.while_loop(cond, body, init)[3]
+  return token_loop(logits_fn, init_logits, cache, choose, max_decode_len, eos_id)
 
 
 def sample_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_len: int | None,
