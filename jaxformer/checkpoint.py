@@ -56,10 +56,6 @@ class Checkpointer:
       raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; available: {sorted(steps)}")
     return self._manager.restore(step, args=ocp.args.StandardRestore(target))
 
-  def wait(self) -> None:
-    """Blocks until an async save has been committed."""
-    self._manager.wait_until_finished()
-
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()

@@ -19,6 +19,7 @@ import numpy as np
 import sacrebleu
 
 from jaxformer import checkpoint as ckpt
+from jaxformer import sharding as sh
 from jaxformer.config import Config, ConfigError, config_from_dict, load_config, to_dict
 from jaxformer.data import Tokenizer, eval_batches, tokenize_split
 from jaxformer.models.transformer import EncoderDecoder
@@ -91,7 +92,7 @@ def translate(restored: Restored, sources: Sequence[str], batch_size: int = 64,
     ValueError: invalid search options (one line).
   """
   cfg = restored.config
-  dp = restored.mesh.shape["data"] * restored.mesh.shape["fsdp"]
+  dp = sh.data_parallel_size(restored.mesh)
   batch_size = max(dp, batch_size // dp * dp)
   data = tokenize_split(restored.tokenizer, list(sources), list(sources), cfg.data.max_length, overlong="truncate")
   decode = make_decode_fn(restored.model, restored.mesh, cfg.model.max_length, search)

@@ -1,8 +1,6 @@
-"""Process start-up: simulated CPU devices, multi-host initialisation, the mesh."""
+"""Process start-up: simulated CPU devices and the mesh (multi-host start-up: distributed.py)."""
 
 from __future__ import annotations
-
-import os
 
 import jax
 from jax.sharding import Mesh
@@ -24,8 +22,6 @@ def init_runtime(runtime: RuntimeConfig) -> None:
         raise ConfigError(
             f"runtime.num_cpu_devices={runtime.num_cpu_devices} cannot be applied: JAX already started "
             f"with {len(jax.devices('cpu'))} CPU devices; set it before any JAX computation") from None
-  if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 
 def build_mesh(config: Config) -> Mesh:

@@ -109,10 +109,6 @@ class Tokenizer:
     """:meth:`decode` of each row of an ``[batch, length]`` int array."""
     return [self.decode(row) for row in ids]
 
-  def id_to_piece(self, i: int) -> str:
-    """The piece (string) for id ``i``."""
-    return self._sp.id_to_piece(int(i))
-
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int,
                     model_type: str = "unigram", *,
