@@ -59,8 +59,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, config: 
     metrics = dict(sums, grad_norm=optax.tree.norm(grads), learning_rate=schedule(state.step))
     return TrainState(state.step + 1, params, opt_state), metrics
 
-  batch_sharding = {"inputs": sh.batch_sharding(mesh), "targets": sh.batch_sharding(mesh)}
-  jitted = jax.jit(step, in_shardings=(state_shardings, batch_sharding, sh.replicated(mesh)),
+  jitted = jax.jit(step, in_shardings=(state_shardings, _batch_shardings(mesh), sh.replicated(mesh)),
                    out_shardings=(state_shardings, sh.replicated(mesh)), donate_argnums=(0,))
   return _with_mesh(jitted, mesh)
 
@@ -73,9 +72,12 @@ def make_eval_step(model: nn.Module, config: Config, mesh: Mesh,
   def step(params, batch: Batch):
     return _loss_fn(model, params, batch, None, label_smoothing)[1]
 
-  batch_sharding = {"inputs": sh.batch_sharding(mesh), "targets": sh.batch_sharding(mesh)}
-  jitted = jax.jit(step, in_shardings=(param_shardings, batch_sharding), out_shardings=sh.replicated(mesh))
+  jitted = jax.jit(step, in_shardings=(param_shardings, _batch_shardings(mesh)), out_shardings=sh.replicated(mesh))
   return _with_mesh(jitted, mesh)
+
+
+def _batch_shardings(mesh: Mesh) -> dict:
+  return {"inputs": sh.batch_sharding(mesh), "targets": sh.batch_sharding(mesh)}
 
 
 def _with_mesh(fn, mesh: Mesh):
