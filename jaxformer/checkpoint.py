@@ -4,8 +4,10 @@ restore straight into the shardings of whatever mesh the restoring run uses."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jaxformer.train.state import TrainState
@@ -47,21 +49,39 @@ class Checkpointer:
     Raises:
       CheckpointError: there is no checkpoint, or not the requested step.
     """
+    return self._manager.restore(self._pick_step(step), args=ocp.args.StandardRestore(target))
+
+  def _pick_step(self, step: int | None) -> int:
     steps = self.all_steps()
     if not steps:
       raise CheckpointError(f"no checkpoint in {self.directory}; run `jaxformer train --workdir ...` first")
     if step is None:
-      step = max(steps)
-    elif step not in steps:
+      return max(steps)
+    if step not in steps:
       raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; available: {sorted(steps)}")
-    return self._manager.restore(step, args=ocp.args.StandardRestore(target))
+    return step
+
+  def restore_params(self, target_params: Any, step: int | None = None) -> tuple[int, Any]:
+    """Restores only `step` and `params` (not the optimizer state, about 2/3 of the bytes
+    for Adam) into `target_params`, a tree like `target` of `restore`'s params.
+
+    Returns:
+      (step, params).
+    Raises:
+      CheckpointError: as `restore`.
+    """
+    step = self._pick_step(step)
+    target = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": target_params}
+    restored = self._manager.restore(step, args=ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
+    return int(restored["step"]), restored["params"]
 
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()
 
 
-def sharded_target(abstract: TrainState, shardings: TrainState) -> TrainState:
+def sharded_target(abstract: Any, shardings: Any) -> Any:
   """Pairs each abstract leaf with its sharding, the form `Checkpointer.restore` expects."""
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 

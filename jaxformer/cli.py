@@ -137,10 +137,11 @@ def cmd_eval(args) -> None:
   name, sources, references = _eval_sources(args, lambda: load_data(config)[1])
   restored = evaluate.restore(args.workdir, config, args.step)
   hyps, speed = evaluate.translate(restored, sources, args.batch_size, search)
+  losses = evaluate.reference_loss(restored, sources, references, args.batch_size)
   output = Path(args.output) if args.output else Path(args.workdir) / f"hypotheses.{name}.txt"
   evaluate.write_lines_atomic(output, hyps)
   result = {"step": restored.step, "split": name, "num_sentences": len(sources),
-            **evaluate.score(hyps, references), **{k: round(v, 3) for k, v in speed.items()},
+            **evaluate.score(hyps, references), **losses, **{k: round(v, 3) for k, v in speed.items()},
             "search": search.summary(), "hypotheses": str(output)}
   print(json.dumps(result), flush=True)
 

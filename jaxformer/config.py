@@ -65,6 +65,7 @@ class MeshConfig:
   data: int = -1
   fsdp: int = 1
   tensor: int = 1
+  rules: str = ""               # overrides of sharding.LOGICAL_RULES, e.g. "embed=none,act_batch=data"
 
   def validate(self) -> None:
     sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}

@@ -25,9 +25,10 @@ from jaxformer.data import Tokenizer, eval_batches, tokenize_split
 from jaxformer.models.transformer import EncoderDecoder
 from jaxformer.runtime import build_mesh
 from jaxformer.search import SearchOptions, make_decode_fn
-from jaxformer.train.loop import global_batch
+from jaxformer.train.loop import evaluate_loss, global_batch
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import state_shardings
+from jaxformer.train.step import make_eval_step
 
 RUNTIME_SECTIONS = ("runtime.", "mesh.", "train.batch_size", "data.data_dir")
 
@@ -41,6 +42,7 @@ class Restored:
   mesh: Any
   params: Any
   step: int
+  rules: sh.Rules  # logical-axis rules the params were placed with (`mesh.rules`)
 
 
 def workdir_config(workdir: str | Path, overrides: Sequence[str] = ()) -> Config:
@@ -62,7 +64,8 @@ def workdir_config(workdir: str | Path, overrides: Sequence[str] = ()) -> Config
 
 
 def restore(workdir: str | Path, config: Config, step: int | None = None) -> Restored:
-  """Restores params of `step` (default: latest) into the shardings of `config`'s mesh.
+  """Restores the params of `step` (default: latest; not the optimizer state) into the
+  shardings of `config`'s mesh, whatever mesh the checkpoint was written from.
 
   Raises:
     CheckpointError: the workdir has no (such) checkpoint.
@@ -71,13 +74,23 @@ def restore(workdir: str | Path, config: Config, step: int | None = None) -> Res
   if not checkpointer.all_steps():
     raise ckpt.CheckpointError(f"no checkpoint in {checkpointer.directory}; train first or check --workdir")
   tokenizer = Tokenizer.load(ckpt.run_file(workdir, ckpt.TOKENIZER_FILE))
-  mesh = build_mesh(config)
-  model = EncoderDecoder(config.model)
-  tx = make_optimizer(config.optim, config.model.d_model)
-  abstract, shardings = state_shardings(model, tx, mesh)
-  state = checkpointer.restore(ckpt.sharded_target(abstract, shardings), step)
+  rules = sh.parse_rules(config.mesh.rules)
+  with sh.axis_rules(rules):
+    mesh = build_mesh(config)
+    model = EncoderDecoder(config.model)
+    tx = make_optimizer(config.optim, config.model.d_model)
+    abstract, shardings = state_shardings(model, tx, mesh)
+    restored_step, params = checkpointer.restore_params(
+        ckpt.sharded_target(abstract.params, shardings.params), step)
   checkpointer.close()
-  return Restored(config, tokenizer, model, mesh, state.params, int(jax.device_get(state.step)))
+  return Restored(config, tokenizer, model, mesh, params, restored_step, rules)
+
+
+def _round_batch(restored: Restored, batch_size: int) -> int:
+  """`batch_size` rounded down to a multiple of the data-parallel size (at least one row per shard)."""
+  with sh.axis_rules(restored.rules):
+    dp = sh.data_parallel_size(restored.mesh)
+  return max(dp, batch_size // dp * dp)
 
 
 def translate(restored: Restored, sources: Sequence[str], batch_size: int = 64,
@@ -92,15 +105,15 @@ def translate(restored: Restored, sources: Sequence[str], batch_size: int = 64,
     ValueError: invalid search options (one line).
   """
   cfg = restored.config
-  dp = sh.data_parallel_size(restored.mesh)
-  batch_size = max(dp, batch_size // dp * dp)
+  batch_size = _round_batch(restored, batch_size)
   data = tokenize_split(restored.tokenizer, list(sources), list(sources), cfg.data.max_length, overlong="truncate")
   decode = make_decode_fn(restored.model, restored.mesh, cfg.model.max_length, search)
   hyps: list[str] = [""] * len(sources)
   generated = 0
   start = time.perf_counter()
   for batch in eval_batches(data, batch_size, cfg.data.buckets):
-    tokens = np.asarray(jax.device_get(decode(restored.params, global_batch(batch, restored.mesh)["inputs"])))
+    with sh.axis_rules(restored.rules):
+      tokens = np.asarray(jax.device_get(decode(restored.params, global_batch(batch, restored.mesh)["inputs"])))
     for row, index in zip(tokens, batch["index"]):
       if index >= 0:
         hyps[index] = restored.tokenizer.decode(row)
@@ -108,6 +121,26 @@ def translate(restored: Restored, sources: Sequence[str], batch_size: int = 64,
   seconds = time.perf_counter() - start
   return hyps, {"sentences_per_sec": len(sources) / seconds, "tokens_per_sec": generated / seconds,
                 "seconds": seconds}
+
+
+def reference_loss(restored: Restored, sources: Sequence[str], references: Sequence[str],
+                   batch_size: int = 64) -> dict[str, float]:
+  """Teacher-forced loss of `references` given `sources` (dropout off).
+
+  Returns `loss` (mean NLL per non-padding target token incl. EOS, nats, no label
+  smoothing), `perplexity` = exp(loss), `accuracy` (next-token argmax) and `num_tokens`.
+  """
+  cfg = restored.config
+  batch_size = _round_batch(restored, batch_size)
+  data = tokenize_split(restored.tokenizer, list(sources), list(references), cfg.data.max_length,
+                        overlong="truncate")
+  param_shardings = jax.tree.map(lambda x: x.sharding, restored.params)
+  with sh.axis_rules(restored.rules):
+    eval_step = make_eval_step(restored.model, cfg, restored.mesh, param_shardings)
+    totals = evaluate_loss(eval_step, restored.params, eval_batches(data, batch_size, cfg.data.buckets),
+                           restored.mesh)
+  return {"loss": totals["nll"], "perplexity": float(np.exp(totals["nll"])), "accuracy": totals["accuracy"],
+          "num_tokens": int(totals["num_tokens"])}
 
 
 def score(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any]:

@@ -37,7 +37,8 @@ ACT_VOCAB = "act_vocab"
 
 # Logical axis -> mesh axis (or axes, or None = replicated). Batch over data+fsdp;
 # weights fully sharded over fsdp along embed (ZeRO-3); heads/d_ff/vocab over tensor.
-LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
+Rules = tuple[tuple[str, Any], ...]
+LOGICAL_RULES: Rules = (
     (ACT_BATCH, ("data", "fsdp")),
     (ACT_LENGTH, None),
     (ACT_EMBED, None),
@@ -92,25 +93,72 @@ def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -
   return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
+def parse_rules(overrides: str) -> Rules:
+  """`LOGICAL_RULES` with `mesh.rules` overrides applied, e.g. "embed=none,act_batch=data+fsdp"
+  (comma-separated `logical=mesh axes`; `+` joins mesh axes; `none` replicates).
+
+  Raises:
+    ConfigError: unknown logical or mesh axis, or malformed text (one line).
+  """
+  table = dict(LOGICAL_RULES)
+  for item in filter(None, (part.strip() for part in overrides.split(","))):
+    name, sep, value = (x.strip() for x in item.partition("="))
+    if not sep:
+      raise ConfigError(f"mesh.rules entry {item!r} is not logical=mesh_axes, e.g. embed=none or act_batch=data+fsdp")
+    if name not in table:
+      raise ConfigError(f"mesh.rules: unknown logical axis {name!r}; valid: {', '.join(table)}")
+    axes = tuple(a.strip() for a in value.split("+")) if value.lower() != "none" else ()
+    bad = [a for a in axes if a not in MESH_AXES]
+    if bad or not value:
+      raise ConfigError(f"mesh.rules: {name}={value!r} names no mesh axis of {MESH_AXES}; use one or more joined by + or none")
+    table[name] = None if not axes else axes[0] if len(axes) == 1 else axes
+  return tuple(table.items())
+
+
+def current_rules() -> Rules:
+  """The rules of the enclosing `axis_rules(...)` context, or `LOGICAL_RULES` outside one."""
+  return tuple(nn.get_logical_axis_rules()) or LOGICAL_RULES
+
+
 def logical_to_sharding(logical_specs: Any, mesh: Mesh) -> Any:
-  """Maps a tree of logical PartitionSpecs to NamedShardings on `mesh`."""
-  return nn.logical_to_mesh_sharding(logical_specs, mesh, LOGICAL_RULES)
+  """Maps a tree of logical PartitionSpecs to NamedShardings on `mesh` by `current_rules()`."""
+  return nn.logical_to_mesh_sharding(logical_specs, mesh, current_rules())
 
 
-def axis_rules():
-  """Context manager that makes `constrain` use `LOGICAL_RULES`."""
-  return nn.logical_axis_rules(LOGICAL_RULES)
+def axis_rules(rules: Rules | None = None):
+  """Context manager that makes `constrain` and the functions here use `rules`
+  (default: `current_rules()`); a run enters it once with its `mesh.rules`."""
+  return nn.logical_axis_rules(current_rules() if rules is None else rules)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Sharding of a `[batch, length]` input array: batch over the data-parallel axes."""
-  spec = nn.logical_to_mesh_axes((ACT_BATCH, ACT_LENGTH), LOGICAL_RULES)
+  spec = nn.logical_to_mesh_axes((ACT_BATCH, ACT_LENGTH), current_rules())
   return NamedSharding(mesh, spec)
 
 
+def check_divisible(abstract: Any, shardings: Any) -> None:
+  """Fails before compiling if any array dimension does not split evenly over its mesh axes
+  (the general form of the mesh-size checks, covering `mesh.rules` overrides).
+
+  Raises:
+    ConfigError: naming the array, the dimension, its size and the mesh axes.
+  """
+  flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
+  for (path, leaf), sharding in zip(flat, jax.tree.leaves(shardings)):
+    for dim, (size, axes) in enumerate(zip(leaf.shape, sharding.spec)):
+      names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+      ways = int(np.prod([sharding.mesh.shape[a] for a in names]))
+      if size % ways:
+        raise ConfigError(
+            f"{jax.tree_util.keystr(path)} dimension {dim} of size {size} does not split over mesh axes "
+            f"{'*'.join(names)} = {ways}; change the mesh sizes or mesh.rules")
+
+
 def data_parallel_size(mesh: Mesh) -> int:
-  """How many ways the batch dimension is split (data * fsdp)."""
-  return mesh.shape["data"] * mesh.shape["fsdp"]
+  """How many ways the batch dimension is split (data * fsdp under the default rules)."""
+  axes = batch_sharding(mesh).spec[0] or ()
+  return int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

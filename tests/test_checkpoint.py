@@ -63,6 +63,16 @@ def test_save_restore_round_trip_is_exact_and_lands_sharded(setup, tmp_path):
     wi = restored.params["encoder_0"]["ffn"]["wi"]
     assert wi.sharding.mesh.shape == mesh.shape
     assert wi.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    # What eval does: params only, no optimizer state, onto this mesh.
+    step, params = ckpt.Checkpointer(tmp_path).restore_params(ckpt.sharded_target(abstract.params, shardings.params))
+    assert step == 2
+    _assert_trees_equal(params, expected.params)
+    assert params["encoder_0"]["ffn"]["wi"].sharding == wi.sharding
+
+  # Plain host memory: leaves without a sharding come back as numpy arrays.
+  step, params = ckpt.Checkpointer(tmp_path).restore_params(abstract.params)
+  assert step == 2 and isinstance(params["encoder_0"]["ffn"]["wi"], np.ndarray)
+  _assert_trees_equal(params, expected.params)
 
 
 def test_interrupted_save_is_never_restored(setup, tmp_path):

@@ -1,6 +1,8 @@
 """The `jaxformer` command end to end: train on 4 simulated devices, resume, eval, errors."""
 
+import gzip
 import json
+import math
 import os
 import subprocess
 import sys
@@ -43,15 +45,15 @@ def _train_losses(workdir):
 @pytest.fixture(scope="module")
 def resumed_run(tmp_path_factory, data_dir):
   workdir = tmp_path_factory.mktemp("run4")
-  four = ["mesh.data=2", "mesh.tensor=2", "runtime.num_cpu_devices=4"]
-  run_cli("train", "--config", TINY, "--workdir", str(workdir), *_common(data_dir), *four, "train.num_steps=20")
+  eight = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "runtime.num_cpu_devices=8"]
+  run_cli("train", "--config", TINY, "--workdir", str(workdir), *_common(data_dir), *eight, "train.num_steps=20")
   first = _metrics(workdir)
-  run_cli("train", "--config", TINY, "--workdir", str(workdir), *_common(data_dir), *four, "train.num_steps=30")
+  run_cli("train", "--config", TINY, "--workdir", str(workdir), *_common(data_dir), *eight, "train.num_steps=30")
   return workdir, first
 
 
 @pytest.mark.slow
-def test_train_on_four_devices_then_resume(resumed_run, tmp_path, data_dir):
+def test_train_on_eight_devices_then_resume(resumed_run, tmp_path, data_dir):
   workdir, first = resumed_run
   losses = _train_losses(workdir)
   assert sorted(losses) == list(range(1, 31))         # the resumed run continued at step 21
@@ -63,7 +65,7 @@ def test_train_on_four_devices_then_resume(resumed_run, tmp_path, data_dir):
   assert (workdir / "config.yaml").is_file() and (workdir / "tokenizer.model").is_file()
   assert list((workdir / "tensorboard").iterdir())
   # An uninterrupted single-device run gives the same per-step loss curve (dropout on): the
-  # data x tensor sharding changed nothing, and the resumed run picked up step, optimizer
+  # data x fsdp x tensor sharding changed nothing, and the resumed run picked up step, optimizer
   # state, schedule, data order and dropout keys exactly.
   straight = tmp_path / "straight"
   run_cli("train", "--config", TINY, "--workdir", str(straight), *_common(data_dir), "train.num_steps=30")
@@ -73,22 +75,40 @@ def test_train_on_four_devices_then_resume(resumed_run, tmp_path, data_dir):
     assert losses[step] == pytest.approx(loss, rel=1e-5), step
 
 
+def _first_lines(name, count):
+  with gzip.open(ROOT / "jaxformer" / "data" / "raw" / "multi30k" / name, "rt", encoding="utf-8") as f:
+    return "".join(next(f) for _ in range(count))
+
+
 @pytest.mark.slow
-def test_eval_prints_json_and_writes_hypotheses(resumed_run, tmp_path):
+def test_eval_is_identical_on_every_mesh_and_prints_json(resumed_run, tmp_path):
+  """The (2,2,2) checkpoint evaluated on 4 devices (4,1,1), 2 devices (1,1,2) and 1 device:
+  the same hypotheses, BLEU and reference loss."""
   workdir, _ = resumed_run
   src, ref = tmp_path / "src.en", tmp_path / "ref.de"
-  src.write_text("A man is riding a bike.\nTwo dogs play in the snow.\n")
-  ref.write_text("Ein Mann fährt Fahrrad.\nZwei Hunde spielen im Schnee.\n")
-  out = tmp_path / "hyps.txt"
-  proc = run_cli("eval", "--workdir", str(workdir), "--src", str(src), "--ref", str(ref), "--output", str(out),
-                 "runtime.num_cpu_devices=2", "mesh.data=2")
-  result = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert result["step"] == 30 and result["num_sentences"] == 2
+  src.write_text(_first_lines("val.en.gz", 40))
+  ref.write_text(_first_lines("val.de.gz", 40))
+  results, hypotheses = [], []
+  for mesh in (["runtime.num_cpu_devices=4", "mesh.data=4"],
+               ["runtime.num_cpu_devices=2", "mesh.data=1", "mesh.tensor=2"], []):
+    out = tmp_path / f"hyps{len(results)}.txt"
+    proc = run_cli("eval", "--workdir", str(workdir), "--src", str(src), "--ref", str(ref), "--output", str(out),
+                   *mesh)
+    results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    hypotheses.append(out.read_text())
+  result = results[0]
+  assert result["step"] == 30 and result["num_sentences"] == 40
   assert 0.0 <= result["bleu"] <= 100.0 and 0.0 <= result["chrf"] <= 100.0
   assert result["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
-  assert len(out.read_text().splitlines()) == 2
+  assert result["perplexity"] == pytest.approx(math.exp(result["loss"]), rel=1e-3)
+  assert 0.0 < result["loss"] < 8.0 and result["num_tokens"] > 40
+  assert len(hypotheses[0].splitlines()) == 40
+  for other, hyps in zip(results[1:], hypotheses[1:]):
+    assert hyps == hypotheses[0]
+    assert (other["bleu"], other["chrf"], other["num_tokens"]) == (result["bleu"], result["chrf"], result["num_tokens"])
+    assert other["loss"] == pytest.approx(result["loss"], rel=1e-6)
   older = run_cli("eval", "--workdir", str(workdir), "--step", "20", "--src", str(src), "--ref", str(ref),
-                  "--output", str(out))
+                  "--output", str(tmp_path / "older.txt"))
   assert json.loads(older.stdout.strip().splitlines()[-1])["step"] == 20
   translated = subprocess.run([sys.executable, "-m", "jaxformer", "translate", "--workdir", str(workdir)],
                               input="A man is riding a bike.\n", capture_output=True, text=True, cwd=ROOT)

@@ -43,16 +43,17 @@ def _batches():
   return out
 
 
-def _run(mesh_shape, dropout):
+def _run(mesh_shape, dropout, rules=""):
   config = _config(dropout)
   devices = jax.devices()[:int(np.prod(mesh_shape))]
-  mesh = sh.make_mesh(MeshConfig(*mesh_shape), devices)
-  model = EncoderDecoder(config.model)
-  tx = make_optimizer(config.optim, config.model.d_model)
-  abstract, logical = abstract_state(model, tx)
-  shardings = sh.logical_to_sharding(logical, mesh)
-  state = create_state(model, tx, mesh, 0, shardings)
-  step = make_train_step(model, tx, config, mesh, shardings)
+  with sh.axis_rules(sh.parse_rules(rules)):  # what `train` does with mesh.rules
+    mesh = sh.make_mesh(MeshConfig(*mesh_shape), devices)
+    model = EncoderDecoder(config.model)
+    tx = make_optimizer(config.optim, config.model.d_model)
+    abstract, logical = abstract_state(model, tx)
+    shardings = sh.logical_to_sharding(logical, mesh)
+    state = create_state(model, tx, mesh, 0, shardings)
+    step = make_train_step(model, tx, config, mesh, shardings)
   losses = []
   for batch in _batches():
     state, metrics = step(state, batch, jax.random.key(7))
@@ -77,6 +78,17 @@ def test_same_losses_and_params_on_every_mesh(references, mesh_shape, dropout):
   for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(jax.device_get(ref_state.params))):
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
   assert all(np.isfinite(ref_losses)) and int(state.step) == STEPS
+
+
+def test_rules_overridden_from_config_change_placement_not_values(references):
+  """mesh.rules "embed=none,act_batch=data": no ZeRO sharding, batch over data only."""
+  ref_losses, ref_state = references[0.1]
+  losses, state = _run((2, 2, 2), 0.1, "embed=none,act_batch=data")
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  wi = state.params["encoder_0"]["ffn"]["wi"]
+  assert wi.sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
+  np.testing.assert_allclose(jax.device_get(wi), jax.device_get(ref_state.params["encoder_0"]["ffn"]["wi"]),
+                             atol=1e-5, rtol=1e-5)
 
 
 def test_dropout_changes_the_loss(references):

@@ -99,16 +99,22 @@ def train(config: Config, workdir: str | Path, dry_run: bool = False) -> dict[st
   """Trains `config` in `workdir`, resuming from its latest checkpoint if there is one.
 
   Prints the sharding summary first (to stdout and nothing else when `dry_run`, else to
-  stderr). Returns the last logged training metrics. Raises ConfigError for a mesh or
-  batch that does not fit the devices, or a workdir that holds a different model.
+  stderr). Returns the last logged training metrics. Raises ConfigError for a mesh,
+  `mesh.rules` or batch that does not fit the devices, or a workdir that holds a
+  different model.
   """
-  workdir = Path(workdir)
+  with sh.axis_rules(sh.parse_rules(config.mesh.rules)):
+    return _train(config, Path(workdir), dry_run)
+
+
+def _train(config: Config, workdir: Path, dry_run: bool) -> dict[str, Any]:
   _check_resume_config(workdir, config)
   mesh = build_mesh(config)
   model = EncoderDecoder(config.model)
   tx = make_optimizer(config.optim, config.model.d_model)
   abstract, logical = abstract_state(model, tx)
   shardings = sh.logical_to_sharding(logical, mesh)
+  sh.check_divisible(abstract, shardings)
   if jax.process_index() == 0:
     print(format_summary(abstract, logical, shardings, mesh), file=sys.stdout if dry_run else sys.stderr,
           flush=True)

@@ -52,9 +52,15 @@ def abstract_state(model: nn.Module, tx: optax.GradientTransformation) -> tuple[
 
 
 def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh) -> tuple[TrainState, TrainState]:
-  """(abstract state, NamedSharding tree) for `mesh` via the logical-axis rules."""
+  """(abstract state, NamedSharding tree) for `mesh` via the logical-axis rules.
+
+  Raises:
+    ConfigError: a dimension does not split evenly over its mesh axes.
+  """
   abstract, specs = abstract_state(model, tx)
-  return abstract, sh.logical_to_sharding(specs, mesh)
+  shardings = sh.logical_to_sharding(specs, mesh)
+  sh.check_divisible(abstract, shardings)
+  return abstract, shardings
 
 
 def create_state(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, seed: int,

@@ -81,9 +81,12 @@ def _batch_shardings(mesh: Mesh) -> dict:
 
 
 def _with_mesh(fn, mesh: Mesh):
-  """Runs `fn` with the mesh and logical-axis rules active, so `constrain` resolves."""
+  """Runs `fn` with the mesh and the logical-axis rules active at construction time (the
+  run's `mesh.rules`), so `constrain` resolves the same way at every call."""
+  rules = sh.current_rules()
+
   def wrapped(*args):
-    with jax.set_mesh(mesh), sh.axis_rules():
+    with jax.set_mesh(mesh), sh.axis_rules(rules):
       return fn(*args)
   wrapped.jitted = fn
   return wrapped
