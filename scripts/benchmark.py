@@ -71,7 +71,7 @@ def run_row(name: str, bench_args: list[str]) -> dict:
                         env=env, cwd=ROOT)
   lines = proc.stdout.strip().splitlines()
   if proc.returncode != 0 or not lines:
-    error = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    error = (proc.stderr.strip().splitlines() or ["no output"])[-1].removeprefix("error: ")
     print(f"[{name}] failed: {error}", file=sys.stderr, flush=True)
     return {"name": name, "error": error}
   return {"name": name, **json.loads(lines[-1])}
