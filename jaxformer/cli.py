@@ -1,4 +1,4 @@
-"""`jaxformer train | eval | translate`: thin wiring of config, runtime and the library.
+"""`jaxformer train | eval | translate | bench`: thin wiring of config, runtime and the library.
 
 User mistakes (bad config, mesh, paths, missing checkpoints) print one `error:` line and
 exit with status 2; results are JSON lines on stdout (the last line of `eval` is one
@@ -44,6 +44,18 @@ def _parser() -> argparse.ArgumentParser:
   tr.add_argument("--batch-size", type=int, default=64)
   _add_search_args(tr)
   tr.add_argument("overrides", nargs="*")
+
+  b = sub.add_parser("bench", help="time the train step on synthetic batches: compile time, tokens/s, MFU, "
+                     "memory; also torch.nn.Transformer when PyTorch is installed")
+  b.add_argument("--config", required=True)
+  b.add_argument("--batch-size", type=int, default=None, help="sentence pairs per step (default: train.batch_size)")
+  b.add_argument("--src-length", type=int, default=32, help="source tokens per pair")
+  b.add_argument("--tgt-length", type=int, default=32, help="target tokens per pair")
+  b.add_argument("--steps", type=int, default=10, help="timed steps after warm-up (the median is reported)")
+  b.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
+  b.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
+  b.add_argument("--output", help="also write the JSON result to this file")
+  b.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.dtype=bfloat16 runtime.num_cpu_devices=2")
   return p
 
 
@@ -159,9 +171,23 @@ def cmd_translate(args) -> None:
     sys.stdout.write("".join(h + "\n" for h in hyps))
 
 
+def cmd_bench(args) -> None:
+  config = load_config(args.config, args.overrides)
+  from jaxformer.runtime import init_runtime
+  init_runtime(config.runtime)
+  from jaxformer import bench
+  options = bench.BenchOptions(args.batch_size or config.train.batch_size, args.src_length, args.tgt_length,
+                               args.steps, args.warmup, peer=not args.no_torch).validate(config.model)
+  result = bench.run_bench(config, options)
+  print(bench.format_table(result), flush=True)
+  if args.output:
+    Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
+  print(json.dumps(result), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
-  commands = {"train": cmd_train, "eval": cmd_eval, "translate": cmd_translate}
+  commands = {"train": cmd_train, "eval": cmd_eval, "translate": cmd_translate, "bench": cmd_bench}
   try:
     commands[args.command](args)
   except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:

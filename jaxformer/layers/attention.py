@@ -49,6 +49,14 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
   return jnp.einsum("bnts,bsnh->btnh", weights.astype(v.dtype), v)
 
 
+def _project(x: jax.Array, w: jax.Array) -> jax.Array:
+  """`[batch, length, d_model]` x `[d_model, num_heads, head_dim]` -> `[batch, length, num_heads, head_dim]`
+  as one matmul over the flattened tokens: XLA:CPU runs the 2-D form's weight gradient
+  without a transposed copy of the activations."""
+  b, t, d = x.shape
+  return jnp.einsum("md,dnh->mnh", x.reshape(b * t, d), w).reshape(b, t, *w.shape[1:])  # [B, T, N, H]
+
+
 def _proj_init(in_axis, out_axis):
   # Xavier-uniform over the flattened fan-in / fan-out of a multi-axis kernel.
   return nn.initializers.variance_scaling(1.0, "fan_avg", "uniform", in_axis=in_axis, out_axis=out_axis)
@@ -92,12 +100,11 @@ class MultiHeadAttention(nn.Module):
     head_axes = (sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_HEADS, sh.ACT_KV)
 
     x = x.astype(self.dtype)
-    q = sh.constrain(jnp.einsum("btd,dnh->btnh", x, wq), head_axes)  # [B, T, N, H]
+    q = sh.constrain(_project(x, wq), head_axes)  # [B, T, N, H]
     if self.is_cross:
       k, v = self._cross_kv(kv, wk, wv, decode)
     else:
-      k = jnp.einsum("bsd,dnh->bsnh", x, wk)  # [B, S, N, H]
-      v = jnp.einsum("bsd,dnh->bsnh", x, wv)
+      k, v = _project(x, wk), _project(x, wv)  # [B, S, N, H]
       if decode:
         k, v, mask = self._update_self_cache(k, v, mask)
     k, v = sh.constrain(k, head_axes), sh.constrain(v, head_axes)
@@ -106,18 +113,17 @@ class MultiHeadAttention(nn.Module):
     if not deterministic and self.dropout_rate > 0.0:
       dropout_rng = self.make_rng("dropout")
     out = dot_product_attention(q, k, v, mask, dropout_rng, self.dropout_rate)  # [B, T, N, H]
-    return jnp.einsum("btnh,nhd->btd", out, wo)
+    b, t = out.shape[:2]
+    return jnp.einsum("mnh,nhd->md", out.reshape(b * t, n, h), wo).reshape(b, t, d_model)
 
   def _cross_kv(self, kv, wk, wv, decode):
     if not decode:
-      return jnp.einsum("bsd,dnh->bsnh", kv.astype(self.dtype), wk), jnp.einsum(
-          "bsd,dnh->bsnh", kv.astype(self.dtype), wv)
+      return _project(kv.astype(self.dtype), wk), _project(kv.astype(self.dtype), wv)
     if kv is None:  # decode step: reuse the keys/values computed at prefill
       if not self.has_variable("cache", "cross_key"):
         raise ValueError("cross-attention decode step before prefill: pass the encoder output first")
       return self.get_variable("cache", "cross_key"), self.get_variable("cache", "cross_value")
-    k = jnp.einsum("bsd,dnh->bsnh", kv.astype(self.dtype), wk)
-    v = jnp.einsum("bsd,dnh->bsnh", kv.astype(self.dtype), wv)
+    k, v = _project(kv.astype(self.dtype), wk), _project(kv.astype(self.dtype), wv)
     self.put_variable("cache", "cross_key", k)
     self.put_variable("cache", "cross_value", v)
     return k, v

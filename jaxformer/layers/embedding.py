@@ -50,5 +50,9 @@ class Embed(nn.Module):
     return (x * np.sqrt(self.d_model)).astype(self.dtype)
 
   def attend(self, x: jax.Array) -> jax.Array:
-    logits = jnp.einsum("btd,vd->btv", x.astype(self.dtype), self.embedding.astype(self.dtype))
-    return logits.astype(jnp.float32)
+    # One 2-D matmul over the flattened tokens: from the 3-D form XLA:CPU computes the
+    # weight gradient through a transposed copy of the whole [batch, length, vocab]
+    # logits gradient, which doubles the logits' share of the train step.
+    flat = x.reshape(-1, x.shape[-1]).astype(self.dtype)                       # [B*T, D]
+    logits = jnp.einsum("nd,vd->nv", flat, self.embedding.astype(self.dtype))  # [B*T, V]
+    return logits.reshape(*x.shape[:-1], self.vocab_size).astype(jnp.float32)

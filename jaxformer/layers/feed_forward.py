@@ -25,7 +25,10 @@ class FeedForward(nn.Module):
     b1 = self.param("bi", sh.param_with_axes(nn.initializers.zeros, (sh.MLP,)), (self.d_ff,))
     w2 = self.param("wo", sh.param_with_axes(xavier_uniform(), (sh.MLP, sh.EMBED)), (self.d_ff, d_model))
     b2 = self.param("bo", sh.param_with_axes(nn.initializers.zeros, (sh.EMBED,)), (d_model,))
-    x = x.astype(self.dtype)
-    h = jnp.einsum("btd,df->btf", x, w1.astype(self.dtype)) + b1.astype(self.dtype)
-    h = sh.constrain(nn.relu(h), (sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_MLP))
-    return jnp.einsum("btf,fd->btd", h, w2.astype(self.dtype)) + b2.astype(self.dtype)
+    # Matmuls over the flattened tokens `[batch*length, ...]`: XLA:CPU runs the 2-D form's
+    # weight gradients without transposed copies of the activations (a third faster there).
+    tokens = x.reshape(-1, d_model).astype(self.dtype)                                 # [B*T, D]
+    h = jnp.einsum("nd,df->nf", tokens, w1.astype(self.dtype)) + b1.astype(self.dtype)  # [B*T, F]
+    h = sh.constrain(nn.relu(h).reshape(*x.shape[:-1], self.d_ff), (sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_MLP))
+    y = jnp.einsum("nf,fd->nd", h.reshape(-1, self.d_ff), w2.astype(self.dtype)) + b2.astype(self.dtype)
+    return y.reshape(*x.shape[:-1], d_model)

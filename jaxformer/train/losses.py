@@ -27,7 +27,10 @@ def cross_entropy_sums(logits: jax.Array, targets: jax.Array, weights: jax.Array
   nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]   # [B, T]
   smooth = -jnp.mean(log_probs, axis=-1)                                       # [B, T]
   loss = (1.0 - label_smoothing) * nll + label_smoothing * smooth
-  correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+  # Hit: the target's logit is the largest (ties count as hits). Compared with the row max
+  # that log_softmax also takes, rather than a separate argmax reduction (~3% of a CPU step).
+  target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [B, T]
+  correct = (target_logits >= jnp.max(logits, axis=-1)).astype(jnp.float32)
   return {
       "loss": jnp.sum(loss * weights),
       "nll": jnp.sum(nll * weights),

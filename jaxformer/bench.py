@@ -1,0 +1,336 @@
+"""`jaxformer bench`: how fast one training step runs, how much of the device it uses, and
+how much memory it needs, on fixed-shape synthetic batches.
+
+Reported per run: compile time, median step time after warm-up, target tokens/s, model
+FLOPs per target token (`train_flops_per_step`), achieved FLOP/s, MFU against the device
+peak (CPU: a matmul micro-benchmark in the same run; GPU/TPU: `PUBLISHED_PEAKS`), XLA's
+own FLOP count, the compiled program's memory (`temp_memory_bytes`: XLA's temporary
+buffers, the part remat shrinks) and, where the backend has them, device memory stats.
+With PyTorch installed, `jaxformer.bench_torch` times `torch.nn.Transformer` at the same
+shape, batch and optimizer, in rounds interleaved with ours so that load from other
+processes hits both alike.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import importlib.util
+import re
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer import sharding as sh
+from jaxformer.config import Config, ConfigError, ModelConfig
+from jaxformer.models.transformer import EncoderDecoder
+from jaxformer.runtime import build_mesh
+from jaxformer.train.loop import global_batch
+from jaxformer.train.optim import make_optimizer
+from jaxformer.train.state import create_state, state_shardings
+from jaxformer.train.step import make_train_step
+
+FIRST_WORD_ID = 3  # ids 0..2 are padding, EOS and BOS; synthetic batches use real words only
+
+# Dense (no sparsity) peak FLOP/s from vendor data sheets, per device: (the rate XLA's
+# default float32 matmuls run at -- TF32 on Ampere and newer GPUs, bfloat16 passes on TPU --,
+# the bfloat16/float16 rate). The first entry whose name occurs in `device.device_kind` wins.
+PUBLISHED_PEAKS: tuple[tuple[str, float, float], ...] = (
+    ("H100 PCIe", 378e12, 756e12),
+    ("H100", 494.7e12, 989.4e12),    # SXM
+    ("H200", 494.7e12, 989.4e12),
+    ("A100", 156e12, 312e12),
+    ("L4", 60e12, 121e12),
+    ("V100", 15.7e12, 125e12),       # no TF32: plain float32
+    ("TPU v4", 275e12, 275e12),
+    ("TPU v5 lite", 197e12, 197e12),  # v5e
+    ("TPU v5", 459e12, 459e12),      # v5p
+    ("TPU v6 lite", 918e12, 918e12),  # v6e (Trillium)
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchOptions:
+  """What to time: a global batch of `batch_size` pairs of `src_length` source and
+  `tgt_length` target tokens; `warmup` untimed steps, then `steps` timed ones."""
+  batch_size: int
+  src_length: int = 32
+  tgt_length: int = 32
+  steps: int = 10
+  warmup: int = 3
+  peer: bool = True              # also time torch.nn.Transformer when PyTorch is installed
+
+  def validate(self, model: ModelConfig) -> "BenchOptions":
+    """Raises ConfigError (one line) for sizes that cannot run."""
+    for name in ("batch_size", "src_length", "tgt_length", "steps"):
+      if getattr(self, name) < 1:
+        raise ConfigError(f"bench --{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+    if self.warmup < 0:
+      raise ConfigError(f"bench --warmup must be >= 0, got {self.warmup}")
+    longest = max(self.src_length, self.tgt_length)
+    if longest > model.max_length:
+      raise ConfigError(f"bench length {longest} exceeds model.max_length={model.max_length}; "
+                        f"add model.max_length={longest}")
+    if model.vocab_size <= FIRST_WORD_ID:
+      raise ConfigError(f"model.vocab_size={model.vocab_size} leaves no word ids; use > {FIRST_WORD_ID}")
+    return self
+
+
+def forward_flops_per_pair(m: ModelConfig, src_length: int, tgt_length: int) -> int:
+  """Matmul FLOPs of one forward pass over one sentence pair (2 FLOPs per multiply-add).
+
+  With S = src_length, T = tgt_length, D = d_model, F = d_ff, V = vocab_size:
+    encoder layer, per source token:  8·D² (Q, K, V, output projections) + 4·D·F (FFN)
+                                      + 4·S·D (scores q·k and the weighted sum of v)
+    decoder layer, per target token:  8·D² + 4·T·D (masked self-attention, full T×T as computed)
+                                      + 4·D² + 4·S·D (cross-attention Q and output, scores, sum)
+                                      + 4·D·F (FFN)
+                  and per source token: 4·D² (cross-attention K and V of the encoder output)
+    output logits, per target token:  2·D·V
+  Embedding gathers, LayerNorm, softmax, dropout and the optimizer are not counted.
+  """
+  d, f, s, t = m.d_model, m.d_ff, src_length, tgt_length
+  encoder = s * m.num_encoder_layers * (8 * d * d + 4 * d * f + 4 * s * d)
+  decoder = m.num_decoder_layers * (t * (12 * d * d + 4 * t * d + 4 * s * d + 4 * d * f) + s * 4 * d * d)
+  return encoder + decoder + t * 2 * d * m.vocab_size
+
+
+def train_flops_per_step(m: ModelConfig, batch_size: int, src_length: int, tgt_length: int) -> int:
+  """Model FLOPs of one training step: forward + backward = 3 × the forward matmuls
+  (the backward pass computes two matmuls per forward one: the input and the weight
+  gradients), times the batch. Divide by `batch_size * tgt_length` for FLOPs per target token."""
+  return 3 * batch_size * forward_flops_per_pair(m, src_length, tgt_length)
+
+
+def published_peak(device_kind: str, low_precision: bool) -> float | None:
+  """Peak FLOP/s of one device from `PUBLISHED_PEAKS`, or None for an unlisted kind."""
+  for name, default_rate, low_rate in PUBLISHED_PEAKS:
+    if name in device_kind:
+      return low_rate if low_precision else default_rate
+  return None
+
+
+def time_calls(fn: Callable[[], Any], n: int) -> list[float]:
+  """Wall seconds of each of `n` calls of `fn` (which must block until its work is done)."""
+  times = []
+  for _ in range(n):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return times
+
+
+def measure_matmul_peak(size: int = 2048, repeats: int = 10, device: jax.Device | None = None) -> float:
+  """Float32 FLOP/s of a jitted `[size, size] @ [size, size]` matmul on `device` (default: the
+  first device): the best of `repeats` timed runs after an untimed one, since load from other
+  processes can only slow a run down. The CPU backend spreads one matmul over all cores."""
+  device = device or jax.devices()[0]
+  a = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal((size, size)), jnp.float32), device)
+  matmul = jax.jit(lambda x: x @ x).lower(a).compile()
+  matmul(a).block_until_ready()
+  return 2 * size ** 3 / min(time_calls(lambda: matmul(a).block_until_ready(), repeats))
+
+
+def dot_dtypes(stablehlo_text: str) -> collections.Counter:
+  """How many `dot_general` ops of each operand element type (e.g. 'f32', 'bf16') a
+  lowered program holds: the compute dtype actually used, whatever the config says."""
+  return collections.Counter(re.findall(r"stablehlo\.dot_general [^\n]*?: \(tensor<[0-9x]*([a-z]+[0-9]*)>",
+                                        stablehlo_text))
+
+
+def device_peak(compute_dtype: str) -> tuple[float | None, str]:
+  """(peak FLOP/s of all devices in the run, how it was obtained). CPU: measured now in
+  float32 (one host: the devices share its cores); elsewhere: per-device table × devices."""
+  device = jax.devices()[0]
+  if device.platform == "cpu":
+    return measure_matmul_peak(), "measured float32 matmul"
+  peak = published_peak(device.device_kind, compute_dtype in ("bf16", "f16"))
+  if peak is None:
+    return None, f"no published peak for {device.device_kind!r}"
+  return peak * jax.device_count(), f"published ({device.device_kind}, {compute_dtype})"
+
+
+def synthetic_batch(batch_size: int, src_length: int, tgt_length: int, vocab_size: int,
+                    seed: int = 0) -> dict[str, np.ndarray]:
+  """int32 `inputs` `[batch, src_length]` and `targets` `[batch, tgt_length]`: uniform random
+  word ids, no padding, the same for a given seed (so runs on different meshes see one batch)."""
+  rng = np.random.default_rng(seed)
+  return {"inputs": rng.integers(FIRST_WORD_ID, vocab_size, (batch_size, src_length), dtype=np.int32),
+          "targets": rng.integers(FIRST_WORD_ID, vocab_size, (batch_size, tgt_length), dtype=np.int32)}
+
+
+class _JaxTrainer:
+  """The compiled train step on one fixed batch; each call runs a step and returns its loss
+  per target token (fetching it waits for the step to finish)."""
+
+  def __init__(self, compiled, state, batch, rng):
+    self.compiled, self.state, self.batch, self.rng = compiled, state, batch, rng
+    self.losses: list[float] = []
+
+  def __call__(self) -> float:
+    self.state, metrics = self.compiled(self.state, self.batch, self.rng)
+    self.losses.append(float(metrics["loss"]) / float(metrics["num_tokens"]))
+    return self.losses[-1]
+
+
+def _memory(compiled) -> dict[str, int]:
+  stats = compiled.memory_analysis()
+  if stats is None:
+    return {}
+  out = {"temp_memory_bytes": stats.temp_size_in_bytes, "argument_memory_bytes": stats.argument_size_in_bytes,
+         "output_memory_bytes": stats.output_size_in_bytes, "alias_memory_bytes": stats.alias_size_in_bytes}
+  # Donated state aliases its output, so it is counted once.
+  out["peak_memory_bytes"] = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+                              - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+  return out
+
+
+def _device_memory() -> dict[str, int]:
+  stats = jax.devices()[0].memory_stats()  # None on CPU
+  if not stats or "peak_bytes_in_use" not in stats:
+    return {}
+  return {"device_peak_bytes_in_use": int(stats["peak_bytes_in_use"])}
+
+
+@dataclasses.dataclass
+class PreparedStep:
+  """A train step lowered for abstract inputs of the benchmark's shapes (nothing allocated)."""
+  config: Config                # with train.batch_size set to the benchmark's batch
+  mesh: Any
+  create_state: Callable[[], Any]
+  lowered: Any
+  lower_time_s: float           # tracing and lowering the step to StableHLO
+
+
+def prepare_step(config: Config, options: BenchOptions) -> PreparedStep:
+  """Builds the mesh and lowers the train step for sharded abstract inputs (not compiled).
+  Raises ConfigError for sizes the mesh or model cannot take."""
+  options.validate(config.model)
+  config = dataclasses.replace(config, train=dataclasses.replace(config.train, batch_size=options.batch_size))
+  mesh = build_mesh(config)
+  model = EncoderDecoder(config.model)
+  tx = make_optimizer(config.optim, config.model.d_model)
+  abstract, shardings = state_shardings(model, tx, mesh)
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+  batch = {name: jax.ShapeDtypeStruct((options.batch_size, length), jnp.int32, sharding=sh.batch_sharding(mesh))
+           for name, length in (("inputs", options.src_length), ("targets", options.tgt_length))}
+  train_step = make_train_step(model, tx, config, mesh, shardings)
+  start = time.perf_counter()
+  with jax.set_mesh(mesh), sh.axis_rules():
+    lowered = train_step.jitted.lower(abstract, batch, jax.random.key(config.runtime.seed))
+  lower_time = time.perf_counter() - start
+  return PreparedStep(config, mesh, lambda: create_state(model, tx, mesh, config.runtime.seed, shardings),
+                      lowered, lower_time)
+
+
+def compute_dtype(lowered) -> str:
+  """The operand element type of most matmuls in a lowered program ('f32', 'bf16', ...)."""
+  dtypes = dot_dtypes(lowered.as_text())
+  return dtypes.most_common(1)[0][0] if dtypes else "f32"
+
+
+def run_bench(config: Config, options: BenchOptions) -> dict[str, Any]:
+  """Compiles and times the train step of `config` (see the module docstring).
+
+  Returns a flat dict of JSON-safe values; `tokens_per_sec` counts target tokens, `losses`
+  holds the loss per target token of every step run (warm-up first).
+  Raises ConfigError for sizes the mesh or model cannot take.
+  """
+  prepared = prepare_step(config, options)
+  config, mesh, lowered = prepared.config, prepared.mesh, prepared.lowered
+  start = time.perf_counter()
+  compiled = lowered.compile()
+  compile_time = prepared.lower_time_s + time.perf_counter() - start  # trace + lower + XLA compile
+  dtype = compute_dtype(lowered)
+
+  host_batch = synthetic_batch(options.batch_size, options.src_length, options.tgt_length,
+                               config.model.vocab_size, config.runtime.seed)
+  trainer = _JaxTrainer(compiled, prepared.create_state(), global_batch(host_batch, mesh),
+                        jax.random.key(config.runtime.seed))
+  peer = _make_peer(config, host_batch) if options.peer else None
+  time_calls(trainer, options.warmup)
+  if peer is not None:
+    time_calls(peer, options.warmup)
+  # Two interleaved rounds when there is a peer, so background load hits both alike.
+  rounds = 2 if peer is not None else 1
+  times, peer_times = [], []
+  for r in range(rounds):
+    n = options.steps // rounds + (r < options.steps % rounds)
+    times += time_calls(trainer, n)
+    if peer is not None:
+      peer_times += time_calls(peer, n)
+
+  step_time = statistics.median(times)
+  tokens = options.batch_size * options.tgt_length
+  flops = train_flops_per_step(config.model, options.batch_size, options.src_length, options.tgt_length)
+  peak, peak_source = device_peak(dtype)
+  achieved = flops / step_time
+  result: dict[str, Any] = {
+      "config": config.name, "backend": jax.default_backend(), "num_devices": jax.device_count(),
+      "mesh": dict(mesh.shape), "batch_size": options.batch_size, "src_length": options.src_length,
+      "tgt_length": options.tgt_length, "steps": options.steps, "warmup": options.warmup,
+      "compute_dtype": dtype, "lower_time_s": prepared.lower_time_s, "compile_time_s": compile_time,
+      "step_time_s": step_time, "step_time_min_s": min(times), "tokens_per_sec": tokens / step_time,
+      "model_flops_per_token": flops / tokens, "model_flops_per_step": flops,
+      "xla_flops_per_step": float(lowered.cost_analysis().get("flops", float("nan"))),
+      "achieved_flops": achieved, "peak_flops": peak, "peak_source": peak_source,
+      "mfu": achieved / peak if peak else None, **_memory(compiled), **_device_memory(),
+      "losses": trainer.losses,
+  }
+  if peer is not None:
+    peer_step = statistics.median(peer_times)
+    result.update(torch_step_time_s=peer_step, torch_tokens_per_sec=tokens / peer_step,
+                  torch_mfu=flops / peer_step / peak if peak else None,
+                  jax_over_torch=peer_step / step_time, torch_losses=peer.losses, **peer.info())
+  return result
+
+
+def _make_peer(config: Config, host_batch: dict[str, np.ndarray]):
+  """The torch peer when PyTorch is installed and the backend is CPU (it runs on the host)."""
+  if importlib.util.find_spec("torch") is None or jax.default_backend() != "cpu":
+    return None
+  from jaxformer.bench_torch import TorchTrainer
+  return TorchTrainer(config, host_batch["inputs"], host_batch["targets"])
+
+
+def _si(x: float | None, unit: str) -> str:
+  if x is None:
+    return "-"
+  for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+    if abs(x) >= scale:
+      return f"{x / scale:.2f} {prefix}{unit}"
+  return f"{x:.3g} {unit}"
+
+
+def format_table(r: dict[str, Any]) -> str:
+  """A human-readable table of a `run_bench` result (jaxformer and, if timed, torch)."""
+  peer = "torch_step_time_s" in r
+  rows = [
+      ("shape", f"{r['config']}: batch {r['batch_size']}, src {r['src_length']}, tgt {r['tgt_length']}, "
+                f"{r['compute_dtype']}, mesh {r['mesh']}", None),
+      ("compile", f"{r['compile_time_s']:.1f} s", None),
+      ("step time (median)", f"{r['step_time_s'] * 1e3:.0f} ms",
+       f"{r['torch_step_time_s'] * 1e3:.0f} ms" if peer else None),
+      ("target tokens/s", f"{r['tokens_per_sec']:.0f}", f"{r['torch_tokens_per_sec']:.0f}" if peer else None),
+      ("model FLOPs/token", _si(r["model_flops_per_token"], "FLOP"), None),
+      ("achieved", _si(r["achieved_flops"], "FLOP/s"),
+       _si(r["model_flops_per_step"] / r["torch_step_time_s"], "FLOP/s") if peer else None),
+      ("peak", f"{_si(r['peak_flops'], 'FLOP/s')} ({r['peak_source']})", None),
+      ("MFU", f"{r['mfu']:.1%}" if r["mfu"] is not None else "-",
+       f"{r['torch_mfu']:.1%}" if peer and r["torch_mfu"] is not None else None),
+      ("temp memory", _si(r.get("temp_memory_bytes"), "B"), None),
+      ("peak memory (compiled)", _si(r.get("peak_memory_bytes"), "B"), None),
+  ]
+  if "device_peak_bytes_in_use" in r:
+    rows.append(("device peak in use", _si(r["device_peak_bytes_in_use"], "B"), None))
+  if peer:
+    rows.append(("jaxformer / torch tokens/s", f"{r['jax_over_torch']:.2f}x", None))
+  width = max(len(name) for name, _, _ in rows)
+  lines = [f"{'':{width}}  {'jaxformer':>12}" + ("  torch" if peer else "")]
+  for name, ours, theirs in rows:
+    lines.append(f"{name:{width}}  {ours:>12}" + (f"  {theirs}" if theirs else ""))
+  return "\n".join(lines)

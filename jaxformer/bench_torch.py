@@ -1,0 +1,127 @@
+"""The PyTorch peer of the benchmark: `torch.nn.Transformer` built to the same model as
+`EncoderDecoder` and trained the same way, so tokens/s can be compared at one shape.
+
+Same as ours: d_model, heads, d_ff, layers, ReLU, post-LN (or pre-LN), LayerNorm epsilon,
+residual and embedding dropout, attention dropout, one embedding matrix shared by source,
+target and output logits (or separate ones), embeddings × √d_model plus sinusoidal
+positions, padding and causal masks, label-smoothed cross-entropy over non-padding tokens,
+Adam with the config's betas and epsilon (and global-norm clipping / weight decay when set).
+To make the two the same model, the torch defaults that the paper's model lacks are
+removed: attention projection biases, the dropout inside the FFN and the final encoder and
+decoder LayerNorms of post-LN stacks. The learning rate is held at the schedule's first
+value (the schedule's cost is negligible). Imported only when torch is installed.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import torch
+from torch import nn
+
+from jaxformer.config import Config, ModelConfig
+from jaxformer.layers.embedding import sinusoidal_positions
+from jaxformer.models.transformer import BOS_ID, PAD_ID
+from jaxformer.train.optim import make_schedule
+
+
+def _strip_to_paper(transformer: nn.Transformer, m: ModelConfig) -> None:
+  """Removes the torch-only parts listed in the module docstring, in place."""
+  for layer in [*transformer.encoder.layers, *transformer.decoder.layers]:
+    attentions = [layer.self_attn] + ([layer.multihead_attn] if hasattr(layer, "multihead_attn") else [])
+    for attn in attentions:
+      attn.in_proj_bias = None
+      attn.out_proj.bias = None
+      attn.dropout = m.attention_dropout_rate
+    layer.dropout = nn.Identity()  # the FFN's hidden dropout
+  if not m.pre_norm:
+    transformer.encoder.norm = None
+    transformer.decoder.norm = None
+
+
+class PeerTransformer(nn.Module):
+  """`torch.nn.Transformer` (batch_first) with embeddings and tied logits.
+
+  forward(inputs int64 `[batch, src_len]`, targets int64 `[batch, tgt_len]`) -> float32
+  logits `[batch, tgt_len, vocab_size]`, teacher-forced on targets shifted right with BOS.
+  """
+
+  def __init__(self, m: ModelConfig):
+    super().__init__()
+    self.config = m
+    self.source_embed = nn.Embedding(m.vocab_size, m.d_model)
+    self.target_embed = self.source_embed if m.share_embeddings else nn.Embedding(m.vocab_size, m.d_model)
+    self.output_proj = None if m.share_embeddings else nn.Linear(m.d_model, m.vocab_size, bias=False)
+    for embed in dict.fromkeys([self.source_embed, self.target_embed]):  # as jaxformer's Embed: N(0, 1/d_model)
+      nn.init.normal_(embed.weight, std=m.d_model ** -0.5)
+    with warnings.catch_warnings():  # pre-LN: a note that inference fast paths are off (we train)
+      warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
+      self.transformer = nn.Transformer(
+          d_model=m.d_model, nhead=m.num_heads, num_encoder_layers=m.num_encoder_layers,
+          num_decoder_layers=m.num_decoder_layers, dim_feedforward=m.d_ff, dropout=m.dropout_rate,
+          activation="relu", layer_norm_eps=1e-6, batch_first=True, norm_first=m.pre_norm)
+    _strip_to_paper(self.transformer, m)
+    self.dropout = nn.Dropout(m.dropout_rate)
+    table = np.array(sinusoidal_positions(np.arange(m.max_length)[None], m.d_model)[0])
+    self.register_buffer("positions", torch.from_numpy(table), persistent=False)
+
+  def _embed(self, embed: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    x = embed(ids) * self.config.d_model ** 0.5 + self.positions[: ids.shape[1]]
+    return self.dropout(x)
+
+  def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    decoder_inputs = torch.cat([torch.full_like(targets[:, :1], BOS_ID), targets[:, :-1]], dim=1)
+    decoder_inputs = decoder_inputs.masked_fill(targets == PAD_ID, PAD_ID)
+    src_pad, tgt_pad = inputs == PAD_ID, decoder_inputs == PAD_ID   # True = masked out
+    length = targets.shape[1]
+    causal = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)
+    y = self.transformer(self._embed(self.source_embed, inputs), self._embed(self.target_embed, decoder_inputs),
+                         tgt_mask=causal, src_key_padding_mask=src_pad, tgt_key_padding_mask=tgt_pad,
+                         memory_key_padding_mask=src_pad)
+    if self.output_proj is None:
+      return y @ self.target_embed.weight.T
+    return self.output_proj(y)
+
+
+def count_parameters(model: nn.Module) -> int:
+  """Trainable scalars, each shared tensor counted once."""
+  return sum(p.numel() for p in model.parameters())
+
+
+class TorchTrainer:
+  """One fixed batch and a training step on it; calling the trainer runs a step and returns
+  its loss per target token. Uses as many threads as the process may use cores."""
+
+  def __init__(self, config: Config, inputs: np.ndarray, targets: np.ndarray):
+    self.threads = len(os.sched_getaffinity(0))
+    torch.set_num_threads(self.threads)
+    torch.manual_seed(config.runtime.seed)
+    self.model = PeerTransformer(config.model).train()
+    self.inputs = torch.from_numpy(inputs.astype(np.int64))
+    self.targets = torch.from_numpy(targets.astype(np.int64))
+    o = config.optim
+    lr = float(make_schedule(o, config.model.d_model)(0))
+    optim_cls = torch.optim.AdamW if o.weight_decay > 0 else torch.optim.Adam
+    self.optimizer = optim_cls(self.model.parameters(), lr=lr, betas=(o.b1, o.b2), eps=o.eps,
+                               weight_decay=o.weight_decay)
+    self.clip_grad_norm = o.clip_grad_norm
+    self.label_smoothing = o.label_smoothing
+    self.losses: list[float] = []
+
+  def __call__(self) -> float:
+    self.optimizer.zero_grad(set_to_none=True)
+    logits = self.model(self.inputs, self.targets)
+    loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), self.targets.reshape(-1),
+                                       ignore_index=PAD_ID, label_smoothing=self.label_smoothing)
+    loss.backward()
+    if self.clip_grad_norm > 0:
+      nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
+    self.optimizer.step()
+    self.losses.append(loss.item())
+    return self.losses[-1]
+
+  def info(self) -> dict:
+    return {"torch_version": torch.__version__, "torch_threads": self.threads,
+            "torch_parameters": count_parameters(self.model)}

@@ -1,0 +1,117 @@
+"""The benchmark: the FLOPs formula against a hand count and XLA's count, the compute-dtype
+probe, the `jaxformer bench` command's JSON, and (with torch installed) the torch peer."""
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from jaxformer import bench
+from jaxformer.config import ModelConfig, config_from_dict
+
+ROOT = Path(__file__).parent.parent
+
+
+def _hand_count_forward(d, f, v, s, t, encoder_layers, decoder_layers):
+  """Every matmul of one sentence pair's forward pass as (rows, contraction, columns)."""
+  encoder_layer = [(s, d, d)] * 4 + [(s, d, s), (s, s, d)] + [(s, d, f), (s, f, d)]
+  decoder_layer = ([(t, d, d)] * 4 + [(t, d, t), (t, t, d)]                     # masked self-attention
+                   + [(t, d, d), (s, d, d), (s, d, d), (t, d, d), (t, d, s), (t, s, d)]  # cross-attention
+                   + [(t, d, f), (t, f, d)])
+  matmuls = encoder_layer * encoder_layers + decoder_layer * decoder_layers + [(t, d, v)]
+  return sum(2 * m * k * n for m, k, n in matmuls)
+
+
+def test_train_flops_match_a_hand_count():
+  m = ModelConfig(vocab_size=37, d_model=8, num_heads=2, d_ff=12, num_encoder_layers=2, num_decoder_layers=1)
+  hand = _hand_count_forward(d=8, f=12, v=37, s=5, t=3, encoder_layers=2, decoder_layers=1)
+  assert bench.forward_flops_per_pair(m, 5, 3) == hand == 17_840
+  assert bench.train_flops_per_step(m, batch_size=4, src_length=5, tgt_length=3) == 3 * 4 * 17_840
+
+
+def _config(**model):
+  tree = {"model": {"vocab_size": 997, "d_model": 256, "num_heads": 4, "d_ff": 1024, "num_encoder_layers": 2,
+                    "num_decoder_layers": 2, "dropout_rate": 0.0, **model}}
+  return config_from_dict(tree)
+
+
+@pytest.fixture(scope="module")
+def lowered_fp32():
+  options = bench.BenchOptions(batch_size=8, src_length=13, tgt_length=11, steps=1, warmup=0, peer=False)
+  return bench.prepare_step(_config(), options).lowered
+
+
+def test_train_flops_match_xla_within_5_percent(lowered_fp32):
+  # XLA also counts elementwise work (LayerNorm, softmax, Adam: ~1 FLOP per element),
+  # which at this shape adds ~2% to the matmuls; the formula must be within 5%.
+  m = _config().model
+  formula = bench.train_flops_per_step(m, batch_size=8, src_length=13, tgt_length=11)
+  xla = lowered_fp32.cost_analysis()["flops"]
+  assert formula <= xla <= 1.05 * formula
+
+
+def test_compute_dtype_is_read_from_the_program(lowered_fp32):
+  assert bench.compute_dtype(lowered_fp32) == "f32"
+  options = bench.BenchOptions(batch_size=8, src_length=13, tgt_length=11, steps=1, warmup=0, peer=False)
+  lowered = bench.prepare_step(_config(dtype="bfloat16"), options).lowered
+  counts = bench.dot_dtypes(lowered.as_text())
+  assert bench.compute_dtype(lowered) == "bf16" and counts["bf16"] > counts["f32"]
+
+
+def test_published_peak_lookup():
+  assert bench.published_peak("NVIDIA H100 80GB HBM3", low_precision=True) == 989.4e12
+  assert bench.published_peak("NVIDIA H100 PCIe", low_precision=False) == 378e12
+  assert bench.published_peak("TPU v5 lite", low_precision=True) == 197e12
+  assert bench.published_peak("cpu", low_precision=False) is None
+
+
+def _run_bench(*args):
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  return subprocess.run([sys.executable, "-m", "jaxformer", "bench", "--config", str(ROOT / "configs" / "tiny.yaml"),
+                         *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+
+
+def test_bench_command_prints_a_table_and_json():
+  proc = _run_bench("--batch-size", "8", "--src-length", "11", "--tgt-length", "7", "--steps", "3", "--warmup", "1",
+                    "--no-torch", "model.d_model=32", "model.d_ff=48", "model.num_heads=4", "model.vocab_size=37")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = proc.stdout.strip().splitlines()
+  assert any(line.startswith("target tokens/s") for line in lines)
+  r = json.loads(lines[-1])
+  for key in ("tokens_per_sec", "step_time_s", "mfu", "peak_flops", "compile_time_s", "temp_memory_bytes",
+              "model_flops_per_token", "achieved_flops", "xla_flops_per_step", "losses"):
+    assert key in r, key
+  assert "torch_tokens_per_sec" not in r
+  assert r["num_devices"] == 8 and r["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
+  assert math.isclose(r["tokens_per_sec"], 8 * 7 / r["step_time_s"])
+  m = ModelConfig(vocab_size=37, d_model=32, num_heads=4, d_ff=48, num_encoder_layers=2, num_decoder_layers=2)
+  assert r["model_flops_per_step"] == bench.train_flops_per_step(m, 8, 11, 7)
+  assert math.isclose(r["mfu"], r["model_flops_per_step"] / r["step_time_s"] / r["peak_flops"])
+  assert r["temp_memory_bytes"] > 0 and r["peak_source"] == "measured float32 matmul"
+  assert len(r["losses"]) == 4 and r["losses"][-1] < r["losses"][0]   # 1 warm-up + 3 timed steps, learning
+
+
+def test_bench_rejects_a_length_beyond_the_model():
+  proc = _run_bench("--tgt-length", "500", "--no-torch")
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines() == [
+      "error: bench length 500 exceeds model.max_length=128; add model.max_length=500"]
+
+
+def test_torch_peer_has_our_parameter_count():
+  pytest.importorskip("torch")
+  from jaxformer.bench_torch import PeerTransformer, count_parameters
+  from jaxformer.models.transformer import EncoderDecoder
+  from jaxformer.train.state import abstract_state
+  from jaxformer.train.optim import make_optimizer
+  for overrides in ({}, {"share_embeddings": False}, {"pre_norm": True}):
+    m = dataclasses.replace(_config().model, vocab_size=37, d_model=16, d_ff=24, **overrides)
+    abstract, _ = abstract_state(EncoderDecoder(m), make_optimizer(_config().optim, m.d_model))
+    ours = sum(x.size for x in jax.tree.leaves(abstract.params))
+    assert count_parameters(PeerTransformer(m)) == ours, overrides
