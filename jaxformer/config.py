@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from jaxformer.precision import Policy, parse_policy
+
 
 class ConfigError(ValueError):
   """A user mistake in a config file or override; the message is one line."""
@@ -35,7 +37,8 @@ class ModelConfig:
   pre_norm: bool = False        # paper: post-LN
   share_embeddings: bool = True  # one matrix for source, target and output logits
   max_length: int = 256         # longest sequence the positional table covers, tokens
-  dtype: str = "float32"        # compute dtype; params stay float32
+  # Compute dtype read by the modules; not a user key: Config sets it from precision.policy.
+  dtype: str = dataclasses.field(default="float32", metadata={"set_by": "precision.policy"})
 
   def validate(self) -> None:
     if self.kind != "encoder_decoder":
@@ -74,6 +77,50 @@ class MeshConfig:
     for name, size in sizes.items():
       if size == 0 or size < -1:
         raise ConfigError(f"mesh.{name} must be a positive size or -1, got {size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+  """Mixed-precision policy and dynamic loss scaling (see jaxformer/precision.py)."""
+  policy: str = "params=float32,compute=float32,output=float32"  # compute: float32 | bfloat16 | float16
+  loss_scale: str = "auto"      # auto (dynamic iff compute=float16) | dynamic | none
+  initial_scale: float = 32768.0  # 2**15
+  growth_interval: int = 2000   # finite steps in a row before the scale grows
+  growth_factor: float = 2.0
+  backoff_factor: float = 0.5   # on a non-finite step
+
+  @property
+  def parsed(self) -> Policy:
+    """The policy as dtypes; raises ConfigError (one line) for bad text."""
+    try:
+      return parse_policy(self.policy)
+    except ValueError as e:
+      raise ConfigError(f"precision.policy={self.policy!r}: {e}") from None
+
+  @property
+  def dynamic_loss_scale(self) -> bool:
+    """Whether the train step scales the loss and skips non-finite steps."""
+    if self.loss_scale == "auto":
+      return self.parsed.compute_dtype == "float16"
+    return self.loss_scale == "dynamic"
+
+  @property
+  def start_scale(self) -> float:
+    """The loss scale a fresh train state starts at (1 when scaling is off)."""
+    return self.initial_scale if self.dynamic_loss_scale else 1.0
+
+  def validate(self) -> None:
+    self.parsed  # noqa: B018  parsing raises ConfigError for bad text
+    if self.loss_scale not in ("auto", "dynamic", "none"):
+      raise ConfigError(f"precision.loss_scale={self.loss_scale!r} is unknown; use auto, dynamic or none")
+    if not 1.0 <= self.initial_scale < float(2 ** 127):
+      raise ConfigError(f"precision.initial_scale must be in [1, 2**127), got {self.initial_scale}")
+    if self.growth_interval < 1:
+      raise ConfigError(f"precision.growth_interval must be >= 1, got {self.growth_interval}")
+    if self.growth_factor <= 1.0:
+      raise ConfigError(f"precision.growth_factor must be > 1, got {self.growth_factor}")
+    if not 0.0 < self.backoff_factor < 1.0:
+      raise ConfigError(f"precision.backoff_factor must be in (0, 1), got {self.backoff_factor}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,14 +208,23 @@ class RuntimeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """The whole run: every section is validated on construction by `load_config`."""
+  """The whole run: every section is validated on construction by `load_config`.
+
+  `model.dtype` is derived: construction sets it to the compute dtype of `precision.policy`,
+  the one place a user chooses precision.
+  """
   name: str = "unnamed"
   model: ModelConfig = ModelConfig()
   mesh: MeshConfig = MeshConfig()
+  precision: PrecisionConfig = PrecisionConfig()
   optim: OptimConfig = OptimConfig()
   data: DataConfig = DataConfig()
   train: TrainConfig = TrainConfig()
   runtime: RuntimeConfig = RuntimeConfig()
+
+  def __post_init__(self):
+    compute = self.precision.parsed.compute_dtype.name
+    object.__setattr__(self, "model", dataclasses.replace(self.model, dtype=compute))
 
   def validate(self) -> None:
     for field in dataclasses.fields(self):
@@ -209,10 +265,15 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
 
 def _build(cls: type, values: dict[str, Any], where: str) -> Any:
   hints = typing.get_type_hints(cls)
-  names = [f.name for f in dataclasses.fields(cls)]
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  names = [name for name, f in fields.items() if "set_by" not in f.metadata]
   kwargs = {}
   for key, value in values.items():
     path = f"{where}{key}"
+    if key in fields and key not in names:
+      raise ConfigError(
+          f"{path} is not a config key: {fields[key].metadata['set_by']} sets it; write e.g. "
+          "precision.policy=params=float32,compute=bfloat16,output=float32")
     if key not in names:
       close = difflib.get_close_matches(key, names, n=1)
       hint = f"; did you mean {where}{close[0]}?" if close else f"; valid keys: {', '.join(names)}"
@@ -284,14 +345,15 @@ def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Confi
 
 
 def to_dict(config: Config) -> dict[str, Any]:
-  """The config as plain YAML-safe types (tuples become lists)."""
+  """The config's user keys as plain YAML-safe types (tuples become lists; derived fields
+  such as model.dtype are left out)."""
   def plain(x: Any) -> Any:
-    if isinstance(x, dict):
-      return {k: plain(v) for k, v in x.items()}
+    if dataclasses.is_dataclass(x):
+      return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x) if "set_by" not in f.metadata}
     if isinstance(x, (list, tuple)):
       return [plain(v) for v in x]
     return x
-  return plain(dataclasses.asdict(config))
+  return plain(config)
 
 
 def dump_config(config: Config) -> str:
@@ -301,6 +363,6 @@ def dump_config(config: Config) -> str:
 
 __all__ = [
     "Config", "ConfigError", "DataConfig", "MeshConfig", "ModelConfig", "OptimConfig",
-    "RuntimeConfig", "TrainConfig", "config_from_dict", "dump_config", "load_config",
+    "PrecisionConfig", "RuntimeConfig", "TrainConfig", "config_from_dict", "dump_config", "load_config",
     "parse_override", "to_dict",
 ]

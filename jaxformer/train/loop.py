@@ -7,6 +7,7 @@ the batch at step k is a pure function of (seed, k), so a resumed run sees the s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -52,7 +53,8 @@ def _check_resume_config(workdir: Path, config: Config) -> None:
   if not saved_path.is_file():
     return
   saved = load_config(saved_path)
-  if saved.model != config.model:
+  # The compute dtype may change on resume: params and optimizer state are float32 either way.
+  if dataclasses.replace(saved.model, dtype=config.model.dtype) != config.model:
     raise ConfigError(
         f"{workdir} holds a run with a different model config; use a new --workdir "
         "or the same model.* settings to resume")
@@ -128,7 +130,7 @@ def _train(config: Config, workdir: Path, dry_run: bool) -> dict[str, Any]:
                                    config.train.async_checkpoint)
   start = checkpointer.latest_step()
   if start is None:
-    state = create_state(model, tx, mesh, config.runtime.seed, shardings)
+    state = create_state(model, tx, mesh, config.runtime.seed, shardings, config.precision.start_scale)
     start = 0
   else:
     state = checkpointer.restore(ckpt.sharded_target(abstract, shardings), start)
@@ -177,16 +179,21 @@ def _train(config: Config, workdir: Path, dry_run: bool) -> dict[str, Any]:
 
 
 def _summarise(history: list[dict], step: int, seconds: float, padding: list[float]) -> dict[str, Any]:
-  """Token-weighted averages over the steps since the last log line."""
+  """Token-weighted averages over the steps since the last log line; `skipped` counts the
+  steps whose update was skipped (non-finite float16 gradients), `grad_norm` averages the
+  others (None if all were skipped), `loss_scale` is the scale of the last step."""
   tokens = sum(float(m["num_tokens"]) for m in history)
   n = max(tokens, 1.0)
+  applied = [float(m["grad_norm"]) for m in history if not float(m["skipped"])]
   return {
       "step": step,
       "loss": sum(float(m["loss"]) for m in history) / n,
       "nll": sum(float(m["nll"]) for m in history) / n,
       "accuracy": sum(float(m["correct"]) for m in history) / n,
       "learning_rate": float(history[-1]["learning_rate"]),
-      "grad_norm": float(np.mean([float(m["grad_norm"]) for m in history])),
+      "grad_norm": float(np.mean(applied)) if applied else None,
+      "skipped": int(sum(float(m["skipped"]) for m in history)),
+      "loss_scale": float(history[-1]["loss_scale"]),
       "tokens_per_sec": tokens / max(seconds, 1e-9),
       "steps_per_sec": len(history) / max(seconds, 1e-9),
       "padding_fraction": float(np.mean(padding)),

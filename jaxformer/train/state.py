@@ -12,18 +12,24 @@ import optax
 from jax.sharding import Mesh
 
 from jaxformer import sharding as sh
+from jaxformer.precision import LossScale, initial_loss_scale
 
 
 @flax.struct.dataclass
 class TrainState:
-  """Everything a checkpoint holds: `step` (int32 scalar, updates done), `params`, `opt_state`.
+  """Everything a checkpoint holds: `step` (int32 scalar, steps taken, skipped ones
+  included), `params` and `opt_state` (float32), and `loss_scale` (dynamic loss-scale state,
+  replicated; scale 1 and unused unless float16 loss scaling is on).
 
   Dropout randomness is derived from (seed, step), so it needs no stored key and a
-  resumed run draws the same bits it would have drawn without the interruption.
+  resumed run draws the same bits it would have drawn without the interruption. The
+  loss scale is always present so the checkpoint layout does not depend on the precision
+  policy: a run may resume, or be evaluated, under another policy.
   """
   step: jax.Array
   params: Any
   opt_state: Any
+  loss_scale: LossScale
 
 
 def _dummy_batch(batch_size: int, length: int) -> tuple[jax.Array, jax.Array]:
@@ -40,14 +46,15 @@ def abstract_state(model: nn.Module, tx: optax.GradientTransformation) -> tuple[
   def init(rng):
     boxed = model.init(rng, *_dummy_batch(1, 8))["params"]
     params = nn.meta.unbox(boxed)
-    return TrainState(jnp.array(0, jnp.int32), params, tx.init(params)), boxed
+    return TrainState(jnp.array(0, jnp.int32), params, tx.init(params), initial_loss_scale(1.0)), boxed
 
   abstract, boxed = jax.eval_shape(init, jax.random.key(0))
   param_specs = nn.get_partition_spec(boxed)
   # Optimizer moments mirror the params; scalars (counts) are replicated.
   opt_specs = optax.tree_map_params(tx, lambda _, spec: spec, abstract.opt_state, param_specs,
                                     transform_non_params=lambda _: jax.sharding.PartitionSpec())
-  specs = TrainState(jax.sharding.PartitionSpec(), param_specs, opt_specs)
+  replicated = jax.sharding.PartitionSpec()
+  specs = TrainState(replicated, param_specs, opt_specs, LossScale(replicated, replicated))
   return abstract, specs
 
 
@@ -64,12 +71,13 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
 
 
 def create_state(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, seed: int,
-                 shardings: TrainState) -> TrainState:
+                 shardings: TrainState, loss_scale: float = 1.0) -> TrainState:
   """Initialises the state directly into `shardings`: no device ever holds the full,
-  unsharded parameters unless the mesh says so."""
+  unsharded parameters unless the mesh says so. `loss_scale` is the starting dynamic
+  loss scale (`PrecisionConfig.start_scale`)."""
   def init(rng):
     params = nn.meta.unbox(model.init(rng, *_dummy_batch(1, 8))["params"])
-    return TrainState(jnp.array(0, jnp.int32), params, tx.init(params))
+    return TrainState(jnp.array(0, jnp.int32), params, tx.init(params), initial_loss_scale(loss_scale))
 
   with jax.set_mesh(mesh), sh.axis_rules():
     return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))

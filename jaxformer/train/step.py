@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from jaxformer import sharding as sh
 from jaxformer.config import Config
 from jaxformer.models.transformer import PAD_ID
+from jaxformer.precision import all_finite, next_loss_scale, select_tree
 from jaxformer.train.losses import cross_entropy_sums
 from jaxformer.train.optim import make_schedule
 from jaxformer.train.state import TrainState
@@ -26,7 +27,13 @@ from jaxformer.train.state import TrainState
 Batch = dict[str, jax.Array]
 
 
-def _loss_fn(model: nn.Module, params, batch: Batch, rng: jax.Array | None, label_smoothing: float):
+def loss_fn(model: nn.Module, params, batch: Batch, rng: jax.Array | None, label_smoothing: float):
+  """(float32 loss per real target token, metric sums) of `model` on `batch`.
+
+  `batch` holds int32 `inputs` `[batch, src_len]` and `targets` `[batch, tgt_len]` (0 is
+  padding); `rng` is the dropout key, None for deterministic. The sums are those of
+  `cross_entropy_sums`; the loss is computed in float32 whatever the compute dtype.
+  """
   deterministic = rng is None
   rngs = None if deterministic else {"dropout": rng}
   logits = model.apply({"params": params}, batch["inputs"], batch["targets"],
@@ -44,20 +51,46 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, config: 
   `batch` holds int32 `inputs` and `targets` `[global_batch, length]`, sharded over the
   data axes; `rng` is the run's base key: the step's dropout key is fold_in(rng, step),
   so it continues exactly across restarts. `state` is donated.
-  Metrics: `loss`, `nll`, `correct`, `num_tokens` (sums), `grad_norm`, `learning_rate`.
+
+  With dynamic loss scaling (`config.precision.dynamic_loss_scale`, float16 by default) the
+  loss is multiplied by `state.loss_scale.scale` before differentiation and the float32
+  gradients divided by it. A step with a non-finite gradient is skipped: params and
+  opt_state stay bit-identical, `step` still advances, and the scale is updated by
+  `precision.next_loss_scale` (backoff on overflow, growth after `growth_interval` finite steps).
+
+  Metrics: `loss`, `nll`, `correct`, `num_tokens` (sums), `grad_norm` (of the unscaled
+  gradients), `learning_rate` (the schedule at `step`; the optimizer's own count lags by the
+  skipped steps), `skipped` (1.0 if the update was skipped, else 0.0) and `loss_scale` (the
+  scale this step used; 1.0 without scaling).
   """
   schedule = make_schedule(config.optim, config.model.d_model)
   label_smoothing = config.optim.label_smoothing
   use_dropout = config.model.dropout_rate > 0 or config.model.attention_dropout_rate > 0
+  precision = config.precision
+  dynamic = precision.dynamic_loss_scale
+
+  def scaled_loss(params, batch, rng, scale):
+    loss, sums = loss_fn(model, params, batch, rng, label_smoothing)
+    return loss * scale, sums
 
   def step(state: TrainState, batch: Batch, rng: jax.Array):
     step_rng = jax.random.fold_in(rng, state.step) if use_dropout else None
-    grad_fn = jax.value_and_grad(lambda p: _loss_fn(model, p, batch, step_rng, label_smoothing), has_aux=True)
-    (_, sums), grads = grad_fn(state.params)
+    scale = state.loss_scale.scale if dynamic else jnp.ones((), jnp.float32)
+    (_, sums), grads = jax.value_and_grad(scaled_loss, has_aux=True)(state.params, batch, step_rng, scale)
+    if dynamic:
+      grads = jax.tree.map(lambda g: g / scale, grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = dict(sums, grad_norm=optax.tree.norm(grads), learning_rate=schedule(state.step))
-    return TrainState(state.step + 1, params, opt_state), metrics
+    loss_scale, skipped = state.loss_scale, jnp.zeros((), jnp.float32)
+    if dynamic:
+      finite = all_finite(grads)
+      params, opt_state = select_tree(finite, (params, opt_state), (state.params, state.opt_state))
+      loss_scale = next_loss_scale(state.loss_scale, finite, precision.growth_interval,
+                                   precision.growth_factor, precision.backoff_factor)
+      skipped = 1.0 - finite.astype(jnp.float32)
+    metrics = dict(sums, grad_norm=optax.tree.norm(grads), learning_rate=schedule(state.step),
+                   skipped=skipped, loss_scale=scale)
+    return TrainState(state.step + 1, params, opt_state, loss_scale), metrics
 
   jitted = jax.jit(step, in_shardings=(state_shardings, _batch_shardings(mesh), sh.replicated(mesh)),
                    out_shardings=(state_shardings, sh.replicated(mesh)), donate_argnums=(0,))
@@ -70,7 +103,7 @@ def make_eval_step(model: nn.Module, config: Config, mesh: Mesh,
   label_smoothing = config.optim.label_smoothing
 
   def step(params, batch: Batch):
-    return _loss_fn(model, params, batch, None, label_smoothing)[1]
+    return loss_fn(model, params, batch, None, label_smoothing)[1]
 
   jitted = jax.jit(step, in_shardings=(param_shardings, _batch_shardings(mesh)), out_shardings=sh.replicated(mesh))
   return _with_mesh(jitted, mesh)
