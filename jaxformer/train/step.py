@@ -26,13 +26,14 @@ from jaxformer.train.state import TrainState
 Batch = dict[str, jax.Array]
 
 
-def _loss_fn(model: nn.Module, params, batch: Batch, rng: jax.Array | None, label_smoothing: float):
+def _loss_fn(model: nn.Module, params, batch: Batch, rng: jax.Array | None, label_smoothing: float,
+             z_loss: float):
   deterministic = rng is None
   rngs = None if deterministic else {"dropout": rng}
   logits = model.apply({"params": params}, batch["inputs"], batch["targets"],
                        deterministic=deterministic, rngs=rngs)
   weights = (batch["targets"] != PAD_ID).astype(jnp.float32)
-  sums = cross_entropy_sums(logits, batch["targets"], weights, label_smoothing)
+  sums = cross_entropy_sums(logits, batch["targets"], weights, label_smoothing, z_loss)
   # Normalise by the global count of real target tokens (section 5.4 loss per token).
   return sums["loss"] / jnp.maximum(sums["num_tokens"], 1.0), sums
 
@@ -47,12 +48,12 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, config: 
   Metrics: `loss`, `nll`, `correct`, `num_tokens` (sums), `grad_norm`, `learning_rate`.
   """
   schedule = make_schedule(config.optim, config.model.d_model)
-  label_smoothing = config.optim.label_smoothing
+  label_smoothing, z_loss = config.optim.label_smoothing, config.train.z_loss
   use_dropout = config.model.dropout_rate > 0 or config.model.attention_dropout_rate > 0
 
   def step(state: TrainState, batch: Batch, rng: jax.Array):
     step_rng = jax.random.fold_in(rng, state.step) if use_dropout else None
-    grad_fn = jax.value_and_grad(lambda p: _loss_fn(model, p, batch, step_rng, label_smoothing), has_aux=True)
+    grad_fn = jax.value_and_grad(lambda p: _loss_fn(model, p, batch, step_rng, label_smoothing, z_loss), has_aux=True)
     (_, sums), grads = grad_fn(state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -67,10 +68,10 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, config: 
 def make_eval_step(model: nn.Module, config: Config, mesh: Mesh,
                    param_shardings) -> Callable[[object, Batch], dict]:
   """Returns jitted `(params, batch) -> metric sums` with dropout off (validation loss)."""
-  label_smoothing = config.optim.label_smoothing
+  label_smoothing, z_loss = config.optim.label_smoothing, config.train.z_loss
 
   def step(params, batch: Batch):
-    return _loss_fn(model, params, batch, None, label_smoothing)[1]
+    return _loss_fn(model, params, batch, None, label_smoothing, z_loss)[1]
 
   jitted = jax.jit(step, in_shardings=(param_shardings, _batch_shardings(mesh)), out_shardings=sh.replicated(mesh))
   return _with_mesh(jitted, mesh)
