@@ -18,6 +18,7 @@ import dataclasses
 import importlib.util
 import re
 import statistics
+import sys
 import time
 from typing import Any, Callable
 
@@ -290,8 +291,14 @@ def run_bench(config: Config, options: BenchOptions) -> dict[str, Any]:
 
 
 def _make_peer(config: Config, host_batch: dict[str, np.ndarray]):
-  """The torch peer when PyTorch is installed and the backend is CPU (it runs on the host)."""
+  """The torch peer when PyTorch is installed, the backend is CPU (it runs on the host) and
+  the model is one `torch.nn.Transformer` can express (the paper's options)."""
   if importlib.util.find_spec("torch") is None or jax.default_backend() != "cpu":
+    return None
+  m = config.model
+  if (m.position, m.norm, m.ffn, m.attention, m.kv_heads, m.attn_logit_softcap, m.sliding_window) != (
+      "sinusoidal", "layernorm", "relu", "dense", m.num_heads, 0.0, 0):
+    print("torch peer skipped: torch.nn.Transformer has only the paper's architecture options", file=sys.stderr)
     return None
   from jaxformer.bench_torch import TorchTrainer
   return TorchTrainer(config, host_batch["inputs"], host_batch["targets"])

@@ -52,8 +52,8 @@ class PeerTransformer(nn.Module):
     super().__init__()
     self.config = m
     self.source_embed = nn.Embedding(m.vocab_size, m.d_model)
-    self.target_embed = self.source_embed if m.share_embeddings else nn.Embedding(m.vocab_size, m.d_model)
-    self.output_proj = None if m.share_embeddings else nn.Linear(m.d_model, m.vocab_size, bias=False)
+    self.target_embed = self.source_embed if m.tie_embeddings else nn.Embedding(m.vocab_size, m.d_model)
+    self.output_proj = None if m.tie_embeddings else nn.Linear(m.d_model, m.vocab_size, bias=False)
     for embed in dict.fromkeys([self.source_embed, self.target_embed]):  # as jaxformer's Embed: N(0, 1/d_model)
       nn.init.normal_(embed.weight, std=m.d_model ** -0.5)
     with warnings.catch_warnings():  # pre-LN: a note that inference fast paths are off (we train)

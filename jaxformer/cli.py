@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
   b.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
   b.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
   b.add_argument("--output", help="also write the JSON result to this file")
-  b.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.dtype=bfloat16 runtime.num_cpu_devices=2")
+  b.add_argument("overrides", nargs="*", help="dotted overrides, e.g. precision.policy=compute=bfloat16 runtime.num_cpu_devices=2")
   return p
 
 

@@ -22,6 +22,15 @@ class ConfigError(ValueError):
   """A user mistake in a config file or override; the message is one line."""
 
 
+# Valid names of the string-valued model options.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "position": ("sinusoidal", "learned", "rope", "alibi", "none"),
+    "norm": ("layernorm", "rmsnorm"),
+    "ffn": ("relu", "gelu", "swiglu", "geglu"),
+    "attention": ("dense", "blockwise"),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Transformer shape (Vaswani et al. 2017, Table 3 names)."""
@@ -35,10 +44,19 @@ class ModelConfig:
   dropout_rate: float = 0.1     # residual, embedding (paper section 5.4)
   attention_dropout_rate: float = 0.0
   pre_norm: bool = False        # paper: post-LN
-  share_embeddings: bool = True  # one matrix for source, target and output logits
+  tie_embeddings: bool = True   # one matrix for source, target and output logits
   max_length: int = 256         # longest sequence the positional table covers, tokens
   # Compute dtype read by the modules; not a user key: Config sets it from precision.policy.
   dtype: str = dataclasses.field(default="float32", metadata={"set_by": "precision.policy"})
+  # Architecture options beyond the paper (the defaults are the paper's model).
+  position: str = "sinusoidal"  # sinusoidal | learned | rope | alibi | none
+  norm: str = "layernorm"       # layernorm | rmsnorm
+  ffn: str = "relu"             # relu | gelu | swiglu | geglu
+  num_kv_heads: int = 0         # key/value heads (grouped-query); 0 = num_heads, 1 = multi-query
+  attn_logit_softcap: float = 0.0  # c > 0: attention scores become c * tanh(score / c); 0 = off
+  sliding_window: int = 0       # causal self-attention sees the last w tokens (itself included); 0 = all
+  attention: str = "dense"      # dense | blockwise (memory-linear exact attention)
+  attention_block_size: int = 128  # blockwise: keys/values per block, tokens
 
   def validate(self) -> None:
     if self.kind != "encoder_decoder":
@@ -56,10 +74,35 @@ class ModelConfig:
         raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
     if self.dtype not in ("float32", "bfloat16", "float16"):
       raise ConfigError(f"model.dtype={self.dtype!r} is unknown; use float32, bfloat16 or float16")
+    for name, valid in CHOICES.items():
+      if getattr(self, name) not in valid:
+        raise ConfigError(f"model.{name}={getattr(self, name)!r} is unknown; use one of {', '.join(valid)}")
+    if self.num_kv_heads < 0 or (self.num_kv_heads and self.num_heads % self.num_kv_heads):
+      raise ConfigError(
+          f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads}; "
+          f"use one of {[k for k in range(1, self.num_heads + 1) if self.num_heads % k == 0]} (or 0 = num_heads)")
+    for name in ("attn_logit_softcap", "sliding_window"):
+      if getattr(self, name) < 0:
+        raise ConfigError(f"model.{name} must be >= 0 (0 turns it off), got {getattr(self, name)}")
+    if self.attention_block_size <= 0:
+      raise ConfigError(f"model.attention_block_size must be positive, got {self.attention_block_size}")
+    if self.attention == "blockwise" and self.attention_dropout_rate > 0:
+      raise ConfigError("model.attention=blockwise does not support attention dropout; "
+                        "set model.attention_dropout_rate=0 or model.attention=dense")
+    if self.position == "rope" and self.head_dim % 2:
+      raise ConfigError(f"model.position=rope needs an even head_dim, got {self.head_dim}; "
+                        "change model.d_model or model.num_heads")
+    if self.position == "sinusoidal" and self.d_model % 2:
+      raise ConfigError(f"model.position=sinusoidal needs an even model.d_model, got {self.d_model}")
 
   @property
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
+
+  @property
+  def kv_heads(self) -> int:
+    """Key/value heads: `num_kv_heads`, or `num_heads` when it is 0."""
+    return self.num_kv_heads or self.num_heads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,8 +229,11 @@ class TrainConfig:
   checkpoint_every: int = 1000
   keep_checkpoints: int = 3
   async_checkpoint: bool = True
+  z_loss: float = 0.0           # weight of log(Z)^2 per target token (PaLM uses 1e-4); 0 = off
 
   def validate(self) -> None:
+    if self.z_loss < 0:
+      raise ConfigError(f"train.z_loss must be >= 0, got {self.z_loss}")
     for name in ("num_steps", "batch_size", "log_every", "eval_every", "checkpoint_every",
                  "keep_checkpoints"):
       if getattr(self, name) < 1:

@@ -48,15 +48,17 @@ def _divisors(n: int) -> list[int]:
 def check_model_fits_mesh(config: Config, fsdp: int, tensor: int) -> None:
   """Fails before compiling if a sharded dimension does not split evenly.
 
-  The tensor axis splits num_heads, d_ff and vocab_size; the fsdp axis splits d_model.
+  The tensor axis splits num_heads, the key/value heads, d_ff and vocab_size; the fsdp
+  axis splits d_model.
 
   Raises:
     ConfigError: naming the axis, the sizes and the valid choices.
   """
   m = config.model
-  for name, size in (("model.num_heads", m.num_heads), ("model.d_ff", m.d_ff), ("model.vocab_size", m.vocab_size)):
+  for name, size in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.kv_heads),
+                     ("model.d_ff", m.d_ff), ("model.vocab_size", m.vocab_size)):
     if size % tensor:
-      valid = [d for d in _divisors(m.num_heads) if m.d_ff % d == 0 and m.vocab_size % d == 0]
+      valid = [d for d in _divisors(m.kv_heads) if m.d_ff % d == 0 and m.vocab_size % d == 0]
       raise ConfigError(f"mesh.tensor={tensor} does not divide {name}={size}; use mesh.tensor in {valid}")
   if m.d_model % fsdp:
     raise ConfigError(f"mesh.fsdp={fsdp} does not divide model.d_model={m.d_model}; "

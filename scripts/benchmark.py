@@ -14,7 +14,7 @@ Matrices:
 Examples:
   scripts/benchmark.py targets --output runs/bench_targets.json
   scripts/benchmark.py remat --remat none full save_dots --batch-size 4
-  scripts/benchmark.py custom --variant 'bf16: --config configs/multi30k_small.yaml model.dtype=bfloat16'
+  scripts/benchmark.py custom --variant 'bf16: --config configs/multi30k_small.yaml precision.policy=compute=bfloat16'
 """
 
 from __future__ import annotations

@@ -35,9 +35,9 @@ def test_train_flops_match_a_hand_count():
   assert bench.train_flops_per_step(m, batch_size=4, src_length=5, tgt_length=3) == 3 * 4 * 17_840
 
 
-def _config(**model):
+def _config(policy="params=float32,compute=float32,output=float32"):
   tree = {"model": {"vocab_size": 997, "d_model": 256, "num_heads": 4, "d_ff": 1024, "num_encoder_layers": 2,
-                    "num_decoder_layers": 2, "dropout_rate": 0.0, **model}}
+                    "num_decoder_layers": 2, "dropout_rate": 0.0}, "precision": {"policy": policy}}
   return config_from_dict(tree)
 
 
@@ -59,7 +59,7 @@ def test_train_flops_match_xla_within_5_percent(lowered_fp32):
 def test_compute_dtype_is_read_from_the_program(lowered_fp32):
   assert bench.compute_dtype(lowered_fp32) == "f32"
   options = bench.BenchOptions(batch_size=8, src_length=13, tgt_length=11, steps=1, warmup=0, peer=False)
-  lowered = bench.prepare_step(_config(dtype="bfloat16"), options).lowered
+  lowered = bench.prepare_step(_config("params=float32,compute=bfloat16,output=float32"), options).lowered
   counts = bench.dot_dtypes(lowered.as_text())
   assert bench.compute_dtype(lowered) == "bf16" and counts["bf16"] > counts["f32"]
 
@@ -110,7 +110,7 @@ def test_torch_peer_has_our_parameter_count():
   from jaxformer.models.transformer import EncoderDecoder
   from jaxformer.train.state import abstract_state
   from jaxformer.train.optim import make_optimizer
-  for overrides in ({}, {"share_embeddings": False}, {"pre_norm": True}):
+  for overrides in ({}, {"tie_embeddings": False}, {"pre_norm": True}):
     m = dataclasses.replace(_config().model, vocab_size=37, d_model=16, d_ff=24, **overrides)
     abstract, _ = abstract_state(EncoderDecoder(m), make_optimizer(_config().optim, m.d_model))
     ours = sum(x.size for x in jax.tree.leaves(abstract.params))

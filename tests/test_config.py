@@ -45,12 +45,34 @@ def test_overrides_are_typed():
     ("data.buckets=[32, 16]", "strictly increasing"),
     ("mesh.data=0", "mesh.data must be a positive size or -1"),
     ("train.num_steps", "not of the form section.key=value"),
+    ("model.position=relative", "model.position='relative' is unknown; use one of sinusoidal, learned, rope, alibi, none"),
+    ("model.norm=batchnorm", "use one of layernorm, rmsnorm"),
+    ("model.ffn=swish", "use one of relu, gelu, swiglu, geglu"),
+    ("model.attention=flash", "use one of dense, blockwise"),
+    ("model.num_kv_heads=3", "model.num_kv_heads=3 must divide model.num_heads=4; use one of [1, 2, 4]"),
+    ("model.sliding_window=-2", "model.sliding_window must be >= 0"),
+    ("model.attn_logit_softcap=-1", "model.attn_logit_softcap must be >= 0"),
+    ("train.z_loss=-0.1", "train.z_loss must be >= 0"),
+    ("model.share_embeddings=false", "did you mean model.tie_embeddings?"),
 ])
 def test_bad_overrides_give_one_line_errors(override, message):
   with pytest.raises(ConfigError) as info:
     config_from_dict({}, [override])
   assert message in str(info.value)
   assert "\n" not in str(info.value)
+
+
+def test_architecture_options_parse():
+  config = config_from_dict({}, ["model.position=rope", "model.norm=rmsnorm", "model.ffn=swiglu",
+                                 "model.num_kv_heads=2", "model.attn_logit_softcap=30", "model.sliding_window=64",
+                                 "model.attention=blockwise", "model.tie_embeddings=false", "train.z_loss=1e-4"])
+  m = config.model
+  assert (m.position, m.norm, m.ffn, m.attention) == ("rope", "rmsnorm", "swiglu", "blockwise")
+  assert (m.num_kv_heads, m.kv_heads, m.sliding_window, m.tie_embeddings) == (2, 2, 64, False)
+  assert m.attn_logit_softcap == 30.0 and config.train.z_loss == 1e-4
+  assert config_from_dict({}).model.kv_heads == config_from_dict({}).model.num_heads  # 0 = num_heads
+  with pytest.raises(ConfigError, match="blockwise does not support attention dropout"):
+    config_from_dict({}, ["model.attention=blockwise", "model.attention_dropout_rate=0.1"])
 
 
 def test_missing_and_malformed_files(tmp_path):

@@ -16,7 +16,7 @@ OUT_LEN = 12        # tokens generated per row; <= CONFIG.max_length (the cache 
 NO_EOS = -1         # an eos_id no token equals: rows never stop early
 
 CONFIG = ModelConfig(vocab_size=VOCAB, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1,
-                     num_decoder_layers=2, dropout_rate=0.0, max_length=16, share_embeddings=False)
+                     num_decoder_layers=2, dropout_rate=0.0, max_length=16, tie_embeddings=False)
 MODEL = EncoderDecoder(CONFIG)
 
 

@@ -1,4 +1,4 @@
-"""Tests of jaxformer.layers: attention, positions, LayerNorm, feed-forward."""
+"""Tests of jaxformer.layers: attention, positions, LayerNorm / RMSNorm, feed-forward variants."""
 
 import math
 
@@ -12,7 +12,7 @@ from jaxformer.config import ModelConfig
 from jaxformer.layers.attention import MultiHeadAttention, dot_product_attention, padding_mask
 from jaxformer.layers.embedding import sinusoidal_positions
 from jaxformer.layers.feed_forward import FeedForward
-from jaxformer.layers.norm import LayerNorm
+from jaxformer.layers.norm import LayerNorm, RMSNorm, make_norm
 from jaxformer.models.blocks import EncoderBlock
 
 B, T, S, N, H = 3, 7, 11, 2, 8  # batch, query length, key length, heads, head_dim
@@ -124,13 +124,13 @@ def test_encoder_block_is_permutation_equivariant():
                     num_decoder_layers=1, dropout_rate=0.0, max_length=16)
   block = EncoderBlock(cfg)
   x = _normal(5, (2, S, D_MODEL))
-  mask = padding_mask(jnp.ones((2, S), bool), jnp.ones((2, S), bool))
-  params = _random_params(block, 6, x, mask, True)
+  valid = jnp.ones((2, S), bool)
+  params = _random_params(block, 6, x, valid, True)
   perm = np.random.default_rng(1).permutation(S)
-  y = np.asarray(block.apply(params, x, mask, True))
-  y_perm = np.asarray(block.apply(params, x[:, perm], mask, True))
+  y = np.asarray(block.apply(params, x, valid, True))
+  y_perm = np.asarray(block.apply(params, x[:, perm], valid, True))
   np.testing.assert_allclose(y_perm, y[:, perm], atol=1e-5, rtol=1e-5)
-  # Also without any mask: same result as the all-valid mask.
+  # Also without validity: same result as all-valid.
   np.testing.assert_allclose(np.asarray(block.apply(params, x, None, True)), y, atol=1e-6)
 
 
@@ -207,6 +207,19 @@ def test_layer_norm_bfloat16_uses_float32_statistics():
   assert np.abs(y_b - ref).max() > 0.05
 
 
+def test_rms_norm_matches_hand_computation():
+  x = 2.0 + _normal(11, (3, 5, 12), 3.0)
+  scale = np.linspace(0.5, 2.0, 12).astype(np.float32)
+  y = np.asarray(RMSNorm().apply({"params": {"scale": jnp.asarray(scale)}}, x))
+  xn = np.asarray(x, np.float64)
+  ref = xn / np.sqrt(np.mean(xn ** 2, axis=-1, keepdims=True) + 1e-6) * scale
+  np.testing.assert_allclose(y, ref, rtol=1e-5)
+  assert abs(y.mean()) > 0.1  # not centred, unlike LayerNorm
+  assert isinstance(make_norm("rmsnorm", jnp.float32), RMSNorm)
+  with pytest.raises(ValueError, match="use one of layernorm, rmsnorm"):
+    make_norm("batchnorm", jnp.float32)
+
+
 # --- FeedForward ---------------------------------------------------------------------------
 
 
@@ -222,3 +235,25 @@ def test_feed_forward_matches_hand_computation():
   assert 0 < (h == 0).mean() < 1  # ReLU actually clips something
   ref = h @ p["wo"] + p["bo"]
   np.testing.assert_allclose(y, ref, atol=1e-5, rtol=1e-5)
+
+
+def _gelu(h):
+  return 0.5 * h * (1.0 + np.vectorize(math.erf)(h / math.sqrt(2.0)))
+
+
+@pytest.mark.parametrize("activation, act, gated", [
+    ("gelu", _gelu, False),
+    ("swiglu", lambda h: h / (1.0 + np.exp(-h)), True),
+    ("geglu", _gelu, True),
+])
+def test_feed_forward_variants_match_hand_computation(activation, act, gated):
+  ffn = FeedForward(d_ff=24, activation=activation)
+  x = _normal(12, (2, S, D_MODEL))
+  params = _random_params(ffn, 13, x)["params"]
+  assert ("wi_gate" in params) == gated and ("bi_gate" in params) == gated
+  p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  xn = np.asarray(x, np.float64)
+  h = xn @ p["wi"] + p["bi"]
+  h = act(xn @ p["wi_gate"] + p["bi_gate"]) * h if gated else act(h)
+  y = np.asarray(ffn.apply({"params": params}, x))
+  np.testing.assert_allclose(y, h @ p["wo"] + p["bo"], atol=1e-5, rtol=1e-5)

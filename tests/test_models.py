@@ -145,7 +145,7 @@ def test_target_padding_does_not_change_real_positions(model_and_params, jitted)
 
 @pytest.mark.parametrize("share", [True, False])
 def test_param_logical_axes(share):
-  model = EncoderDecoder(_config(share_embeddings=share, pre_norm=not share))
+  model = EncoderDecoder(_config(tie_embeddings=share, pre_norm=not share))
   src, tgt = _batch()
   boxed = jax.eval_shape(lambda k: model.init(k, src, tgt), jax.random.key(0))["params"]
   specs = nn.get_partition_spec(boxed)
@@ -169,7 +169,7 @@ def test_param_logical_axes(share):
 
 def test_unshared_embeddings_and_pre_norm(model_and_params, jitted):
   src, tgt = _batch()
-  model = EncoderDecoder(_config(share_embeddings=False))
+  model = EncoderDecoder(_config(tie_embeddings=False))
   shapes = nn.meta.unbox(jax.eval_shape(lambda k: model.init(k, src, tgt), jax.random.key(0)))["params"]
   assert {"source_embed", "target_embed", "output_proj"} <= set(shapes)
   assert "embed" not in shapes

@@ -100,6 +100,18 @@ def test_cross_entropy_sums_hand_computed():
   assert float(out0["loss"]) == pytest.approx(float(out0["nll"]), rel=1e-7)
 
 
+def test_z_loss_adds_squared_log_normaliser():
+  logits = np.array([[[1.0, 2.0, 0.5, -1.0], [3.0, -1.0, 2.0, 0.0], [0.3, 0.1, 0.2, 5.0]]], np.float32)
+  targets = np.array([[1, 0, 2]])
+  weights = np.array([[1.0, 1.0, 0.0]], np.float32)  # the last token is padding
+  args = (jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights), 0.1)
+  plain = {k: float(v) for k, v in cross_entropy_sums(*args).items()}
+  with_z = {k: float(v) for k, v in cross_entropy_sums(*args, z_loss=1e-2).items()}
+  log_z = [math.log(sum(math.exp(v) for v in row)) for row in logits[0, :2]]
+  assert with_z["loss"] == pytest.approx(plain["loss"] + 1e-2 * (log_z[0] ** 2 + log_z[1] ** 2), rel=1e-6)
+  assert with_z["nll"] == plain["nll"] and with_z["num_tokens"] == 2.0
+
+
 # --- the sharded train step ----------------------------------------------------------------
 
 

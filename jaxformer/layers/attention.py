@@ -1,4 +1,6 @@
-"""Multi-head scaled dot-product attention (paper section 3.2) with masks and a KV cache.
+"""Multi-head scaled dot-product attention (paper section 3.2) with masks and a KV cache,
+plus grouped-query heads, RoPE / ALiBi, score soft-capping, sliding windows and a
+memory-linear blockwise implementation.
 
 Masks are boolean, True where a query may attend to a key, broadcastable to
 `[batch, num_heads, q_length, kv_length]`. Masked logits get a large finite negative
@@ -12,8 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer import sharding as sh
-
-_NEG = -1e9  # fits float32/bfloat16; logits are float32 when masked
+from jaxformer.layers.blockwise import blockwise_attention
+from jaxformer.layers.positions import alibi_bias, alibi_slopes, apply_rope
+from jaxformer.layers.scores import attention_mask, attention_scores, repeat_kv
 
 
 def padding_mask(q_valid: jax.Array, kv_valid: jax.Array) -> jax.Array:
@@ -27,26 +30,24 @@ def causal_mask(length: int) -> jax.Array:
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
-                          dropout_rng: jax.Array | None = None, dropout_rate: float = 0.0) -> jax.Array:
-  """softmax(q k^T / sqrt(head_dim)) v, softmax in float32 (paper eq. 1).
+                          dropout_rng: jax.Array | None = None, dropout_rate: float = 0.0, *,
+                          bias: jax.Array | None = None, softcap: float = 0.0) -> jax.Array:
+  """softmax(q k^T / sqrt(head_dim) + bias) v, softmax in float32 (paper eq. 1).
 
   Args:
     q: `[batch, q_len, num_heads, head_dim]`.
-    k, v: `[batch, kv_len, num_heads, head_dim]`.
+    k, v: `[batch, kv_len, num_kv_heads, head_dim]`, num_kv_heads dividing num_heads.
     mask: bool, broadcastable to `[batch, num_heads, q_len, kv_len]`, or None.
     dropout_rng: key for dropout on the attention weights; None disables it.
+    bias, softcap: see `scores.attention_scores`.
   Returns:
     `[batch, q_len, num_heads, head_dim]` in q's dtype.
   """
-  scale = q.shape[-1] ** -0.5
-  logits = jnp.einsum("btnh,bsnh->bnts", q * jnp.asarray(scale, q.dtype), k).astype(jnp.float32)
-  if mask is not None:
-    logits = jnp.where(mask, logits, _NEG)
-  weights = jax.nn.softmax(logits, axis=-1)
+  weights = jax.nn.softmax(attention_scores(q, k, bias, mask, softcap), axis=-1)
   if dropout_rng is not None and dropout_rate > 0.0:
     keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
     weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
-  return jnp.einsum("bnts,bsnh->btnh", weights.astype(v.dtype), v)
+  return jnp.einsum("bnts,bsnh->btnh", weights.astype(v.dtype), repeat_kv(v, q.shape[2]))
 
 
 def _project(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -63,57 +64,94 @@ def _proj_init(in_axis, out_axis):
 
 
 class MultiHeadAttention(nn.Module):
-  """Q/K/V projections `[d_model, num_heads, head_dim]` (column-split over heads on the
-  tensor axis), attention, and the output projection `[num_heads, head_dim, d_model]`
-  (row-split), so each tensor shard owns whole heads.
+  """Q projection `[d_model, num_heads, head_dim]`, K/V projections `[d_model, num_kv_heads,
+  head_dim]` (column-split over heads on the tensor axis), attention, and the output
+  projection `[num_heads, head_dim, d_model]` (row-split), so each tensor shard owns whole heads.
 
-  Call with `x` `[batch, q_len, d_model]` and `kv` `[batch, kv_len, d_model]` (None for
-  self-attention); returns `[batch, q_len, d_model]`.
+  Call with `x` `[batch, q_len, d_model]`, `kv` `[batch, kv_len, d_model]` (None for
+  self-attention) and bool padding validity `q_valid` `[batch, q_len]` / `kv_valid`
+  `[batch, kv_len]` (None = all valid; self-attention uses `q_valid` for its keys too);
+  returns `[batch, q_len, d_model]`. Positions are token indices 0..q_len-1, or the cache
+  slots when decoding. `causal`, `sliding_window` and `position` (rope | alibi; any other
+  value adds nothing here) act in self-attention only: cross-attention has no position bias.
 
   With `decode=True` the module keeps a cache collection:
-    * self-attention: `cached_key`/`cached_value` `[batch, max_length, num_heads, head_dim]`
-      and `cache_index`; each call writes its q_len new keys at `cache_index` (a prefill
-      writes several, a decode step one) and attends to all filled slots up to itself.
+    * self-attention: `cached_key`/`cached_value` `[batch, max_length, num_kv_heads, head_dim]`
+      and `cache_index`; each call writes its q_len new keys (RoPE-rotated at their slot)
+      at `cache_index` (a prefill writes several, a decode step one) and attends to the
+      filled slots allowed by the causal / sliding-window mask.
     * cross-attention (`kv` given once at prefill, None afterwards): the projected
       encoder keys/values are computed once and reused at every decode step.
+
+  Raises:
+    ValueError: blockwise attention with dropout; decode without `max_length`; a
+      cross-attention decode step before the prefill.
   """
   num_heads: int
   head_dim: int
   dropout_rate: float = 0.0
   dtype: jnp.dtype = jnp.float32
   is_cross: bool = False
-  max_length: int = 0  # decode cache size for self-attention, tokens
+  max_length: int = 0        # decode cache size for self-attention, tokens
+  num_kv_heads: int = 0      # grouped-query key/value heads; 0 = num_heads
+  causal: bool = False
+  sliding_window: int = 0    # tokens; 0 = unlimited
+  position: str = "none"     # rope | alibi act here; sinusoidal / learned / none are added outside
+  softcap: float = 0.0       # attention score soft-cap c (c * tanh(s / c)); 0 = off
+  implementation: str = "dense"  # dense | blockwise
+  block_size: int = 128      # blockwise: keys per block
 
   def _kernel(self, name: str, shape, axes, in_axis, out_axis):
     return self.param(name, sh.param_with_axes(_proj_init(in_axis, out_axis), axes), shape).astype(self.dtype)
 
   @nn.compact
-  def __call__(self, x: jax.Array, kv: jax.Array | None, mask: jax.Array | None, *,
-               deterministic: bool, decode: bool = False) -> jax.Array:
+  def __call__(self, x: jax.Array, kv: jax.Array | None, q_valid: jax.Array | None = None,
+               kv_valid: jax.Array | None = None, *, deterministic: bool, decode: bool = False) -> jax.Array:
     d_model = x.shape[-1]
-    n, h = self.num_heads, self.head_dim
+    n, kh, h = self.num_heads, self.num_kv_heads or self.num_heads, self.head_dim
     in_axes = (sh.EMBED, sh.HEADS, sh.KV)
     wq = self._kernel("query", (d_model, n, h), in_axes, 0, (1, 2))
-    wk = self._kernel("key", (d_model, n, h), in_axes, 0, (1, 2))
-    wv = self._kernel("value", (d_model, n, h), in_axes, 0, (1, 2))
+    wk = self._kernel("key", (d_model, kh, h), in_axes, 0, (1, 2))
+    wv = self._kernel("value", (d_model, kh, h), in_axes, 0, (1, 2))
     wo = self._kernel("out", (n, h, d_model), (sh.HEADS, sh.KV, sh.EMBED), (0, 1), 2)
     head_axes = (sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_HEADS, sh.ACT_KV)
 
     x = x.astype(self.dtype)
     q = sh.constrain(_project(x, wq), head_axes)  # [B, T, N, H]
+    q_pos = jnp.arange(x.shape[1])[None]                              # [1, T]
+    causal, window, rope, alibi = False, 0, False, False
     if self.is_cross:
       k, v = self._cross_kv(kv, wk, wv, decode)
+      kv_pos = jnp.arange(k.shape[1])[None]                           # [1, S]
     else:
-      k, v = _project(x, wk), _project(x, wv)  # [B, S, N, H]
+      causal, window = self.causal, self.sliding_window
+      rope, alibi = self.position == "rope", self.position == "alibi"
+      k, v = _project(x, wk), _project(x, wv)  # [B, S, K, H]
+      kv_valid, kv_pos = q_valid, q_pos
       if decode:
-        k, v, mask = self._update_self_cache(k, v, mask)
+        index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+        q_pos = kv_pos = q_pos + index.value
+      if rope:
+        q, k = apply_rope(q, q_pos), apply_rope(k, kv_pos)
+      if decode:
+        k, v, kv_pos, kv_valid = self._update_self_cache(k, v, index)
     k, v = sh.constrain(k, head_axes), sh.constrain(v, head_axes)
+    slopes = jnp.asarray(alibi_slopes(n)) if alibi else None
 
-    dropout_rng = None
-    if not deterministic and self.dropout_rate > 0.0:
-      dropout_rng = self.make_rng("dropout")
-    out = dot_product_attention(q, k, v, mask, dropout_rng, self.dropout_rate)  # [B, T, N, H]
-    b, t = out.shape[:2]
+    if self.implementation == "blockwise":
+      if not deterministic and self.dropout_rate > 0.0:
+        raise ValueError("blockwise attention has no attention dropout; use dropout_rate=0 or dense attention")
+      out = blockwise_attention(q, k, v, q_positions=q_pos, kv_positions=kv_pos, q_valid=q_valid,
+                                kv_valid=kv_valid, causal=causal, sliding_window=window,
+                                alibi_slopes=slopes, softcap=self.softcap, block_size=self.block_size)
+    else:
+      dropout_rng = None
+      if not deterministic and self.dropout_rate > 0.0:
+        dropout_rng = self.make_rng("dropout")
+      mask = attention_mask(q_pos, kv_pos, q_valid, kv_valid, causal, window)
+      bias = alibi_bias(slopes, q_pos, kv_pos) if alibi else None
+      out = dot_product_attention(q, k, v, mask, dropout_rng, self.dropout_rate, bias=bias, softcap=self.softcap)
+    b, t = out.shape[:2]  # out: [B, T, N, H]
     return jnp.einsum("mnh,nhd->md", out.reshape(b * t, n, h), wo).reshape(b, t, d_model)
 
   def _cross_kv(self, kv, wk, wv, decode):
@@ -128,22 +166,17 @@ class MultiHeadAttention(nn.Module):
     self.put_variable("cache", "cross_value", v)
     return k, v
 
-  def _update_self_cache(self, k, v, mask):
-    """Writes the new keys/values at `cache_index` and masks slots that are not yet filled
-    or that lie after the query (causality); `mask` may add padding constraints."""
-    batch, q_len, n, h = k.shape
+  def _update_self_cache(self, k, v, index):
+    """Writes the new keys/values at `cache_index`; returns all cache slots with their
+    positions int `[1, max_length]` and validity bool `[1, max_length]` (filled slots)."""
+    batch, q_len, kh, h = k.shape
     if self.max_length <= 0:
       raise ValueError("MultiHeadAttention(decode=True) needs max_length > 0 for its cache")
-    cached_k = self.variable("cache", "cached_key", jnp.zeros, (batch, self.max_length, n, h), k.dtype)
-    cached_v = self.variable("cache", "cached_value", jnp.zeros, (batch, self.max_length, n, h), v.dtype)
-    index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+    cached_k = self.variable("cache", "cached_key", jnp.zeros, (batch, self.max_length, kh, h), k.dtype)
+    cached_v = self.variable("cache", "cached_value", jnp.zeros, (batch, self.max_length, kh, h), v.dtype)
     start = index.value
     cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k.astype(cached_k.value.dtype), (0, start, 0, 0))
     cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v.astype(cached_v.value.dtype), (0, start, 0, 0))
     index.value = start + q_len
-    q_pos = start + jnp.arange(q_len)                              # [T]
-    k_pos = jnp.arange(self.max_length)                            # [S_max]
-    cache_mask = (k_pos[None, :] <= q_pos[:, None])[None, None]    # [1, 1, T, S_max]
-    if mask is not None:
-      cache_mask = cache_mask & mask
-    return cached_k.value, cached_v.value, cache_mask
+    slots = jnp.arange(self.max_length)[None]                          # [1, S_max]
+    return cached_k.value, cached_v.value, slots, slots < start + q_len

@@ -1,4 +1,5 @@
-"""Position-wise feed-forward network, FFN(x) = max(0, x W1 + b1) W2 + b2 (paper eq. 2)."""
+"""Position-wise feed-forward network, FFN(x) = max(0, x W1 + b1) W2 + b2 (paper eq. 2),
+and the GELU / gated (SwiGLU, GEGLU; Shazeer 2020) variants."""
 
 import flax.linen as nn
 import jax
@@ -8,27 +9,50 @@ from jaxformer import sharding as sh
 
 xavier_uniform = nn.initializers.xavier_uniform
 
+# activation name -> (nonlinearity, gated?)
+ACTIVATIONS = {
+    "relu": (nn.relu, False),
+    "gelu": (lambda h: nn.gelu(h, approximate=False), False),
+    "swiglu": (nn.silu, True),
+    "geglu": (lambda h: nn.gelu(h, approximate=False), True),
+}
+
 
 class FeedForward(nn.Module):
-  """ReLU FFN. `[batch, length, d_model]` -> `[batch, length, d_model]`.
+  """`[batch, length, d_model]` -> `[batch, length, d_model]`.
 
-  W1 is split over the tensor axis by columns (d_ff) and W2 by rows (d_ff), so the
-  hidden activation `[batch, length, d_ff]` never needs gathering (Megatron style).
+  relu / gelu: act(x W1 + b1) W2 + b2. swiglu / geglu: (act(x Wg + bg) * (x W1 + b1)) W2 + b2,
+  with act = SiLU / exact GELU and one more `[d_model, d_ff]` kernel `wi_gate`.
+  W1 (and Wg) are split over the tensor axis by columns (d_ff) and W2 by rows (d_ff), so
+  the hidden activation `[batch, length, d_ff]` never needs gathering (Megatron style).
+
+  Raises:
+    ValueError: an unknown activation.
   """
   d_ff: int
   dtype: jnp.dtype = jnp.float32
+  activation: str = "relu"  # relu | gelu | swiglu | geglu
+
+  def _dense_in(self, name: str, x: jax.Array) -> jax.Array:
+    d_model = x.shape[-1]
+    w = self.param(name, sh.param_with_axes(xavier_uniform(), (sh.EMBED, sh.MLP)), (d_model, self.d_ff))
+    b = self.param(name.replace("wi", "bi"), sh.param_with_axes(nn.initializers.zeros, (sh.MLP,)), (self.d_ff,))
+    # Matmuls over the flattened tokens `[batch*length, ...]`: XLA:CPU runs the 2-D form's
+    # weight gradients without transposed copies of the activations (a third faster there).
+    h = jnp.einsum("nd,df->nf", x.reshape(-1, d_model), w.astype(self.dtype)) + b.astype(self.dtype)
+    return h.reshape(*x.shape[:-1], self.d_ff)
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
+    if self.activation not in ACTIVATIONS:
+      raise ValueError(f"unknown activation {self.activation!r}; use one of {', '.join(ACTIVATIONS)}")
+    act, gated = ACTIVATIONS[self.activation]
     d_model = x.shape[-1]
-    w1 = self.param("wi", sh.param_with_axes(xavier_uniform(), (sh.EMBED, sh.MLP)), (d_model, self.d_ff))
-    b1 = self.param("bi", sh.param_with_axes(nn.initializers.zeros, (sh.MLP,)), (self.d_ff,))
+    x = x.astype(self.dtype)
+    h = self._dense_in("wi", x)
+    h = act(self._dense_in("wi_gate", x)) * h if gated else act(h)
+    h = sh.constrain(h, (sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_MLP))
     w2 = self.param("wo", sh.param_with_axes(xavier_uniform(), (sh.MLP, sh.EMBED)), (self.d_ff, d_model))
     b2 = self.param("bo", sh.param_with_axes(nn.initializers.zeros, (sh.EMBED,)), (d_model,))
-    # Matmuls over the flattened tokens `[batch*length, ...]`: XLA:CPU runs the 2-D form's
-    # weight gradients without transposed copies of the activations (a third faster there).
-    tokens = x.reshape(-1, d_model).astype(self.dtype)                                 # [B*T, D]
-    h = jnp.einsum("nd,df->nf", tokens, w1.astype(self.dtype)) + b1.astype(self.dtype)  # [B*T, F]
-    h = sh.constrain(nn.relu(h).reshape(*x.shape[:-1], self.d_ff), (sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_MLP))
     y = jnp.einsum("nf,fd->nd", h.reshape(-1, self.d_ff), w2.astype(self.dtype)) + b2.astype(self.dtype)
     return y.reshape(*x.shape[:-1], d_model)

@@ -1,5 +1,9 @@
-"""Encoder and decoder blocks (paper section 3.1): sublayer -> dropout -> residual -> LayerNorm
-(post-LN, as in the paper) or LayerNorm -> sublayer -> dropout -> residual (pre-LN)."""
+"""Encoder and decoder blocks (paper section 3.1): sublayer -> dropout -> residual -> norm
+(post-LN, as in the paper) or norm -> sublayer -> dropout -> residual (pre-LN).
+
+The norm (`model.norm`), FFN (`model.ffn`) and attention options come from the config.
+RoPE / ALiBi act in self-attention only (cross-attention has no position bias); causal
+masking and the sliding window act in the decoder's self-attention only."""
 
 from __future__ import annotations
 
@@ -13,41 +17,51 @@ from jaxformer import sharding as sh
 from jaxformer.config import ModelConfig
 from jaxformer.layers.attention import MultiHeadAttention
 from jaxformer.layers.feed_forward import FeedForward
-from jaxformer.layers.norm import LayerNorm
+from jaxformer.layers.norm import make_norm
 
 BLOCK_AXES = (sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_EMBED)
 
 
 class Residual(nn.Module):
-  """One residual sublayer with its LayerNorm and dropout; `fn` maps normalized x to the update."""
+  """One residual sublayer with its norm and dropout; `fn` maps normalized x to the update."""
   config: ModelConfig
 
   @nn.compact
   def __call__(self, x: jax.Array, fn: Callable[[jax.Array], jax.Array], deterministic: bool) -> jax.Array:
     dtype = jnp.dtype(self.config.dtype)
-    norm = LayerNorm(dtype=dtype, name="norm")
+    norm = make_norm(self.config.norm, dtype, name="norm")
     drop = nn.Dropout(self.config.dropout_rate)
     if self.config.pre_norm:
       return x + drop(fn(norm(x)), deterministic=deterministic)
     return norm(x + drop(fn(x), deterministic=deterministic))
 
 
-def _attention(config: ModelConfig, name: str, is_cross: bool = False, max_length: int = 0):
+def _attention(config: ModelConfig, name: str, is_cross: bool = False, max_length: int = 0,
+               causal: bool = False):
   return MultiHeadAttention(num_heads=config.num_heads, head_dim=config.head_dim,
                             dropout_rate=config.attention_dropout_rate, dtype=jnp.dtype(config.dtype),
-                            is_cross=is_cross, max_length=max_length, name=name)
+                            is_cross=is_cross, max_length=max_length, num_kv_heads=config.kv_heads,
+                            causal=causal, sliding_window=config.sliding_window if causal else 0,
+                            position=config.position, softcap=config.attn_logit_softcap,
+                            implementation=config.attention, block_size=config.attention_block_size,
+                            name=name)
+
+
+def _ffn(config: ModelConfig):
+  return FeedForward(config.d_ff, dtype=jnp.dtype(config.dtype), activation=config.ffn, name="ffn")
 
 
 class EncoderBlock(nn.Module):
-  """Self-attention + FFN. `[batch, src_len, d_model]` -> same; `mask` `[batch, 1, S, S]`."""
+  """Self-attention + FFN. `[batch, src_len, d_model]` -> same; `valid` bool `[batch, src_len]`
+  marks real (non-padding) tokens, or None."""
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x: jax.Array, mask: jax.Array, deterministic: bool) -> jax.Array:
+  def __call__(self, x: jax.Array, valid: jax.Array | None, deterministic: bool) -> jax.Array:
     attn = _attention(self.config, "self_attention")
-    ffn = FeedForward(self.config.d_ff, dtype=jnp.dtype(self.config.dtype), name="ffn")
+    ffn = _ffn(self.config)
     x = Residual(self.config, name="attention_sublayer")(
-        x, lambda h: attn(h, None, mask, deterministic=deterministic), deterministic)
+        x, lambda h: attn(h, None, valid, deterministic=deterministic), deterministic)
     x = Residual(self.config, name="ffn_sublayer")(x, ffn, deterministic)
     return sh.constrain(x, BLOCK_AXES)
 
@@ -56,21 +70,21 @@ class DecoderBlock(nn.Module):
   """Masked self-attention + cross-attention over the encoder output + FFN.
 
   `y` `[batch, tgt_len, d_model]`; `encoded` `[batch, src_len, d_model]` (None at decode
-  steps after prefill); `self_mask` `[batch, 1, T, T]` (causal & padding) or None when
-  decoding (the cache builds the causal mask); `cross_mask` `[batch, 1, T, S]`.
+  steps after prefill); `tgt_valid` bool `[batch, tgt_len]` and `src_valid` bool
+  `[batch, src_len]` mark real tokens (None = all). Self-attention is causal.
   """
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, y, encoded, self_mask, cross_mask, deterministic: bool, decode: bool = False):
+  def __call__(self, y, encoded, tgt_valid, src_valid, deterministic: bool, decode: bool = False):
     cfg = self.config
-    self_attn = _attention(cfg, "self_attention", max_length=cfg.max_length)
+    self_attn = _attention(cfg, "self_attention", max_length=cfg.max_length, causal=True)
     cross_attn = _attention(cfg, "cross_attention", is_cross=True)
-    ffn = FeedForward(cfg.d_ff, dtype=jnp.dtype(cfg.dtype), name="ffn")
+    ffn = _ffn(cfg)
     y = Residual(cfg, name="self_attention_sublayer")(
-        y, lambda h: self_attn(h, None, self_mask, deterministic=deterministic, decode=decode), deterministic)
+        y, lambda h: self_attn(h, None, tgt_valid, deterministic=deterministic, decode=decode), deterministic)
     y = Residual(cfg, name="cross_attention_sublayer")(
-        y, lambda h: cross_attn(h, encoded, cross_mask, deterministic=deterministic, decode=decode),
+        y, lambda h: cross_attn(h, encoded, tgt_valid, src_valid, deterministic=deterministic, decode=decode),
         deterministic)
     y = Residual(cfg, name="ffn_sublayer")(y, ffn, deterministic)
     return sh.constrain(y, BLOCK_AXES)

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 
 from jaxformer import sharding as sh
 from jaxformer.config import ModelConfig
-from jaxformer.layers.attention import causal_mask, padding_mask
 from jaxformer.layers.embedding import Embed, sinusoidal_positions
-from jaxformer.layers.norm import LayerNorm
+from jaxformer.layers.norm import make_norm
+from jaxformer.layers.positions import LearnedPositions
 from jaxformer.models.blocks import BLOCK_AXES, DecoderBlock, EncoderBlock
 
 PAD_ID = 0
@@ -47,7 +47,7 @@ class EncoderDecoder(nn.Module):
   def setup(self):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
-    if cfg.share_embeddings:
+    if cfg.tie_embeddings:
       self.source_embed = self.target_embed = Embed(cfg.vocab_size, cfg.d_model, dtype, name="embed")
     else:
       self.source_embed = Embed(cfg.vocab_size, cfg.d_model, dtype, name="source_embed")
@@ -58,21 +58,30 @@ class EncoderDecoder(nn.Module):
     self.encoder_blocks = [EncoderBlock(cfg, name=f"encoder_{i}") for i in range(cfg.num_encoder_layers)]
     self.decoder_blocks = [DecoderBlock(cfg, name=f"decoder_{i}") for i in range(cfg.num_decoder_layers)]
     if cfg.pre_norm:  # pre-LN leaves the residual stream unnormalized: close each stack with a norm
-      self.encoder_norm = LayerNorm(dtype=dtype)
-      self.decoder_norm = LayerNorm(dtype=dtype)
+      self.encoder_norm = make_norm(cfg.norm, dtype)
+      self.decoder_norm = make_norm(cfg.norm, dtype)
+    if cfg.position == "learned":
+      self.source_positions = LearnedPositions(cfg.max_length, cfg.d_model, dtype)
+      self.target_positions = LearnedPositions(cfg.max_length, cfg.d_model, dtype)
     self.dropout = nn.Dropout(cfg.dropout_rate)
 
-  def _embed(self, embed: Embed, tokens, positions, deterministic):
-    x = embed(tokens) + sinusoidal_positions(positions, self.config.d_model).astype(embed.dtype)
+  def _embed(self, embed: Embed, tokens, positions, deterministic, learned=None):
+    """Token embeddings plus absolute positions (sinusoidal or learned); rope and alibi act
+    inside self-attention instead, `none` adds nothing."""
+    x = embed(tokens)
+    if self.config.position == "sinusoidal":
+      x = x + sinusoidal_positions(positions, self.config.d_model).astype(embed.dtype)
+    elif self.config.position == "learned":
+      x = x + learned(positions)
     return sh.constrain(self.dropout(x, deterministic=deterministic), BLOCK_AXES)
 
   def encode(self, inputs: jax.Array, *, deterministic: bool = True) -> jax.Array:
     """Encoder stack over int `[batch, src_len]` ids -> `[batch, src_len, d_model]`."""
     valid = inputs != PAD_ID
-    x = self._embed(self.source_embed, inputs, default_positions(inputs), deterministic)
-    mask = padding_mask(valid, valid)
+    x = self._embed(self.source_embed, inputs, default_positions(inputs), deterministic,
+                    getattr(self, "source_positions", None))
     for block in self.encoder_blocks:
-      x = block(x, mask, deterministic)
+      x = block(x, valid, deterministic)
     return self.encoder_norm(x) if self.config.pre_norm else x
 
   def decode(self, encoded: jax.Array | None, inputs: jax.Array, decoder_inputs: jax.Array, *,
@@ -85,22 +94,22 @@ class EncoderDecoder(nn.Module):
         the prefill it may be None (cross-attention keys/values are cached).
       inputs: int `[batch, src_len]` source ids, for the cross-attention padding mask.
       decoder_inputs: int `[batch, tgt_len]`, starting with BOS.
-      positions: int `[batch, tgt_len]` positions of `decoder_inputs`; defaults to 0..tgt_len-1.
-        Decoding passes the absolute step index.
+      positions: int `[batch, tgt_len]` positions of `decoder_inputs` for sinusoidal / learned
+        embeddings; defaults to 0..tgt_len-1. Decoding passes the absolute step index.
+        RoPE and ALiBi use the token index (the cache slot when decoding), which equals it.
       decode: use and update the KV cache (prefill or one decode step).
     """
     if positions is None:
       positions = default_positions(decoder_inputs)
     tgt_valid = decoder_inputs != PAD_ID
     src_valid = inputs != PAD_ID
-    y = self._embed(self.target_embed, decoder_inputs, positions, deterministic)
-    cross_mask = padding_mask(tgt_valid, src_valid)
-    self_mask = None if decode else padding_mask(tgt_valid, tgt_valid) & causal_mask(decoder_inputs.shape[1])
+    y = self._embed(self.target_embed, decoder_inputs, positions, deterministic,
+                    getattr(self, "target_positions", None))
     for block in self.decoder_blocks:
-      y = block(y, encoded, self_mask, cross_mask, deterministic, decode)
+      y = block(y, encoded, tgt_valid, src_valid, deterministic, decode)
     if self.config.pre_norm:
       y = self.decoder_norm(y)
-    if self.config.share_embeddings:
+    if self.config.tie_embeddings:
       logits = self.target_embed.attend(y)
     else:
       dtype = jnp.dtype(self.config.dtype)

@@ -27,19 +27,20 @@ from jaxformer.train.state import TrainState
 Batch = dict[str, jax.Array]
 
 
-def loss_fn(model: nn.Module, params, batch: Batch, rng: jax.Array | None, label_smoothing: float):
+def loss_fn(model: nn.Module, params, batch: Batch, rng: jax.Array | None, label_smoothing: float,
+            z_loss: float = 0.0):
   """(float32 loss per real target token, metric sums) of `model` on `batch`.
 
   `batch` holds int32 `inputs` `[batch, src_len]` and `targets` `[batch, tgt_len]` (0 is
   padding); `rng` is the dropout key, None for deterministic. The sums are those of
-  `cross_entropy_sums`; the loss is computed in float32 whatever the compute dtype.
+  `cross_entropy_sums` (with `z_loss`); the loss is computed in float32 whatever the compute dtype.
   """
   deterministic = rng is None
   rngs = None if deterministic else {"dropout": rng}
   logits = model.apply({"params": params}, batch["inputs"], batch["targets"],
                        deterministic=deterministic, rngs=rngs)
   weights = (batch["targets"] != PAD_ID).astype(jnp.float32)
-  sums = cross_entropy_sums(logits, batch["targets"], weights, label_smoothing)
+  sums = cross_entropy_sums(logits, batch["targets"], weights, label_smoothing, z_loss)
   # Normalise by the global count of real target tokens (section 5.4 loss per token).
   return sums["loss"] / jnp.maximum(sums["num_tokens"], 1.0), sums
 
@@ -64,13 +65,13 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, config: 
   scale this step used; 1.0 without scaling).
   """
   schedule = make_schedule(config.optim, config.model.d_model)
-  label_smoothing = config.optim.label_smoothing
+  label_smoothing, z_loss = config.optim.label_smoothing, config.train.z_loss
   use_dropout = config.model.dropout_rate > 0 or config.model.attention_dropout_rate > 0
   precision = config.precision
   dynamic = precision.dynamic_loss_scale
 
   def scaled_loss(params, batch, rng, scale):
-    loss, sums = loss_fn(model, params, batch, rng, label_smoothing)
+    loss, sums = loss_fn(model, params, batch, rng, label_smoothing, z_loss)
     return loss * scale, sums
 
   def step(state: TrainState, batch: Batch, rng: jax.Array):
@@ -100,10 +101,10 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, config: 
 def make_eval_step(model: nn.Module, config: Config, mesh: Mesh,
                    param_shardings) -> Callable[[object, Batch], dict]:
   """Returns jitted `(params, batch) -> metric sums` with dropout off (validation loss)."""
-  label_smoothing = config.optim.label_smoothing
+  label_smoothing, z_loss = config.optim.label_smoothing, config.train.z_loss
 
   def step(params, batch: Batch):
-    return loss_fn(model, params, batch, None, label_smoothing)[1]
+    return loss_fn(model, params, batch, None, label_smoothing, z_loss)[1]
 
   jitted = jax.jit(step, in_shardings=(param_shardings, _batch_shardings(mesh)), out_shardings=sh.replicated(mesh))
   return _with_mesh(jitted, mesh)

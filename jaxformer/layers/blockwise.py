@@ -1,0 +1,137 @@
+"""Blockwise exact attention: the memory-efficient ("flash") formulation.
+
+Keys and values are visited in blocks of `block_size` with an online softmax (running
+max `m` and sum `l`, Milakov & Gimelshein 2018; Rabe & Staats 2021; Dao et al. 2022), so no
+`[T, S]` score matrix is ever materialised: temporaries are `[batch, heads, T, block_size]`
+and grow linearly with the sequence length. The backward pass (a custom VJP) keeps only
+q, k, v, the output and the per-row max and sum, and recomputes each block's scores.
+
+Masks are given as padding validity plus causal / sliding-window flags on positions and
+built per block; the result equals `attention.dot_product_attention` with the same mask
+(fully masked rows included: they average all values).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.layers.positions import alibi_bias
+from jaxformer.layers.scores import attention_mask, attention_scores, repeat_kv
+
+
+class _Spec(NamedTuple):
+  causal: bool
+  sliding_window: int
+  softcap: float
+  block_size: int
+  alibi: bool
+
+
+def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array,
+                        kv_positions: jax.Array, q_valid: jax.Array | None = None,
+                        kv_valid: jax.Array | None = None, causal: bool = False, sliding_window: int = 0,
+                        alibi_slopes: jax.Array | None = None, softcap: float = 0.0,
+                        block_size: int = 128) -> jax.Array:
+  """Exact softmax attention over key/value blocks, with a memory-linear gradient.
+
+  Args:
+    q: `[batch, T, num_heads, head_dim]`.
+    k, v: `[batch, S, num_kv_heads, head_dim]`; num_kv_heads divides num_heads.
+    q_positions: int `[batch, T]`; kv_positions: int `[batch, S]` (batch may be 1).
+    q_valid, kv_valid: bool `[batch, T]` / `[batch, S]` padding validity, or None (all valid).
+    causal, sliding_window, alibi_slopes, softcap: as in `scores.attention_mask`,
+      `positions.alibi_bias` and `scores.attention_scores`.
+    block_size: keys per block; S is padded up to a multiple (padded keys get weight 0).
+  Returns:
+    `[batch, T, num_heads, head_dim]` in q's dtype.
+  """
+  batch, length = q.shape[0], q.shape[1]
+  kv_len = k.shape[1]
+  q_valid = jnp.ones((batch, length), bool) if q_valid is None else q_valid
+  kv_valid = jnp.ones((batch, kv_len), bool) if kv_valid is None else kv_valid
+  slopes = jnp.zeros((q.shape[2],), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
+  block = min(block_size, kv_len)
+  pad = -kv_len % block
+
+  def blocks(x):  # [B', S, ...] -> [S_pad / block, B', block, ...], padded at the end
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape(x.shape[0], -1, block, *x.shape[2:]), 1, 0)
+
+  in_range = blocks(jnp.ones((1, kv_len), bool))                              # [nb, 1, block]
+  kv_blocks = (blocks(k), blocks(v), blocks(kv_positions), blocks(kv_valid), in_range)
+  spec = _Spec(causal, sliding_window, float(softcap), block, alibi_slopes is not None)
+  return _flash(spec, q, kv_blocks, q_positions, q_valid, slopes)
+
+
+def _block_scores(spec: _Spec, q, k_blk, kpos_blk, kvalid_blk, in_range, q_pos, q_valid, slopes):
+  """Masked scores float32 `[B, N, T, block]` of one key block; out-of-range keys get -inf."""
+  mask = attention_mask(q_pos, kpos_blk, q_valid, kvalid_blk, spec.causal, spec.sliding_window)
+  bias = alibi_bias(slopes, q_pos, kpos_blk) if spec.alibi else None
+  scores = attention_scores(q, k_blk, bias, mask, spec.softcap)
+  return jnp.where(in_range[:, None, None, :], scores, -jnp.inf)
+
+
+def _forward(spec: _Spec, q, kv_blocks, q_pos, q_valid, slopes):
+  batch, length, heads, head_dim = q.shape
+
+  def step(carry, blk):
+    m, l, acc = carry                                    # [B, N, T], [B, N, T], [B, T, N, H]
+    k_blk, v_blk, kpos, kvalid, in_range = blk
+    s = _block_scores(spec, q, k_blk, kpos, kvalid, in_range, q_pos, q_valid, slopes)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    correction = jnp.exp(m - m_new)                      # 0 at the first block (m = -inf)
+    p = jnp.exp(s - m_new[..., None])                    # [B, N, T, block]
+    l = l * correction + p.sum(axis=-1)
+    pv = jnp.einsum("bnts,bsnh->btnh", p.astype(v_blk.dtype), repeat_kv(v_blk, heads),
+                    preferred_element_type=jnp.float32)
+    acc = acc * jnp.moveaxis(correction, 1, 2)[..., None] + pv
+    return (m_new, l, acc), None
+
+  init = (jnp.full((batch, heads, length), -jnp.inf, jnp.float32), jnp.zeros((batch, heads, length), jnp.float32),
+          jnp.zeros((batch, length, heads, head_dim), jnp.float32))
+  (m, l, acc), _ = jax.lax.scan(step, init, kv_blocks)
+  out = (acc / jnp.moveaxis(l, 1, 2)[..., None]).astype(q.dtype)
+  # Row max and sum [B, N, T], kept apart: for a fully masked row m + log(l) would round
+  # away log(l) next to the -1e9 mask value.
+  return out, (m, l)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(spec, q, kv_blocks, q_pos, q_valid, slopes):
+  return _forward(spec, q, kv_blocks, q_pos, q_valid, slopes)[0]
+
+
+def _flash_fwd(spec, q, kv_blocks, q_pos, q_valid, slopes):
+  out, (m, l) = _forward(spec, q, kv_blocks, q_pos, q_valid, slopes)
+  return out, (q, kv_blocks, q_pos, q_valid, slopes, out, m, l)
+
+
+def _flash_bwd(spec, residuals, d_out):
+  """Recomputes each block's probabilities p = exp(s - m) / l; dS = p * (dP - rowsum(dO * O))."""
+  q, kv_blocks, q_pos, q_valid, slopes, out, m, l = residuals
+  heads = q.shape[2]
+  d_out = d_out.astype(jnp.float32)
+  delta = jnp.einsum("btnh,btnh->bnt", d_out, out.astype(jnp.float32))     # [B, N, T]
+
+  def step(dq, blk):
+    k_blk, v_blk, kpos, kvalid, in_range = blk
+    s, scores_vjp = jax.vjp(
+        lambda q_, k_: _block_scores(spec, q_, k_, kpos, kvalid, in_range, q_pos, q_valid, slopes), q, k_blk)
+    p = jnp.exp(s - m[..., None]) / l[..., None]                            # [B, N, T, block]
+    v_rep = repeat_kv(v_blk, heads)
+    dv = jnp.einsum("bnts,btnh->bsnh", p, d_out)                            # [B, block, N, H]
+    dp = jnp.einsum("btnh,bsnh->bnts", d_out, v_rep.astype(jnp.float32))
+    dq_blk, dk = scores_vjp(p * (dp - delta[..., None]))
+    dv = dv.reshape(*v_blk.shape[:3], -1, v_blk.shape[-1]).sum(axis=3)      # sum query heads per kv head
+    return dq + dq_blk.astype(jnp.float32), (dk, dv.astype(v_blk.dtype))
+
+  dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q.shape, jnp.float32), kv_blocks)
+  zeros = [None] * 3
+  return dq.astype(q.dtype), (dk, dv, *zeros), None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)

@@ -1,0 +1,73 @@
+"""Attention scores and masks shared by dense and blockwise attention.
+
+Masks are boolean, True where a query may attend to a key. Masked scores get a large
+finite negative value (not -inf) so a fully masked row gives a uniform softmax rather
+than NaN.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG = -1e9  # fits float32/bfloat16; scores are float32 when masked
+
+
+def attention_mask(q_positions: jax.Array, kv_positions: jax.Array, q_valid: jax.Array | None,
+                   kv_valid: jax.Array | None, causal: bool, sliding_window: int) -> jax.Array | None:
+  """Padding, causal and sliding-window mask, bool `[batch, 1, T, S]`, or None if unmasked.
+
+  Args:
+    q_positions: int `[batch, T]`; kv_positions: int `[batch, S]` (batch may be 1).
+    q_valid, kv_valid: bool `[batch, T]` / `[batch, S]` padding validity, or None.
+    causal: a query sees keys at positions <= its own.
+    sliding_window: w > 0 limits each query to keys less than w positions away (with
+      `causal`, the w most recent tokens including itself); 0 = no limit.
+  """
+  mask = None
+
+  def conj(a, b):
+    return b if a is None else a & b
+  if q_valid is not None:
+    mask = q_valid[:, None, :, None]
+  if kv_valid is not None:
+    mask = conj(mask, kv_valid[:, None, None, :])
+  if causal or sliding_window:
+    offset = q_positions[:, None, :, None] - kv_positions[:, None, None, :]  # [B, 1, T, S]
+    if causal:
+      mask = conj(mask, offset >= 0)
+    if sliding_window:
+      mask = conj(mask, jnp.abs(offset) < sliding_window)
+  return mask
+
+
+def attention_scores(q: jax.Array, k: jax.Array, bias: jax.Array | None, mask: jax.Array | None,
+                     softcap: float = 0.0) -> jax.Array:
+  """float32 scores `[batch, num_heads, T, S]` = mask(softcap(q k^T / sqrt(head_dim)) + bias).
+
+  Args:
+    q: `[batch, T, num_heads, head_dim]`; k: `[batch, S, num_kv_heads, head_dim]`,
+      num_kv_heads dividing num_heads (grouped-query: see `repeat_kv`).
+    bias: float, broadcastable to `[batch, num_heads, T, S]` (ALiBi), or None.
+    mask: bool, broadcastable to `[batch, num_heads, T, S]`, or None.
+    softcap: c > 0 maps content scores to c * tanh(score / c) (Gemma 2), so they lie in
+      (-c, c); applied before the position bias. 0 = off.
+  """
+  k = repeat_kv(k, q.shape[2])
+  scale = q.shape[-1] ** -0.5
+  scores = jnp.einsum("btnh,bsnh->bnts", q * jnp.asarray(scale, q.dtype), k).astype(jnp.float32)
+  if softcap > 0:
+    scores = softcap * jnp.tanh(scores / softcap)
+  if bias is not None:
+    scores = scores + bias
+  if mask is not None:
+    scores = jnp.where(mask, scores, NEG)
+  return scores
+
+
+def repeat_kv(x: jax.Array, num_heads: int) -> jax.Array:
+  """Grouped-query attention: `[batch, S, num_kv_heads, head_dim]` -> `[batch, S, num_heads, head_dim]`,
+  key/value head j serving query heads j*G .. j*G + G - 1 (G = num_heads / num_kv_heads)."""
+  if x.shape[2] == num_heads:
+    return x
+  return jnp.repeat(x, num_heads // x.shape[2], axis=2)

@@ -1,0 +1,257 @@
+"""Tests of the architecture options: RoPE, ALiBi, grouped-query heads, soft-capping,
+sliding windows, blockwise attention, and every position scheme / option in the model
+(causality and cached decoding)."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer.config import ConfigError, ModelConfig, config_from_dict
+from jaxformer.decode import init_cache
+from jaxformer.layers.attention import MultiHeadAttention, dot_product_attention
+from jaxformer.layers.blockwise import blockwise_attention
+from jaxformer.layers.positions import alibi_bias, alibi_slopes, apply_rope
+from jaxformer.layers.scores import attention_mask, attention_scores
+from jaxformer.models.transformer import PAD_ID, EncoderDecoder
+from jaxformer.runtime import check_model_fits_mesh
+from test_layers import _normal, _random_params
+
+B, T, S, N, H = 2, 13, 11, 4, 8  # batch, query length, key length, heads, head_dim
+
+
+# --- RoPE, ALiBi, soft-cap -----------------------------------------------------------------
+
+
+def test_rope_scores_depend_only_on_relative_position():
+  q, k = _normal(0, (B, T, N, H)), _normal(1, (B, T, N, H))
+  pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+
+  def scores(q_shift, k_shift):
+    return np.asarray(attention_scores(apply_rope(q, pos + q_shift), apply_rope(k, pos + k_shift), None, None))
+  base = scores(0, 0)
+  np.testing.assert_allclose(scores(37, 37), base, atol=1e-4)     # same offset on both: same scores
+  np.testing.assert_allclose(scores(1000, 1000), base, atol=1e-3)
+  assert np.abs(scores(1, 0) - base).max() > 0.1                  # a relative shift changes them
+  assert np.abs(base - np.asarray(attention_scores(q, k, None, None))).max() > 0.1
+  # Position 0 is the identity, and every rotation preserves norms.
+  np.testing.assert_allclose(np.asarray(apply_rope(q, jnp.zeros((B, T), jnp.int32))), np.asarray(q), atol=1e-6)
+  np.testing.assert_allclose(np.linalg.norm(np.asarray(apply_rope(q, pos + 5)), axis=-1),
+                             np.linalg.norm(np.asarray(q), axis=-1), rtol=1e-5)
+
+
+def test_alibi_slopes_follow_the_paper():
+  np.testing.assert_array_equal(alibi_slopes(8), [2.0 ** -i for i in range(1, 9)])
+  np.testing.assert_allclose(alibi_slopes(16)[:2], [2.0 ** -0.5, 2.0 ** -1.0])
+  # 6 heads: the 4-head slopes, then every other 8-head slope.
+  np.testing.assert_array_equal(alibi_slopes(6), [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8, 2.0 ** -1, 2.0 ** -3])
+  bias = np.asarray(alibi_bias(jnp.asarray([0.5, 0.25]), jnp.asarray([[0, 1, 2]]), jnp.asarray([[0, 1, 2, 3]])))
+  assert bias.shape == (1, 2, 3, 4)
+  np.testing.assert_array_equal(bias[0, 0, 2], [-1.0, -0.5, 0.0, -0.5])
+  np.testing.assert_array_equal(bias[0, 1, 0], [0.0, -0.25, -0.5, -0.75])
+
+
+def test_softcap_bounds_scores():
+  q, k = _normal(2, (B, T, N, H), 10.0), _normal(3, (B, S, N, H), 10.0)
+  raw = np.asarray(attention_scores(q, k, None, None))
+  capped = np.asarray(attention_scores(q, k, None, None, softcap=5.0))
+  assert np.abs(raw).max() > 50.0
+  assert np.abs(capped).max() <= 5.0  # tanh rounds to exactly 1 in float32 far out
+  np.testing.assert_allclose(capped, 5.0 * np.tanh(raw / 5.0), atol=1e-5)
+
+
+# --- the attention module: GQA and sliding windows -----------------------------------------
+
+
+def _mha_apply(params, x, valid=None, **kw):
+  return np.asarray(MultiHeadAttention(num_heads=N, head_dim=H, **kw).apply(
+      params, x, None, valid, deterministic=True))
+
+
+def test_grouped_query_attention_equals_mha_with_repeated_kv_heads():
+  x = _normal(4, (B, T, N * H))
+  valid = jnp.asarray(np.arange(T)[None] < np.array([[T], [6]]))
+  gqa = MultiHeadAttention(num_heads=N, head_dim=H, num_kv_heads=2, causal=True)
+  params = _random_params(gqa, 5, x, None, valid, deterministic=True)
+  p = params["params"]
+  assert p["key"].shape == (N * H, 2, H) and p["query"].shape == (N * H, N, H)
+  mha = {"params": dict(p, key=jnp.repeat(p["key"], 2, axis=1), value=jnp.repeat(p["value"], 2, axis=1))}
+  y = _mha_apply(params, x, valid, num_kv_heads=2, causal=True)
+  np.testing.assert_allclose(y, _mha_apply(mha, x, valid, causal=True), atol=1e-5)
+  # num_kv_heads = num_heads is plain multi-head attention (same parameters, same output).
+  np.testing.assert_array_equal(_mha_apply(mha, x, valid, num_kv_heads=N, causal=True),
+                                _mha_apply(mha, x, valid, causal=True))
+
+
+def test_kv_heads_must_split_over_the_tensor_axis():
+  config = config_from_dict({}, ["model.num_heads=8", "model.num_kv_heads=2"])
+  check_model_fits_mesh(config, fsdp=1, tensor=2)
+  with pytest.raises(ConfigError, match=r"mesh.tensor=4 does not divide model.num_kv_heads=2; use mesh.tensor in \[1, 2\]"):
+    check_model_fits_mesh(config, fsdp=1, tensor=4)
+
+
+def test_sliding_window():
+  x = _normal(6, (B, T, N * H))
+  params = _random_params(MultiHeadAttention(num_heads=N, head_dim=H), 7, x, None, deterministic=True)
+  full = _mha_apply(params, x, causal=True)
+  for w in (T, T + 5):  # a window covering the sequence is full causal attention
+    np.testing.assert_allclose(_mha_apply(params, x, causal=True, sliding_window=w), full, atol=1e-6)
+  # w = 3 differs, and only from query 3 on (queries 0..2 see all their past anyway).
+  local = _mha_apply(params, x, causal=True, sliding_window=3)
+  np.testing.assert_allclose(local[:, :3], full[:, :3], atol=1e-6)
+  assert np.abs(local[:, 3:] - full[:, 3:]).max() > 1e-3
+  # w = 1: each token attends to itself only, so the output is its own value projection.
+  p = params["params"]
+  own = np.einsum("btd,dnh,nhe->bte", x, p["value"], p["out"])
+  np.testing.assert_allclose(_mha_apply(params, x, causal=True, sliding_window=1), own, atol=1e-5, rtol=1e-5)
+
+
+# --- blockwise attention -------------------------------------------------------------------
+
+
+def _valid(lengths, length):
+  return jnp.asarray(np.arange(length)[None] < np.asarray(lengths)[:, None])
+
+
+BLOCKWISE_CASES = {
+    # cross-attention shape (T != S); row 1 has no valid key, so its rows are fully masked
+    "padding": dict(kv_len=S, q_valid=[T, 9], kv_valid=[S, 0]),
+    "causal": dict(kv_len=T, q_valid=[T, 6], kv_valid=[T, 6], causal=True),
+    "sliding_window": dict(kv_len=T, q_valid=[T, 8], kv_valid=[T, 8], causal=True, sliding_window=3),
+    "gqa_alibi_softcap": dict(kv_len=T, q_valid=[T, 7], kv_valid=[T, 7], causal=True, kv_heads=2,
+                              alibi=True, softcap=2.0),
+}
+
+
+@pytest.mark.parametrize("case", BLOCKWISE_CASES, ids=list(BLOCKWISE_CASES))
+def test_blockwise_equals_dense_forward_and_gradients(case):
+  c = BLOCKWISE_CASES[case]
+  kv_len, kv_heads = c["kv_len"], c.get("kv_heads", N)
+  q = _normal(10, (B, T, N, H))
+  k, v = _normal(11, (B, kv_len, kv_heads, H)), _normal(12, (B, kv_len, kv_heads, H))
+  d_out = _normal(13, (B, T, N, H))
+  q_pos, kv_pos = jnp.arange(T)[None], jnp.arange(kv_len)[None]
+  q_valid, kv_valid = _valid(c["q_valid"], T), _valid(c["kv_valid"], kv_len)
+  causal, window, softcap = c.get("causal", False), c.get("sliding_window", 0), c.get("softcap", 0.0)
+  slopes = jnp.asarray(alibi_slopes(N)) if c.get("alibi") else None
+
+  def dense(q, k, v):
+    mask = attention_mask(q_pos, kv_pos, q_valid, kv_valid, causal, window)
+    bias = None if slopes is None else alibi_bias(slopes, q_pos, kv_pos)
+    return dot_product_attention(q, k, v, mask, bias=bias, softcap=softcap)
+
+  def blockwise(q, k, v):  # block 4: 13 and 11 keys leave a partly padded last block
+    return blockwise_attention(q, k, v, q_positions=q_pos, kv_positions=kv_pos, q_valid=q_valid,
+                               kv_valid=kv_valid, causal=causal, sliding_window=window,
+                               alibi_slopes=slopes, softcap=softcap, block_size=4)
+
+  @jax.jit
+  def outputs_and_grads(q, k, v, d_out):
+    results = []
+    for fn in (dense, blockwise):
+      out, vjp = jax.vjp(fn, q, k, v)
+      results.append((out, *vjp(d_out)))
+    return results
+
+  reference, ours = outputs_and_grads(q, k, v, d_out)
+  for name, x_b, x_d in zip(("out", "dq", "dk", "dv"), ours, reference):
+    assert np.abs(np.asarray(x_d)).max() > 1e-2, name
+    np.testing.assert_allclose(np.asarray(x_b), np.asarray(x_d), atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+def _grad_temp_bytes(attention, length):
+  """XLA's temporary buffer size for the gradient of `attention` at `length` tokens (compile only)."""
+  x = jax.ShapeDtypeStruct((1, length, 1, 8), jnp.float32)
+  grad = jax.jit(jax.grad(lambda q, k, v: attention(q, k, v).sum(), argnums=(0, 1, 2)))
+  return grad.lower(x, x, x).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_blockwise_gradient_memory_grows_linearly():
+  def blockwise(q, k, v):
+    pos = jnp.arange(q.shape[1])[None]
+    return blockwise_attention(q, k, v, q_positions=pos, kv_positions=pos, causal=True, block_size=256)
+
+  def dense(q, k, v):
+    pos = jnp.arange(q.shape[1])[None]
+    return dot_product_attention(q, k, v, attention_mask(pos, pos, None, None, True, 0))
+
+  lengths = (1024, 2048, 4096, 8192)
+  temps = [_grad_temp_bytes(blockwise, n) for n in lengths]
+  for small, large in zip(temps, temps[1:]):
+    assert large / small < 2.2, temps   # doubling the length at most ~doubles the memory
+  # The check discriminates: dense attention's [T, T] scores grow 4x per doubling.
+  dense_1k, dense_2k = (_grad_temp_bytes(dense, n) for n in lengths[:2])
+  assert dense_2k / dense_1k > 3.5 and dense_2k > 4 * temps[1], (dense_1k, dense_2k, temps)
+
+
+# --- every option in the model: causality and cached decoding -------------------------------
+
+VOCAB, SRC_LEN, TGT_LEN, PREFILL, CHANGED_FROM = 37, 9, 7, 4, 3
+BASE = dict(vocab_size=VOCAB, d_model=16, num_heads=4, d_ff=24, num_encoder_layers=1, num_decoder_layers=1,
+            dropout_rate=0.0, max_length=16, attention_block_size=4)
+# Each position scheme with each attention kind; the other options spread over them.
+MODEL_CASES = {
+    "sinusoidal-dense": dict(),
+    "sinusoidal-blockwise": dict(attention="blockwise", norm="rmsnorm", pre_norm=True, ffn="swiglu"),
+    "learned-dense": dict(position="learned", ffn="gelu", tie_embeddings=False, num_kv_heads=1),
+    "learned-blockwise": dict(position="learned", attention="blockwise", ffn="geglu", num_kv_heads=2,
+                              attn_logit_softcap=3.0),
+    "rope-dense": dict(position="rope", num_kv_heads=2, sliding_window=3, norm="rmsnorm", pre_norm=True),
+    "rope-blockwise": dict(position="rope", attention="blockwise", sliding_window=3, num_kv_heads=1, ffn="swiglu"),
+    "alibi-dense": dict(position="alibi", attn_logit_softcap=3.0, sliding_window=4, ffn="geglu"),
+    "alibi-blockwise": dict(position="alibi", attention="blockwise", num_kv_heads=2, pre_norm=True),
+    "none-dense": dict(position="none", sliding_window=2, tie_embeddings=False),
+    "none-blockwise": dict(position="none", attention="blockwise", norm="rmsnorm", attn_logit_softcap=3.0),
+}
+
+
+def _model_batch():
+  rng = np.random.default_rng(0)
+  src = rng.integers(4, VOCAB, (B, SRC_LEN))
+  dec = rng.integers(4, VOCAB, (B, TGT_LEN))
+  src[1, 5:] = PAD_ID
+  dec[1, 5:] = PAD_ID
+  later = (np.arange(TGT_LEN)[None] >= CHANGED_FROM) & (dec != PAD_ID)
+  perturbed = np.where(later, (dec - 3) % (VOCAB - 4) + 4, dec)  # other real tokens from CHANGED_FROM on
+  assert (perturbed[later] != dec[later]).all()
+  return tuple(jnp.asarray(a, jnp.int32) for a in (src, dec, perturbed))
+
+
+@pytest.mark.parametrize("case", MODEL_CASES, ids=list(MODEL_CASES))
+def test_option_is_causal_and_cached_decoding_matches(case):
+  config = ModelConfig(**BASE, **MODEL_CASES[case])
+  config.validate()
+  model = EncoderDecoder(config)
+  src, dec, perturbed = _model_batch()
+  params = _random_params(model, 20, src, dec)
+
+  @jax.jit
+  def run(params, src, dec, perturbed):
+    both = jnp.concatenate([src, src])  # one batch: the original and the perturbed targets
+    full = model.apply(params, model.apply(params, both, method="encode"), both,
+                       jnp.concatenate([dec, perturbed]), method="decode")
+    encoded = model.apply(params, src, method="encode")
+    variables = dict(params, cache=init_cache(model, B, SRC_LEN))
+    prefill, cache = model.apply(variables, encoded, src, dec[:, :PREFILL], decode=True, mutable=["cache"],
+                                 method="decode")
+
+    def step(cache, i):
+      token = jax.lax.dynamic_slice_in_dim(dec, i, 1, axis=1)                  # [B, 1]
+      logits, cache = model.apply(dict(params, **cache), None, src, token, positions=jnp.full((B, 1), i),
+                                  decode=True, mutable=["cache"], method="decode")
+      return cache, logits[:, 0]
+    cache, steps = jax.lax.scan(step, cache, jnp.arange(PREFILL, TGT_LEN))
+    return full[:B], full[B:], jnp.concatenate([prefill, jnp.moveaxis(steps, 0, 1)], axis=1), cache
+
+  full, changed, cached, cache = run(params, src, dec, perturbed)
+  full, changed, cached = np.asarray(full), np.asarray(changed), np.asarray(cached)
+  assert full.shape == (B, TGT_LEN, VOCAB) and np.isfinite(full).all()
+  # Causality: tokens from CHANGED_FROM on never change the logits before them.
+  np.testing.assert_array_equal(changed[:, :CHANGED_FROM], full[:, :CHANGED_FROM])
+  assert np.abs(changed[:, CHANGED_FROM:] - full[:, CHANGED_FROM:]).max() > 1e-3
+  # Cached decoding (a prefill of several tokens, then one token per step) equals the full forward.
+  real = np.asarray(dec) != PAD_ID
+  np.testing.assert_allclose(cached[real], full[real], atol=1e-5, rtol=1e-5)
+  self_cache = cache["cache"]["decoder_0"]["self_attention"]
+  assert self_cache["cached_key"].shape == (B, config.max_length, config.kv_heads, config.head_dim)
