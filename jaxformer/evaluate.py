@@ -1,4 +1,5 @@
-"""Restore a trained model from its workdir, translate, and score with sacrebleu.
+"""Restore a trained model from its workdir, translate, and score with sacrebleu; score
+hypotheses under the model on beam search's objective (`hypothesis_scores`).
 
 Everything needed comes from the workdir: `config.yaml`, `tokenizer.model` and the
 Orbax checkpoints. Runtime/mesh overrides let a checkpoint written on one mesh be
@@ -14,7 +15,9 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import sacrebleu
 
@@ -22,9 +25,10 @@ from jaxformer import checkpoint as ckpt
 from jaxformer import sharding as sh
 from jaxformer.config import Config, ConfigError, config_from_dict, load_config, to_dict
 from jaxformer.data import Tokenizer, eval_batches, tokenize_split
+from jaxformer.decode import EOS_ID
 from jaxformer.models.transformer import EncoderDecoder
 from jaxformer.runtime import build_mesh
-from jaxformer.search import SearchOptions, make_decode_fn
+from jaxformer.search import LENGTH_PENALTY, SearchOptions, length_penalty, make_decode_fn
 from jaxformer.train.loop import evaluate_loss, global_batch
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import state_shardings
@@ -93,13 +97,15 @@ def _round_batch(restored: Restored, batch_size: int) -> int:
   return max(dp, batch_size // dp * dp)
 
 
-def translate(restored: Restored, sources: Sequence[str], batch_size: int = 64,
-              search: SearchOptions | None = None) -> tuple[list[str], dict]:
-  """Translates `sources`; returns (hypotheses in input order, speed stats).
+def decode_sources(restored: Restored, sources: Sequence[str], batch_size: int = 64,
+                   search: SearchOptions | None = None, warmup: bool = False) -> tuple[list[dict], dict]:
+  """Decodes `sources` in length-sorted batches (`eval_batches` with the run's buckets).
 
-  `search` picks greedy (default), beam search or sampling and the output length
-  (source length + `extra_tokens`, capped by model.max_length); see `SearchOptions`.
-  Speed stats: `sentences_per_sec`, `tokens_per_sec` (generated tokens incl. EOS), `seconds`.
+  Returns (batches, speed stats). Each batch is a dict of host arrays: `inputs` int32
+  `[rows, src_len]`, `index` int32 `[rows]` (the sentence's position in `sources`, -1 for
+  filler rows) and `tokens` int32 `[rows, out_len]` (through EOS, then PAD). Speed stats:
+  `sentences_per_sec`, `tokens_per_sec` (generated tokens incl. EOS), `seconds`; with
+  `warmup`, one batch per distinct shape is decoded first so compiles are not timed.
 
   Raises:
     ValueError: invalid search options (one line).
@@ -108,19 +114,71 @@ def translate(restored: Restored, sources: Sequence[str], batch_size: int = 64,
   batch_size = _round_batch(restored, batch_size)
   data = tokenize_split(restored.tokenizer, list(sources), list(sources), cfg.data.max_length, overlong="truncate")
   decode = make_decode_fn(restored.model, restored.mesh, cfg.model.max_length, search)
-  hyps: list[str] = [""] * len(sources)
-  generated = 0
-  start = time.perf_counter()
-  for batch in eval_batches(data, batch_size, cfg.data.buckets):
+  batches = eval_batches(data, batch_size, cfg.data.buckets)
+
+  def run(batch):
     with sh.axis_rules(restored.rules):
-      tokens = np.asarray(jax.device_get(decode(restored.params, global_batch(batch, restored.mesh)["inputs"])))
-    for row, index in zip(tokens, batch["index"]):
+      return np.asarray(jax.device_get(decode(restored.params, global_batch(batch, restored.mesh)["inputs"])))
+
+  if warmup:
+    for b in {b["inputs"].shape: b for b in batches}.values():
+      run(b)
+  out = []
+  start = time.perf_counter()
+  for batch in batches:
+    out.append({"inputs": batch["inputs"], "index": batch["index"], "tokens": run(batch)})
+  seconds = time.perf_counter() - start
+  generated = sum(int(np.count_nonzero(b["tokens"][b["index"] >= 0])) for b in out)
+  return out, {"sentences_per_sec": len(sources) / seconds, "tokens_per_sec": generated / seconds,
+               "seconds": seconds}
+
+
+def translate(restored: Restored, sources: Sequence[str], batch_size: int = 64,
+              search: SearchOptions | None = None) -> tuple[list[str], dict]:
+  """Translates `sources`; returns (hypotheses in input order, speed stats).
+
+  `search` picks greedy (default), beam search or sampling and the output length
+  (source length + `extra_tokens`, capped by model.max_length); see `SearchOptions`.
+  Speed stats as in `decode_sources` (compiles included).
+
+  Raises:
+    ValueError: invalid search options (one line).
+  """
+  batches, speed = decode_sources(restored, sources, batch_size, search)
+  hyps: list[str] = [""] * len(sources)
+  for batch in batches:
+    for row, index in zip(batch["tokens"], batch["index"]):
       if index >= 0:
         hyps[index] = restored.tokenizer.decode(row)
-        generated += int(np.count_nonzero(row))
-  seconds = time.perf_counter() - start
-  return hyps, {"sentences_per_sec": len(sources) / seconds, "tokens_per_sec": generated / seconds,
-                "seconds": seconds}
+  return hyps, speed
+
+
+def hypothesis_scores(model: nn.Module, params: Any, inputs: jax.Array, tokens: jax.Array,
+                      alpha: float = LENGTH_PENALTY, eos_id: int = EOS_ID) -> jax.Array:
+  """Beam search's objective for given hypotheses, by teacher forcing.
+
+  score(Y) = sum_t log p(y_t | y_<t, X) / length_penalty(|Y|, alpha), the sum over the
+  tokens through the first EOS (EOS included; all `out_len` tokens if there is none), so
+  greedy and beam outputs are compared on what beam search maximises (`search.beam_search`
+  reports the same number for its hypotheses). Jittable (`alpha`, `eos_id` static).
+
+  Args:
+    inputs: int `[batch, src_len]` source ids, PAD (0) padded.
+    tokens: int `[batch, out_len]` hypotheses as decoding returns them (tokens through EOS,
+      then PAD). A PAD id before a row's end would be read as padding by teacher forcing.
+    alpha: GNMT length-penalty exponent >= 0 (paper: 0.6).
+  Returns:
+    float32 `[batch]` length-normalised log-probabilities (<= 0).
+  """
+  tokens = jnp.asarray(tokens, jnp.int32)
+  out_len = tokens.shape[1]
+  is_eos = tokens == eos_id
+  length = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1) + 1, out_len)      # [B]
+  logits = model.apply({"params": params}, inputs, tokens)                              # [B, T, V]
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  token_logp = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]           # [B, T]
+  in_hypothesis = jnp.arange(out_len)[None, :] < length[:, None]
+  return jnp.sum(jnp.where(in_hypothesis, token_logp, 0.0), axis=1) / length_penalty(length, alpha)
 
 
 def reference_loss(restored: Restored, sources: Sequence[str], references: Sequence[str],
