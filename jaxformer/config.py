@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from jaxformer.remat import POLICY_NAMES as REMAT_POLICIES
+
 
 class ConfigError(ValueError):
   """A user mistake in a config file or override; the message is one line."""
@@ -36,6 +38,8 @@ class ModelConfig:
   share_embeddings: bool = True  # one matrix for source, target and output logits
   max_length: int = 256         # longest sequence the positional table covers, tokens
   dtype: str = "float32"        # compute dtype; params stay float32
+  remat: str = "none"           # per-block rematerialisation: none | full | save_dots | minimal (remat.py)
+  scan_layers: bool = False     # nn.scan over each layer stack (shorter compile; params get a leading layers axis)
 
   def validate(self) -> None:
     if self.kind != "encoder_decoder":
@@ -53,6 +57,8 @@ class ModelConfig:
         raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
     if self.dtype not in ("float32", "bfloat16", "float16"):
       raise ConfigError(f"model.dtype={self.dtype!r} is unknown; use float32, bfloat16 or float16")
+    if self.remat not in REMAT_POLICIES:
+      raise ConfigError(f"model.remat={self.remat!r} is unknown; use one of {', '.join(REMAT_POLICIES)}")
 
   @property
   def head_dim(self) -> int:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from jaxformer import remat
 from jaxformer import sharding as sh
 
 _NEG = -1e9  # fits float32/bfloat16; logits are float32 when masked
@@ -93,6 +95,7 @@ class MultiHeadAttention(nn.Module):
 
     x = x.astype(self.dtype)
     q = sh.constrain(jnp.einsum("btd,dnh->btnh", x, wq), head_axes)  # [B, T, N, H]
+    q = checkpoint_name(q, remat.QUERY)  # tags for the named remat policies
     if self.is_cross:
       k, v = self._cross_kv(kv, wk, wv, decode)
     else:
@@ -100,12 +103,14 @@ class MultiHeadAttention(nn.Module):
       v = jnp.einsum("bsd,dnh->bsnh", x, wv)
       if decode:
         k, v, mask = self._update_self_cache(k, v, mask)
-    k, v = sh.constrain(k, head_axes), sh.constrain(v, head_axes)
+    k = checkpoint_name(sh.constrain(k, head_axes), remat.KEY)
+    v = checkpoint_name(sh.constrain(v, head_axes), remat.VALUE)
 
     dropout_rng = None
     if not deterministic and self.dropout_rate > 0.0:
       dropout_rng = self.make_rng("dropout")
     out = dot_product_attention(q, k, v, mask, dropout_rng, self.dropout_rate)  # [B, T, N, H]
+    out = checkpoint_name(out, remat.ATTENTION_OUT)
     return jnp.einsum("btnh,nhd->btd", out, wo)
 
   def _cross_kv(self, kv, wk, wv, decode):

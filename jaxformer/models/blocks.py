@@ -1,5 +1,9 @@
 """Encoder and decoder blocks (paper section 3.1): sublayer -> dropout -> residual -> LayerNorm
-(post-LN, as in the paper) or LayerNorm -> sublayer -> dropout -> residual (pre-LN)."""
+(post-LN, as in the paper) or LayerNorm -> sublayer -> dropout -> residual (pre-LN).
+
+With `config.scan_layers` a block is the body of `nn.scan` and returns `(output, None)`
+(the scan carry and no per-layer output) instead of the output alone.
+"""
 
 from __future__ import annotations
 
@@ -38,9 +42,15 @@ def _attention(config: ModelConfig, name: str, is_cross: bool = False, max_lengt
                             is_cross=is_cross, max_length=max_length, name=name)
 
 
+def _block_output(config: ModelConfig, x: jax.Array):
+  x = sh.constrain(x, BLOCK_AXES)
+  return (x, None) if config.scan_layers else x
+
+
 class EncoderBlock(nn.Module):
   """Self-attention + FFN. `[batch, src_len, d_model]` -> same; `mask` `[batch, 1, S, S]`."""
   config: ModelConfig
+  STATIC_ARGNUMS = (3,)  # `deterministic` (self is 0), for nn.remat
 
   @nn.compact
   def __call__(self, x: jax.Array, mask: jax.Array, deterministic: bool) -> jax.Array:
@@ -49,7 +59,7 @@ class EncoderBlock(nn.Module):
     x = Residual(self.config, name="attention_sublayer")(
         x, lambda h: attn(h, None, mask, deterministic=deterministic), deterministic)
     x = Residual(self.config, name="ffn_sublayer")(x, ffn, deterministic)
-    return sh.constrain(x, BLOCK_AXES)
+    return _block_output(self.config, x)
 
 
 class DecoderBlock(nn.Module):
@@ -60,6 +70,7 @@ class DecoderBlock(nn.Module):
   decoding (the cache builds the causal mask); `cross_mask` `[batch, 1, T, S]`.
   """
   config: ModelConfig
+  STATIC_ARGNUMS = (5, 6)  # `deterministic`, `decode` (self is 0), for nn.remat
 
   @nn.compact
   def __call__(self, y, encoded, self_mask, cross_mask, deterministic: bool, decode: bool = False):
@@ -73,4 +84,4 @@ class DecoderBlock(nn.Module):
         y, lambda h: cross_attn(h, encoded, cross_mask, deterministic=deterministic, decode=decode),
         deterministic)
     y = Residual(cfg, name="ffn_sublayer")(y, ffn, deterministic)
-    return sh.constrain(y, BLOCK_AXES)
+    return _block_output(cfg, y)
