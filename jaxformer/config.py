@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from jaxformer.precision import Policy, parse_policy
+from jaxformer.remat import POLICY_NAMES as REMAT_POLICIES
 
 
 class ConfigError(ValueError):
@@ -57,6 +58,8 @@ class ModelConfig:
   sliding_window: int = 0       # causal self-attention sees the last w tokens (itself included); 0 = all
   attention: str = "dense"      # dense | blockwise (memory-linear exact attention)
   attention_block_size: int = 128  # blockwise: keys/values per block, tokens
+  remat: str = "none"           # per-block rematerialisation: none | full | save_dots | minimal (remat.py)
+  scan_layers: bool = False     # nn.scan over each layer stack (shorter compile; params get a leading layers axis)
 
   def validate(self) -> None:
     if self.kind != "encoder_decoder":
@@ -94,6 +97,8 @@ class ModelConfig:
                         "change model.d_model or model.num_heads")
     if self.position == "sinusoidal" and self.d_model % 2:
       raise ConfigError(f"model.position=sinusoidal needs an even model.d_model, got {self.d_model}")
+    if self.remat not in REMAT_POLICIES:
+      raise ConfigError(f"model.remat={self.remat!r} is unknown; use one of {', '.join(REMAT_POLICIES)}")
 
   @property
   def head_dim(self) -> int:

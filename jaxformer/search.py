@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 
 from jaxformer import sharding as sh
 from jaxformer.decode import EOS_ID, LogitsFn, make_greedy_fn, model_logits_fn, prefill, token_loop
-from jaxformer.models.transformer import BOS_ID, PAD_ID
+from jaxformer.models.transformer import BOS_ID, PAD_ID, cache_batch_axis
 
 BEAM_SIZE = 4          # paper section 6.1
 LENGTH_PENALTY = 0.6   # paper section 6.1 (alpha of Wu et al. 2016)
@@ -73,19 +73,21 @@ def _resolve_decode_len(model: nn.Module, inputs: jax.Array, max_decode_len: int
   return int(max_decode_len)
 
 
-def _gather_beams(cache: Any, parent: jax.Array) -> Any:
-  """Reorders a `[batch * beam, ...]` cache by `parent` int `[batch, beam]`: new beam k of
-  sentence b takes the cache of its beam `parent[b, k]`. Gathers within each sentence
-  (`[batch, beam, ...]` view), so with the batch sharded by whole sentences it stays local.
-  Scalars (`cache_index`, shared by all rows) are unchanged."""
+def _gather_beams(cache: Any, parent: jax.Array, axis: int) -> Any:
+  """Reorders a cache whose leaves have `batch * beam` rows on `axis` by `parent` int
+  `[batch, beam]`: new beam k of sentence b takes the cache of its beam `parent[b, k]`.
+  Gathers within each sentence (a `[batch, beam]` view of `axis`), so with the batch
+  sharded by whole sentences it stays local. Leaves without that axis (`cache_index`,
+  shared by all rows) are unchanged."""
   batch, beam = parent.shape
 
   def gather(x):
-    if not x.ndim:
+    if x.ndim <= axis:
       return x
-    x = x.reshape((batch, beam) + x.shape[1:])
-    idx = parent.reshape((batch, beam) + (1,) * (x.ndim - 2))
-    return jnp.take_along_axis(x, idx, axis=1).reshape((batch * beam,) + x.shape[2:])
+    x = x.reshape(x.shape[:axis] + (batch, beam) + x.shape[axis + 1:])
+    idx = parent.reshape((1,) * axis + (batch, beam) + (1,) * (x.ndim - axis - 2))
+    x = jnp.take_along_axis(x, idx, axis=axis + 1)
+    return x.reshape(x.shape[:axis] + (batch * beam,) + x.shape[axis + 2:])
   return jax.tree.map(gather, cache)
 
 
@@ -93,17 +95,19 @@ def _gather_beams(cache: Any, parent: jax.Array) -> Any:
 
 def beam_search_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, *, beam_size: int,
                      max_decode_len: int, alpha: float = LENGTH_PENALTY,
-                     eos_id: int = EOS_ID) -> tuple[jax.Array, jax.Array]:
+                     eos_id: int = EOS_ID, cache_batch_axis: int = 0) -> tuple[jax.Array, jax.Array]:
   """Beam search with a separate finished set and per-row early stopping.
 
   Args:
     logits_fn: one decode step for `batch * beam_size` rows (row b * beam_size + k is
       beam k of sentence b); see `LogitsFn`.
     init_logits: float `[batch, vocab]` logits of the first token (after BOS).
-    cache: pytree whose non-scalar leaves have a leading `batch` dim; it is repeated per
-      beam, and after each step gathered along that dim by the surviving beams' parents.
+    cache: pytree whose leaves have a `batch` dim at `cache_batch_axis` (leaves with fewer
+      dims are shared by all rows); it is repeated per beam, and after each step gathered
+      along that dim by the surviving beams' parents.
     beam_size: K >= 1; max_decode_len: L >= 1 tokens per hypothesis, EOS included.
     alpha: length-penalty exponent >= 0 (`length_penalty`).
+    cache_batch_axis: 0, or 1 for a model with `scan_layers` (cache leaves `[layers, batch, ...]`).
   Returns:
     int32 `[batch, L]` best hypothesis per row (tokens through EOS, then PAD) and float32
     `[batch]` its score `sum log p / lp(|Y|)`.
@@ -168,12 +172,15 @@ def beam_search_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, *,
     tokens = jnp.where(keep, PAD_ID, tokens)
     done = done | (fin_scores.max(axis=1) >= live_logp.max(axis=1) / best_possible_lp)
 
-    cache = _gather_beams(cache, parent)
+    cache = _gather_beams(cache, parent, cache_batch_axis)
     logits, cache = logits_fn(tokens.reshape(-1), cache, i + 1)
     return i + 1, cache, logits, live_seqs, live_logp, fin_seqs, fin_scores, done
 
-  repeat = lambda x: jnp.repeat(x, k, axis=0) if x.ndim else x  # noqa: E731
-  init = (jnp.array(0, jnp.int32), jax.tree.map(repeat, cache), repeat(init_logits.astype(jnp.float32)),
+  def repeat(x, axis=0):
+    return jnp.repeat(x, k, axis=axis) if x.ndim > axis else x
+
+  init = (jnp.array(0, jnp.int32), jax.tree.map(lambda x: repeat(x, cache_batch_axis), cache),
+          repeat(init_logits.astype(jnp.float32)),
           jnp.zeros((batch, k, length), jnp.int32),
           jnp.broadcast_to(jnp.where(jnp.arange(k) == 0, 0.0, neg_inf), (batch, k)).astype(jnp.float32),
           jnp.zeros((batch, k, length), jnp.int32), jnp.full((batch, k), neg_inf),
@@ -216,7 +223,7 @@ def beam_search(model: nn.Module, params: Any, inputs: jax.Array, beam_size: int
   logits, cache = prefill(model, params, inputs)
   step_fn = model_logits_fn(model, params, jnp.repeat(inputs, beam_size, axis=0))
   return beam_search_core(step_fn, logits, cache, beam_size=beam_size, max_decode_len=length,
-                          alpha=alpha, eos_id=eos_id)
+                          alpha=alpha, eos_id=eos_id, cache_batch_axis=cache_batch_axis(model.config))
 
 
 # ----------------------------------------------------------------------------- sampling

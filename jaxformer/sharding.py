@@ -26,6 +26,7 @@ EMBED = "embed"
 HEADS = "heads"
 KV = "kv"          # head_dim
 MLP = "mlp"
+LAYERS = "layers"  # leading axis of params stacked by nn.scan (model.scan_layers)
 # Activation axes.
 ACT_BATCH = "act_batch"
 ACT_LENGTH = "act_length"
@@ -51,6 +52,7 @@ LOGICAL_RULES: Rules = (
     (HEADS, "tensor"),
     (KV, None),
     (MLP, "tensor"),
+    (LAYERS, None),
 )
 
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from jaxformer import remat
 from jaxformer import sharding as sh
 from jaxformer.layers.blockwise import blockwise_attention
 from jaxformer.layers.positions import alibi_bias, alibi_slopes, apply_rope
@@ -118,6 +120,7 @@ class MultiHeadAttention(nn.Module):
 
     x = x.astype(self.dtype)
     q = sh.constrain(_project(x, wq), head_axes)  # [B, T, N, H]
+    q = checkpoint_name(q, remat.QUERY)  # tags for the named remat policies
     q_pos = jnp.arange(x.shape[1])[None]                              # [1, T]
     causal, window, rope, alibi = False, 0, False, False
     if self.is_cross:
@@ -135,7 +138,8 @@ class MultiHeadAttention(nn.Module):
         q, k = apply_rope(q, q_pos), apply_rope(k, kv_pos)
       if decode:
         k, v, kv_pos, kv_valid = self._update_self_cache(k, v, index)
-    k, v = sh.constrain(k, head_axes), sh.constrain(v, head_axes)
+    k = checkpoint_name(sh.constrain(k, head_axes), remat.KEY)
+    v = checkpoint_name(sh.constrain(v, head_axes), remat.VALUE)
     slopes = jnp.asarray(alibi_slopes(n)) if alibi else None
 
     if self.implementation == "blockwise":
@@ -151,6 +155,7 @@ class MultiHeadAttention(nn.Module):
       mask = attention_mask(q_pos, kv_pos, q_valid, kv_valid, causal, window)
       bias = alibi_bias(slopes, q_pos, kv_pos) if alibi else None
       out = dot_product_attention(q, k, v, mask, dropout_rng, self.dropout_rate, bias=bias, softcap=self.softcap)
+    out = checkpoint_name(out, remat.ATTENTION_OUT)
     b, t = out.shape[:2]  # out: [B, T, N, H]
     return jnp.einsum("mnh,nhd->md", out.reshape(b * t, n, h), wo).reshape(b, t, d_model)
 

@@ -3,7 +3,11 @@
 
 The norm (`model.norm`), FFN (`model.ffn`) and attention options come from the config.
 RoPE / ALiBi act in self-attention only (cross-attention has no position bias); causal
-masking and the sliding window act in the decoder's self-attention only."""
+masking and the sliding window act in the decoder's self-attention only.
+
+With `config.scan_layers` a block is the body of `nn.scan` and returns `(output, None)`
+(the scan carry and no per-layer output) instead of the output alone.
+"""
 
 from __future__ import annotations
 
@@ -51,10 +55,16 @@ def _ffn(config: ModelConfig):
   return FeedForward(config.d_ff, dtype=jnp.dtype(config.dtype), activation=config.ffn, name="ffn")
 
 
+def _block_output(config: ModelConfig, x: jax.Array):
+  x = sh.constrain(x, BLOCK_AXES)
+  return (x, None) if config.scan_layers else x
+
+
 class EncoderBlock(nn.Module):
   """Self-attention + FFN. `[batch, src_len, d_model]` -> same; `valid` bool `[batch, src_len]`
   marks real (non-padding) tokens, or None."""
   config: ModelConfig
+  STATIC_ARGNUMS = (3,)  # `deterministic` (self is 0), for nn.remat
 
   @nn.compact
   def __call__(self, x: jax.Array, valid: jax.Array | None, deterministic: bool) -> jax.Array:
@@ -63,7 +73,7 @@ class EncoderBlock(nn.Module):
     x = Residual(self.config, name="attention_sublayer")(
         x, lambda h: attn(h, None, valid, deterministic=deterministic), deterministic)
     x = Residual(self.config, name="ffn_sublayer")(x, ffn, deterministic)
-    return sh.constrain(x, BLOCK_AXES)
+    return _block_output(self.config, x)
 
 
 class DecoderBlock(nn.Module):
@@ -74,6 +84,7 @@ class DecoderBlock(nn.Module):
   `[batch, src_len]` mark real tokens (None = all). Self-attention is causal.
   """
   config: ModelConfig
+  STATIC_ARGNUMS = (5, 6)  # `deterministic`, `decode` (self is 0), for nn.remat
 
   @nn.compact
   def __call__(self, y, encoded, tgt_valid, src_valid, deterministic: bool, decode: bool = False):
@@ -87,4 +98,4 @@ class DecoderBlock(nn.Module):
         y, lambda h: cross_attn(h, encoded, tgt_valid, src_valid, deterministic=deterministic, decode=decode),
         deterministic)
     y = Residual(cfg, name="ffn_sublayer")(y, ffn, deterministic)
-    return sh.constrain(y, BLOCK_AXES)
+    return _block_output(cfg, y)

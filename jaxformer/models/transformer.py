@@ -1,9 +1,16 @@
 """The paper's encoder-decoder Transformer (Vaswani et al. 2017, Figure 1).
 
 Token id 0 is padding everywhere; padding masks are derived from the ids.
+
+Layer stacks are either unrolled (params `encoder_0`, `encoder_1`, ...) or, with
+`model.scan_layers`, one `nn.scan` per stack (params `encoder`, `decoder`, each leaf with
+a leading `[num_layers]` axis named `layers`, and likewise the decoder's `cache`).
+`stack_layer_params` converts unrolled params to the scanned layout.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -15,6 +22,7 @@ from jaxformer.layers.embedding import Embed, sinusoidal_positions
 from jaxformer.layers.norm import make_norm
 from jaxformer.layers.positions import LearnedPositions
 from jaxformer.models.blocks import BLOCK_AXES, DecoderBlock, EncoderBlock
+from jaxformer.remat import remat_block
 
 PAD_ID = 0
 BOS_ID = 2
@@ -32,6 +40,46 @@ def shift_right(targets: jax.Array, bos_id: int = BOS_ID) -> jax.Array:
 def default_positions(tokens: jax.Array) -> jax.Array:
   """int32 `[batch, length]` positions 0..length-1."""
   return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+
+
+def _layer_stack(block: type[nn.Module], config: ModelConfig, num_layers: int, name: str):
+  """The blocks of one stack, each wrapped in the remat policy: a list of `num_layers`
+  modules named `{name}_{i}`, or one `nn.scan` module named `name` (`model.scan_layers`)."""
+  scan = config.scan_layers
+  block = remat_block(block, config.remat, block.STATIC_ARGNUMS, prevent_cse=not scan)
+  if not scan:
+    return [block(config, name=f"{name}_{i}") for i in range(num_layers)]
+  # Every argument after the carry (masks, encoder output, flags) is the same for all layers.
+  scanned = nn.scan(block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True, "dropout": True},
+                    in_axes=nn.broadcast, length=num_layers,
+                    metadata_params={nn.PARTITION_NAME: sh.LAYERS})
+  return scanned(config, name=name)
+
+
+def _run_stack(stack, x: jax.Array, *args) -> jax.Array:
+  """Applies a `_layer_stack` to `x` `[batch, length, d_model]`; `args` follow the carry."""
+  if isinstance(stack, (list, tuple)):
+    for block in stack:
+      x = block(x, *args)
+    return x
+  return stack(x, *args)[0]
+
+
+def cache_batch_axis(config: ModelConfig) -> int:
+  """Axis of the batch in the decoder's `cache` leaves: 1 under `model.scan_layers`
+  (`[num_layers, batch, ...]`), else 0."""
+  return 1 if config.scan_layers else 0
+
+
+def stack_layer_params(params: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
+  """Unrolled params (`encoder_{i}`, `decoder_{i}`) -> the `model.scan_layers` layout
+  (`encoder`, `decoder`, leaves stacked on a new leading `[num_layers]` axis); other
+  entries are unchanged. Also maps gradients or any tree shaped like the params."""
+  out = dict(params)
+  for name, num_layers in (("encoder", config.num_encoder_layers), ("decoder", config.num_decoder_layers)):
+    layers = [out.pop(f"{name}_{i}") for i in range(num_layers)]
+    out[name] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+  return out
 
 
 class EncoderDecoder(nn.Module):
@@ -55,8 +103,8 @@ class EncoderDecoder(nn.Module):
       self.output_proj = self.param(
           "output_proj", sh.param_with_axes(nn.initializers.xavier_uniform(), (sh.EMBED, sh.VOCAB)),
           (cfg.d_model, cfg.vocab_size))
-    self.encoder_blocks = [EncoderBlock(cfg, name=f"encoder_{i}") for i in range(cfg.num_encoder_layers)]
-    self.decoder_blocks = [DecoderBlock(cfg, name=f"decoder_{i}") for i in range(cfg.num_decoder_layers)]
+    self.encoder_stack = _layer_stack(EncoderBlock, cfg, cfg.num_encoder_layers, "encoder")
+    self.decoder_stack = _layer_stack(DecoderBlock, cfg, cfg.num_decoder_layers, "decoder")
     if cfg.pre_norm:  # pre-LN leaves the residual stream unnormalized: close each stack with a norm
       self.encoder_norm = make_norm(cfg.norm, dtype)
       self.decoder_norm = make_norm(cfg.norm, dtype)
@@ -80,8 +128,7 @@ class EncoderDecoder(nn.Module):
     valid = inputs != PAD_ID
     x = self._embed(self.source_embed, inputs, default_positions(inputs), deterministic,
                     getattr(self, "source_positions", None))
-    for block in self.encoder_blocks:
-      x = block(x, valid, deterministic)
+    x = _run_stack(self.encoder_stack, x, valid, deterministic)
     return self.encoder_norm(x) if self.config.pre_norm else x
 
   def decode(self, encoded: jax.Array | None, inputs: jax.Array, decoder_inputs: jax.Array, *,
@@ -105,8 +152,7 @@ class EncoderDecoder(nn.Module):
     src_valid = inputs != PAD_ID
     y = self._embed(self.target_embed, decoder_inputs, positions, deterministic,
                     getattr(self, "target_positions", None))
-    for block in self.decoder_blocks:
-      y = block(y, encoded, tgt_valid, src_valid, deterministic, decode)
+    y = _run_stack(self.decoder_stack, y, encoded, tgt_valid, src_valid, deterministic, decode)
     if self.config.pre_norm:
       y = self.decoder_norm(y)
     if self.config.tie_embeddings:
