@@ -39,15 +39,19 @@ def _attention(config: ModelConfig, name: str, is_cross: bool = False, max_lengt
 
 
 class EncoderBlock(nn.Module):
-  """Self-attention + FFN. `[batch, src_len, d_model]` -> same; `mask` `[batch, 1, S, S]`."""
+  """Self-attention + FFN. `[batch, src_len, d_model]` -> same; `mask` `[batch, 1, S, S]`.
+
+  With a causal mask this is also the decoder-only (GPT) block; `decode=True` then uses
+  the self-attention KV cache (`mask` None: the cache builds the causal mask).
+  """
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x: jax.Array, mask: jax.Array, deterministic: bool) -> jax.Array:
-    attn = _attention(self.config, "self_attention")
+  def __call__(self, x: jax.Array, mask: jax.Array | None, deterministic: bool, decode: bool = False) -> jax.Array:
+    attn = _attention(self.config, "self_attention", max_length=self.config.max_length)
     ffn = FeedForward(self.config.d_ff, dtype=jnp.dtype(self.config.dtype), name="ffn")
     x = Residual(self.config, name="attention_sublayer")(
-        x, lambda h: attn(h, None, mask, deterministic=deterministic), deterministic)
+        x, lambda h: attn(h, None, mask, deterministic=deterministic, decode=decode), deterministic)
     x = Residual(self.config, name="ffn_sublayer")(x, ffn, deterministic)
     return sh.constrain(x, BLOCK_AXES)
 

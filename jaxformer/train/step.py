@@ -18,21 +18,17 @@ from jax.sharding import Mesh
 
 from jaxformer import sharding as sh
 from jaxformer.config import Config
-from jaxformer.models.transformer import PAD_ID
 from jaxformer.train.losses import cross_entropy_sums
 from jaxformer.train.optim import make_schedule
 from jaxformer.train.state import TrainState
+from jaxformer.train.tasks import Task
 
 Batch = dict[str, jax.Array]
 
 
-def _loss_fn(model: nn.Module, params, batch: Batch, rng: jax.Array | None, label_smoothing: float):
-  deterministic = rng is None
-  rngs = None if deterministic else {"dropout": rng}
-  logits = model.apply({"params": params}, batch["inputs"], batch["targets"],
-                       deterministic=deterministic, rngs=rngs)
-  weights = (batch["targets"] != PAD_ID).astype(jnp.float32)
-  sums = cross_entropy_sums(logits, batch["targets"], weights, label_smoothing)
+def _loss_fn(task: Task, params, batch: Batch, rng: jax.Array | None, label_smoothing: float):
+  logits, targets, weights = task.outputs(params, batch, rng)
+  sums = cross_entropy_sums(logits, targets, weights, label_smoothing)
   # Normalise by the global count of real target tokens (section 5.4 loss per token).
   return sums["loss"] / jnp.maximum(sums["num_tokens"], 1.0), sums
 
@@ -48,11 +44,12 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, config: 
   """
   schedule = make_schedule(config.optim, config.model.d_model)
   label_smoothing = config.optim.label_smoothing
-  use_dropout = config.model.dropout_rate > 0 or config.model.attention_dropout_rate > 0
+  task = Task(model, config)
+  use_rng = config.model.dropout_rate > 0 or config.model.attention_dropout_rate > 0 or task.needs_rng
 
   def step(state: TrainState, batch: Batch, rng: jax.Array):
-    step_rng = jax.random.fold_in(rng, state.step) if use_dropout else None
-    grad_fn = jax.value_and_grad(lambda p: _loss_fn(model, p, batch, step_rng, label_smoothing), has_aux=True)
+    step_rng = jax.random.fold_in(rng, state.step) if use_rng else None
+    grad_fn = jax.value_and_grad(lambda p: _loss_fn(task, p, batch, step_rng, label_smoothing), has_aux=True)
     (_, sums), grads = grad_fn(state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -68,9 +65,10 @@ def make_eval_step(model: nn.Module, config: Config, mesh: Mesh,
                    param_shardings) -> Callable[[object, Batch], dict]:
   """Returns jitted `(params, batch) -> metric sums` with dropout off (validation loss)."""
   label_smoothing = config.optim.label_smoothing
+  task = Task(model, config)
 
   def step(params, batch: Batch):
-    return _loss_fn(model, params, batch, None, label_smoothing)[1]
+    return _loss_fn(task, params, batch, None, label_smoothing)[1]
 
   jitted = jax.jit(step, in_shardings=(param_shardings, _batch_shardings(mesh)), out_shardings=sh.replicated(mesh))
   return _with_mesh(jitted, mesh)
