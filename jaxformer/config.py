@@ -206,10 +206,11 @@ class Config:
       section = getattr(self, field.name)
       if hasattr(section, "validate"):
         section.validate()
-    kind, dataset = self.model.kind, self.data.dataset
-    if (kind == "encoder_decoder") == (dataset == "tinyshakespeare") and kind != "encoder_only":
-      want = "multi30k" if kind == "encoder_decoder" else "tinyshakespeare"
-      raise ConfigError(f"model.kind={kind} trains on data.dataset={want}, not {dataset}")
+    datasets = {"encoder_decoder": ("multi30k",), "decoder_only": ("tinyshakespeare",),
+                "encoder_only": ("tinyshakespeare", "multi30k")}[self.model.kind]
+    if self.data.dataset not in datasets:
+      raise ConfigError(f"model.kind={self.model.kind} trains on data.dataset={' or '.join(datasets)}, "
+                        f"not {self.data.dataset}")
     if self.data.max_length > self.model.max_length:
       raise ConfigError(
           f"data.max_length={self.data.max_length} exceeds model.max_length={self.model.max_length}; "
