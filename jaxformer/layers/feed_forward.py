@@ -25,7 +25,8 @@ class FeedForward(nn.Module):
     b1 = self.param("bi", sh.param_with_axes(nn.initializers.zeros, (sh.MLP,)), (self.d_ff,))
     w2 = self.param("wo", sh.param_with_axes(xavier_uniform(), (sh.MLP, sh.EMBED)), (self.d_ff, d_model))
     b2 = self.param("bo", sh.param_with_axes(nn.initializers.zeros, (sh.EMBED,)), (d_model,))
-    x = x.astype(self.dtype)
-    h = jnp.einsum("btd,df->btf", x, w1.astype(self.dtype)) + b1.astype(self.dtype)
-    h = sh.constrain(nn.relu(h), (sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_MLP))
-    return jnp.einsum("btf,fd->btd", h, w2.astype(self.dtype)) + b2.astype(self.dtype)
+    batch, length = x.shape[:2]
+    x = x.astype(self.dtype).reshape(batch * length, d_model)  # 2-D matmuls: no transposes in the backward pass
+    h = nn.relu(x @ w1.astype(self.dtype) + b1.astype(self.dtype)).reshape(batch, length, self.d_ff)
+    h = sh.constrain(h, (sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_MLP)).reshape(batch * length, self.d_ff)
+    return (h @ w2.astype(self.dtype) + b2.astype(self.dtype)).reshape(batch, length, d_model)
