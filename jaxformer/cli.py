@@ -1,4 +1,4 @@
-"""`jaxformer train | eval | translate | bench`: thin wiring of config, runtime and the library.
+"""`jaxformer train | eval | translate | generate | bench`: thin wiring of config, runtime and the library.
 
 User mistakes (bad config, mesh, paths, missing checkpoints) print one `error:` line and
 exit with status 2; results are JSON lines on stdout (the last line of `eval` is one
@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
   _add_distributed_args(t)
   t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.num_steps=100 mesh.data=4")
 
-  e = sub.add_parser("eval", help="restore a checkpoint, translate a split and report BLEU/chrF")
+  e = sub.add_parser("eval", help="restore a checkpoint and report BLEU/chrF (translation) or validation "
+                     "loss and perplexity (causal LM) or masked-token loss and accuracy (masked LM)")
   e.add_argument("--workdir", required=True)
   e.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   e.add_argument("--split", choices=("val", "test"), default="test")
@@ -44,6 +45,18 @@ def _parser() -> argparse.ArgumentParser:
   tr.add_argument("--batch-size", type=int, default=64)
   _add_search_args(tr)
   tr.add_argument("overrides", nargs="*")
+
+  g = sub.add_parser("generate", help="sample text from a causal LM (decoder_only) with the KV cache")
+  g.add_argument("--workdir", required=True)
+  g.add_argument("--step", type=int, default=None)
+  g.add_argument("--prompt", required=True, help="text to continue, e.g. $'\\n' or 'ROMEO:'")
+  g.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per sample")
+  g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature > 0")
+  g.add_argument("--top-k", type=int, default=0, help="sample among the k most probable tokens (0 = all)")
+  g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = all)")
+  g.add_argument("--seed", type=int, default=0, help="sampling seed: same seed, same text")
+  g.add_argument("--num-samples", type=int, default=1, help="independent samples, separated by a '---' line")
+  g.add_argument("overrides", nargs="*")
 
   b = sub.add_parser("bench", help="time the train step on synthetic batches: compile time, tokens/s, MFU, "
                      "memory; also torch.nn.Transformer when PyTorch is installed")
@@ -146,6 +159,11 @@ def cmd_eval(args) -> None:
   from jaxformer.train.loop import load_data
   search = _search_options(args)
   config = evaluate.workdir_config(args.workdir, args.overrides)
+  if config.model.kind != "encoder_decoder":  # language models: loss over the validation split
+    from jaxformer import lm
+    result = lm.evaluate_split(evaluate.restore(args.workdir, config, args.step))
+    print(json.dumps({**result, "split": "val", "kind": config.model.kind}), flush=True)
+    return
   name, sources, references = _eval_sources(args, lambda: load_data(config)[1])
   restored = evaluate.restore(args.workdir, config, args.step)
   hyps, speed = evaluate.translate(restored, sources, args.batch_size, search)
@@ -171,6 +189,17 @@ def cmd_translate(args) -> None:
     sys.stdout.write("".join(h + "\n" for h in hyps))
 
 
+def cmd_generate(args) -> None:
+  from jaxformer.runtime import init_runtime
+  init_runtime(_runtime_from_overrides(args.overrides))
+  from jaxformer import evaluate, lm
+  config = evaluate.workdir_config(args.workdir, args.overrides)
+  restored = evaluate.restore(args.workdir, config, args.step)
+  texts = lm.generate(restored, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                      top_p=args.top_p, seed=args.seed, num_samples=args.num_samples)
+  sys.stdout.write("\n---\n".join(args.prompt + t for t in texts) + "\n")
+
+
 def cmd_bench(args) -> None:
   config = load_config(args.config, args.overrides)
   from jaxformer.runtime import init_runtime
@@ -187,7 +216,8 @@ def cmd_bench(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
-  commands = {"train": cmd_train, "eval": cmd_eval, "translate": cmd_translate, "bench": cmd_bench}
+  commands = {"train": cmd_train, "eval": cmd_eval, "translate": cmd_translate, "generate": cmd_generate,
+              "bench": cmd_bench}
   try:
     commands[args.command](args)
   except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:

@@ -31,10 +31,16 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "attention": ("dense", "blockwise"),
 }
 
+MODEL_KINDS = ("encoder_decoder", "decoder_only", "encoder_only")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Transformer shape (Vaswani et al. 2017, Table 3 names)."""
+  """Transformer shape (Vaswani et al. 2017, Table 3 names).
+
+  `kind`: encoder_decoder (the paper's translation model), decoder_only (causal LM,
+  `num_decoder_layers` blocks) or encoder_only (BERT-style masked LM, `num_encoder_layers`).
+  """
   kind: str = "encoder_decoder"
   vocab_size: int = 8000        # shared source/target vocabulary, tokens
   d_model: int = 256
@@ -62,8 +68,8 @@ class ModelConfig:
   scan_layers: bool = False     # nn.scan over each layer stack (shorter compile; params get a leading layers axis)
 
   def validate(self) -> None:
-    if self.kind != "encoder_decoder":
-      raise ConfigError(f"model.kind={self.kind!r} is not supported; use model.kind=encoder_decoder")
+    if self.kind not in MODEL_KINDS:
+      raise ConfigError(f"model.kind={self.kind!r} is unknown; use one of {', '.join(MODEL_KINDS)}")
     if self.d_model % self.num_heads:
       raise ConfigError(
           f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}; "
@@ -173,20 +179,33 @@ class PrecisionConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-  """Adam with the paper's inverse-square-root warmup schedule (section 5.3)."""
-  schedule: str = "rsqrt"       # rsqrt (paper) | constant
-  learning_rate: float = 1.0    # rsqrt: scale factor on d_model^-0.5 * min(...); constant: the rate
+  """Adam with the paper's inverse-square-root warmup schedule (section 5.3), or AdamW
+  with linear warmup and cosine decay (Loshchilov & Hutter 2019)."""
+  optimizer: str = "adam"       # adam | adamw (decoupled weight decay, none on biases/norms/embeddings)
+  schedule: str = "rsqrt"       # rsqrt (paper) | constant | cosine
+  learning_rate: float = 1.0    # rsqrt: scale factor on d_model^-0.5 * min(...); constant/cosine: the peak rate
   warmup_steps: int = 4000
+  decay_steps: int = 0          # cosine: step at which the rate reaches min_learning_rate
+  min_learning_rate: float = 0.0  # cosine: final rate
   b1: float = 0.9
   b2: float = 0.98
   eps: float = 1e-9
-  weight_decay: float = 0.0
+  weight_decay: float = 0.0     # adamw only
   clip_grad_norm: float = 0.0   # 0 disables global-norm clipping
   label_smoothing: float = 0.1
 
   def validate(self) -> None:
-    if self.schedule not in ("rsqrt", "constant"):
-      raise ConfigError(f"optim.schedule={self.schedule!r} is unknown; use rsqrt or constant")
+    if self.schedule not in ("rsqrt", "constant", "cosine"):
+      raise ConfigError(f"optim.schedule={self.schedule!r} is unknown; use rsqrt, constant or cosine")
+    if self.optimizer not in ("adam", "adamw"):
+      raise ConfigError(f"optim.optimizer={self.optimizer!r} is unknown; use adam or adamw")
+    if self.weight_decay < 0 or (self.weight_decay > 0 and self.optimizer != "adamw"):
+      raise ConfigError(f"optim.weight_decay={self.weight_decay} needs optim.optimizer=adamw and a value >= 0")
+    if self.schedule == "cosine" and self.decay_steps <= self.warmup_steps:
+      raise ConfigError(f"optim.decay_steps={self.decay_steps} must exceed optim.warmup_steps="
+                        f"{self.warmup_steps} for the cosine schedule; e.g. optim.decay_steps=<train.num_steps>")
+    if self.schedule == "cosine" and not 0 <= self.min_learning_rate <= self.learning_rate:
+      raise ConfigError(f"optim.min_learning_rate={self.min_learning_rate} must be in [0, optim.learning_rate]")
     if self.warmup_steps < 1:
       raise ConfigError(f"optim.warmup_steps must be >= 1, got {self.warmup_steps}")
     if not 0.0 <= self.label_smoothing < 1.0:
@@ -197,25 +216,37 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """Where the data lives and how it is tokenized and batched."""
-  dataset: str = "multi30k"
+  """Where the data lives and how it is tokenized and batched.
+
+  For tinyshakespeare, `max_length` is the context (window) length and `buckets` are unused.
+  """
+  dataset: str = "multi30k"           # multi30k | tinyshakespeare
   source_lang: str = "en"
   target_lang: str = "de"
   data_dir: str = "~/.cache/jaxformer"  # TFDS ArrayRecord files and the cached tokenizer
-  tokenizer: str = "unigram"           # SentencePiece model type: unigram | bpe
+  tokenizer: str = "unigram"           # SentencePiece unigram | bpe; char (tinyshakespeare: one id per character)
   max_length: int = 64                 # tokens per side including EOS
   overlong: str = "drop"               # drop | truncate (train split only)
   buckets: tuple[int, ...] = (12, 14, 16, 18, 20, 24, 32, 48, 64)  # padded lengths, tokens
+  mask_probability: float = 0.15       # masked LM: fraction of tokens selected (BERT: 15%)
 
   def validate(self) -> None:
-    if self.dataset != "multi30k":
-      raise ConfigError(f"data.dataset={self.dataset!r} is unknown; use multi30k")
+    if self.dataset not in ("multi30k", "tinyshakespeare"):
+      raise ConfigError(f"data.dataset={self.dataset!r} is unknown; use multi30k or tinyshakespeare")
+    if not 0.0 < self.mask_probability < 1.0:
+      raise ConfigError(f"data.mask_probability must be in (0, 1), got {self.mask_probability}")
     if {self.source_lang, self.target_lang} != {"en", "de"}:
       raise ConfigError("data.source_lang/target_lang must be en and de (either direction)")
     if self.overlong not in ("drop", "truncate"):
       raise ConfigError(f"data.overlong={self.overlong!r} is unknown; use drop or truncate")
-    if self.tokenizer not in ("unigram", "bpe"):
-      raise ConfigError(f"data.tokenizer={self.tokenizer!r} is unknown; use unigram or bpe")
+    if self.tokenizer not in ("unigram", "bpe", "char"):
+      raise ConfigError(f"data.tokenizer={self.tokenizer!r} is unknown; use unigram, bpe or char")
+    if self.tokenizer == "char" and self.dataset != "tinyshakespeare":
+      raise ConfigError("data.tokenizer=char is for data.dataset=tinyshakespeare; use unigram or bpe")
+    if self.dataset == "tinyshakespeare":
+      if self.max_length < 2:
+        raise ConfigError(f"data.max_length (the context) must be >= 2, got {self.max_length}")
+      return
     if not self.buckets or list(self.buckets) != sorted(set(self.buckets)):
       raise ConfigError(f"data.buckets={self.buckets} must be strictly increasing lengths")
     if self.buckets[-1] != self.max_length:
@@ -282,6 +313,11 @@ class Config:
       section = getattr(self, field.name)
       if hasattr(section, "validate"):
         section.validate()
+    datasets = {"encoder_decoder": ("multi30k",), "decoder_only": ("tinyshakespeare",),
+                "encoder_only": ("tinyshakespeare", "multi30k")}[self.model.kind]
+    if self.data.dataset not in datasets:
+      raise ConfigError(f"model.kind={self.model.kind} trains on data.dataset={' or '.join(datasets)}, "
+                        f"not {self.data.dataset}")
     if self.data.max_length > self.model.max_length:
       raise ConfigError(
           f"data.max_length={self.data.max_length} exceeds model.max_length={self.model.max_length}; "

@@ -61,17 +61,24 @@ def _block_output(config: ModelConfig, x: jax.Array):
 
 
 class EncoderBlock(nn.Module):
-  """Self-attention + FFN. `[batch, src_len, d_model]` -> same; `valid` bool `[batch, src_len]`
-  marks real (non-padding) tokens, or None."""
+  """Self-attention + FFN. `[batch, length, d_model]` -> same; `valid` bool `[batch, length]`
+  marks real (non-padding) tokens, or None.
+
+  With `causal=True` this is also the decoder-only (GPT) block: causal self-attention with
+  the sliding window, and `decode=True` uses its KV cache (`model.max_length` slots).
+  """
   config: ModelConfig
-  STATIC_ARGNUMS = (3,)  # `deterministic` (self is 0), for nn.remat
+  causal: bool = False
+  STATIC_ARGNUMS = (3, 4)  # `deterministic`, `decode` (self is 0), for nn.remat
 
   @nn.compact
-  def __call__(self, x: jax.Array, valid: jax.Array | None, deterministic: bool) -> jax.Array:
-    attn = _attention(self.config, "self_attention")
+  def __call__(self, x: jax.Array, valid: jax.Array | None, deterministic: bool,
+               decode: bool = False) -> jax.Array:
+    attn = _attention(self.config, "self_attention", max_length=self.config.max_length if self.causal else 0,
+                      causal=self.causal)
     ffn = _ffn(self.config)
     x = Residual(self.config, name="attention_sublayer")(
-        x, lambda h: attn(h, None, valid, deterministic=deterministic), deterministic)
+        x, lambda h: attn(h, None, valid, deterministic=deterministic, decode=decode), deterministic)
     x = Residual(self.config, name="ffn_sublayer")(x, ffn, deterministic)
     return _block_output(self.config, x)
 

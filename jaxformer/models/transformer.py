@@ -42,22 +42,23 @@ def default_positions(tokens: jax.Array) -> jax.Array:
   return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
 
 
-def _layer_stack(block: type[nn.Module], config: ModelConfig, num_layers: int, name: str):
+def layer_stack(block: type[nn.Module], config: ModelConfig, num_layers: int, name: str, **block_fields):
   """The blocks of one stack, each wrapped in the remat policy: a list of `num_layers`
-  modules named `{name}_{i}`, or one `nn.scan` module named `name` (`model.scan_layers`)."""
+  modules named `{name}_{i}`, or one `nn.scan` module named `name` (`model.scan_layers`).
+  Call it with `run_stack`."""
   scan = config.scan_layers
   block = remat_block(block, config.remat, block.STATIC_ARGNUMS, prevent_cse=not scan)
   if not scan:
-    return [block(config, name=f"{name}_{i}") for i in range(num_layers)]
+    return [block(config, name=f"{name}_{i}", **block_fields) for i in range(num_layers)]
   # Every argument after the carry (masks, encoder output, flags) is the same for all layers.
   scanned = nn.scan(block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True, "dropout": True},
                     in_axes=nn.broadcast, length=num_layers,
                     metadata_params={nn.PARTITION_NAME: sh.LAYERS})
-  return scanned(config, name=name)
+  return scanned(config, name=name, **block_fields)
 
 
-def _run_stack(stack, x: jax.Array, *args) -> jax.Array:
-  """Applies a `_layer_stack` to `x` `[batch, length, d_model]`; `args` follow the carry."""
+def run_stack(stack, x: jax.Array, *args) -> jax.Array:
+  """Applies a `layer_stack` to `x` `[batch, length, d_model]`; `args` follow the carry."""
   if isinstance(stack, (list, tuple)):
     for block in stack:
       x = block(x, *args)
@@ -82,6 +83,40 @@ def stack_layer_params(params: dict[str, Any], config: ModelConfig) -> dict[str,
   return out
 
 
+def embed_tokens(config: ModelConfig, embed: Embed, tokens: jax.Array, positions: jax.Array,
+                 learned: LearnedPositions | None = None) -> jax.Array:
+  """Token embeddings plus absolute positions, `[batch, length, d_model]`.
+
+  Sinusoidal (paper section 3.5) or learned (`learned`) positions are added to the
+  embedding; rope and alibi act inside self-attention instead, and `none` adds nothing.
+  """
+  x = embed(tokens)
+  if config.position == "sinusoidal":
+    x = x + sinusoidal_positions(positions, config.d_model).astype(embed.dtype)
+  elif config.position == "learned":
+    x = x + learned(positions)
+  return x
+
+
+def output_logits(config: ModelConfig, embed: Embed, output_proj: jax.Array | None, y: jax.Array) -> jax.Array:
+  """float32 logits `[batch, length, vocab_size]` from `y` `[batch, length, d_model]`: the
+  tied embedding (`model.tie_embeddings`, section 3.4) or `output_proj` `[d_model, vocab]`."""
+  if config.tie_embeddings:
+    logits = embed.attend(y)
+  else:
+    dtype = jnp.dtype(config.dtype)
+    b, t, d = y.shape  # one 2-D matmul over the tokens (see layers/attention.py `_project`)
+    logits = jnp.einsum("md,dv->mv", y.reshape(b * t, d).astype(dtype), output_proj.astype(dtype))
+    logits = logits.reshape(b, t, -1).astype(jnp.float32)
+  return sh.constrain(logits, (sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_VOCAB))
+
+
+def untied_output_proj(module: nn.Module, config: ModelConfig) -> jax.Array:
+  """The `[d_model, vocab_size]` output projection parameter of an untied model."""
+  return module.param("output_proj", sh.param_with_axes(nn.initializers.xavier_uniform(), (sh.EMBED, sh.VOCAB)),
+                      (config.d_model, config.vocab_size))
+
+
 class EncoderDecoder(nn.Module):
   """Encoder-decoder Transformer.
 
@@ -100,11 +135,9 @@ class EncoderDecoder(nn.Module):
     else:
       self.source_embed = Embed(cfg.vocab_size, cfg.d_model, dtype, name="source_embed")
       self.target_embed = Embed(cfg.vocab_size, cfg.d_model, dtype, name="target_embed")
-      self.output_proj = self.param(
-          "output_proj", sh.param_with_axes(nn.initializers.xavier_uniform(), (sh.EMBED, sh.VOCAB)),
-          (cfg.d_model, cfg.vocab_size))
-    self.encoder_stack = _layer_stack(EncoderBlock, cfg, cfg.num_encoder_layers, "encoder")
-    self.decoder_stack = _layer_stack(DecoderBlock, cfg, cfg.num_decoder_layers, "decoder")
+      self.output_proj = untied_output_proj(self, cfg)
+    self.encoder_stack = layer_stack(EncoderBlock, cfg, cfg.num_encoder_layers, "encoder")
+    self.decoder_stack = layer_stack(DecoderBlock, cfg, cfg.num_decoder_layers, "decoder")
     if cfg.pre_norm:  # pre-LN leaves the residual stream unnormalized: close each stack with a norm
       self.encoder_norm = make_norm(cfg.norm, dtype)
       self.decoder_norm = make_norm(cfg.norm, dtype)
@@ -114,13 +147,7 @@ class EncoderDecoder(nn.Module):
     self.dropout = nn.Dropout(cfg.dropout_rate)
 
   def _embed(self, embed: Embed, tokens, positions, deterministic, learned=None):
-    """Token embeddings plus absolute positions (sinusoidal or learned); rope and alibi act
-    inside self-attention instead, `none` adds nothing."""
-    x = embed(tokens)
-    if self.config.position == "sinusoidal":
-      x = x + sinusoidal_positions(positions, self.config.d_model).astype(embed.dtype)
-    elif self.config.position == "learned":
-      x = x + learned(positions)
+    x = embed_tokens(self.config, embed, tokens, positions, learned)
     return sh.constrain(self.dropout(x, deterministic=deterministic), BLOCK_AXES)
 
   def encode(self, inputs: jax.Array, *, deterministic: bool = True) -> jax.Array:
@@ -128,7 +155,7 @@ class EncoderDecoder(nn.Module):
     valid = inputs != PAD_ID
     x = self._embed(self.source_embed, inputs, default_positions(inputs), deterministic,
                     getattr(self, "source_positions", None))
-    x = _run_stack(self.encoder_stack, x, valid, deterministic)
+    x = run_stack(self.encoder_stack, x, valid, deterministic, False)  # decode: remat needs every static arg
     return self.encoder_norm(x) if self.config.pre_norm else x
 
   def decode(self, encoded: jax.Array | None, inputs: jax.Array, decoder_inputs: jax.Array, *,
@@ -152,15 +179,10 @@ class EncoderDecoder(nn.Module):
     src_valid = inputs != PAD_ID
     y = self._embed(self.target_embed, decoder_inputs, positions, deterministic,
                     getattr(self, "target_positions", None))
-    y = _run_stack(self.decoder_stack, y, encoded, tgt_valid, src_valid, deterministic, decode)
+    y = run_stack(self.decoder_stack, y, encoded, tgt_valid, src_valid, deterministic, decode)
     if self.config.pre_norm:
       y = self.decoder_norm(y)
-    if self.config.tie_embeddings:
-      logits = self.target_embed.attend(y)
-    else:
-      dtype = jnp.dtype(self.config.dtype)
-      logits = jnp.einsum("btd,dv->btv", y.astype(dtype), self.output_proj.astype(dtype)).astype(jnp.float32)
-    return sh.constrain(logits, (sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_VOCAB))
+    return output_logits(self.config, self.target_embed, getattr(self, "output_proj", None), y)
 
   def __call__(self, inputs: jax.Array, targets: jax.Array, *, deterministic: bool = True) -> jax.Array:
     """Teacher-forced logits `[batch, tgt_len, vocab_size]` (float32) for `targets` `[batch, tgt_len]`."""

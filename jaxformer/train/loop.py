@@ -24,22 +24,51 @@ from jaxformer import sharding as sh
 from jaxformer.config import Config, ConfigError, dump_config, load_config
 from jaxformer.distributed import main_process_first
 from jaxformer.data import TrainBatches, eval_batches, padding_fraction, prepare_translation_data
-from jaxformer.models.transformer import EncoderDecoder
+from jaxformer.data.shakespeare import WindowBatches, prepare_shakespeare, window_eval_batches
 from jaxformer.runtime import build_mesh
 from jaxformer.train.optim import make_optimizer
 from jaxformer.summary import format_summary
 from jaxformer.train.state import abstract_state, create_state
 from jaxformer.train.step import make_eval_step, make_train_step
+from jaxformer.train.tasks import make_model
 
 
 def load_data(config: Config):
-  """(tokenizer, splits) for the configured dataset; the tokenizer vocabulary size is
-  `model.vocab_size`."""
+  """(tokenizer, splits) for the configured dataset. SentencePiece vocabularies have
+  `model.vocab_size` ids (one fewer for the masked LM, whose last id is [MASK]).
+
+  Raises:
+    ConfigError: `model.vocab_size` is too small for the character vocabulary.
+  """
+  masked = config.model.kind == "encoder_only"
+  data_dir = Path(config.data.data_dir).expanduser()
+  vocab_size = config.model.vocab_size - int(masked)
+  if config.data.dataset == "tinyshakespeare":
+    tokenizer, splits = prepare_shakespeare(data_dir, config.data.tokenizer, vocab_size)
+    if tokenizer.vocab_size > vocab_size:
+      raise ConfigError(f"model.vocab_size={config.model.vocab_size} is too small for the {tokenizer.vocab_size} "
+                        f"tokenizer ids; use model.vocab_size={tokenizer.vocab_size + int(masked)}")
+    return tokenizer, splits
   return prepare_translation_data(
-      Path(config.data.data_dir).expanduser(), vocab_size=config.model.vocab_size,
+      data_dir, vocab_size=vocab_size,
       max_length=config.data.max_length, model_type=config.data.tokenizer,
       source_lang=config.data.source_lang, target_lang=config.data.target_lang,
       train_overlong=config.data.overlong)
+
+
+def make_batches(config: Config, splits, process_index: int = 0, process_count: int = 1):
+  """(training batches with `.iterate(start_step)`, list of validation batches) for this
+  process: length-bucketed sentence pairs (Multi30k) or token windows (Tiny Shakespeare;
+  targets shifted one ahead for the causal LM)."""
+  process = dict(process_index=process_index, process_count=process_count)
+  batch_size, seed = config.train.batch_size, config.runtime.seed
+  if config.data.dataset == "tinyshakespeare":
+    shift = config.model.kind == "decoder_only"
+    context = config.data.max_length
+    return (WindowBatches(splits["train"], batch_size, context, seed=seed, shift=shift, **process),
+            window_eval_batches(splits["validation"], batch_size, context, shift=shift, **process))
+  return (TrainBatches(splits["train"], batch_size, config.data.buckets, seed=seed, **process),
+          eval_batches(splits["validation"], batch_size, config.data.buckets, **process))
 
 
 def global_batch(local: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
@@ -112,7 +141,7 @@ def train(config: Config, workdir: str | Path, dry_run: bool = False) -> dict[st
 def _train(config: Config, workdir: Path, dry_run: bool) -> dict[str, Any]:
   _check_resume_config(workdir, config)
   mesh = build_mesh(config)
-  model = EncoderDecoder(config.model)
+  model = make_model(config)
   tx = make_optimizer(config.optim, config.model.d_model)
   abstract, logical = abstract_state(model, tx)
   shardings = sh.logical_to_sharding(logical, mesh)
@@ -138,10 +167,7 @@ def _train(config: Config, workdir: Path, dry_run: bool) -> dict[str, Any]:
   eval_step = make_eval_step(model, config, mesh, shardings.params)
   rng = jax.random.key(config.runtime.seed)
 
-  process = dict(process_index=jax.process_index(), process_count=jax.process_count())
-  batches = TrainBatches(splits["train"], config.train.batch_size, config.data.buckets,
-                         seed=config.runtime.seed, **process)
-  val_batches = eval_batches(splits["validation"], config.train.batch_size, config.data.buckets, **process)
+  batches, val_batches = make_batches(config, splits, jax.process_index(), jax.process_count())
   logger = _Logger(workdir)
   show_bar = jax.process_index() == 0 and sys.stderr.isatty()
   bar = tqdm.tqdm(total=config.train.num_steps, initial=start, disable=not show_bar, unit="step")

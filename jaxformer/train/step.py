@@ -18,29 +18,26 @@ from jax.sharding import Mesh
 
 from jaxformer import sharding as sh
 from jaxformer.config import Config
-from jaxformer.models.transformer import PAD_ID
 from jaxformer.precision import all_finite, next_loss_scale, select_tree
 from jaxformer.train.losses import cross_entropy_sums
 from jaxformer.train.optim import make_schedule
 from jaxformer.train.state import TrainState
+from jaxformer.train.tasks import Task
 
 Batch = dict[str, jax.Array]
 
 
-def loss_fn(model: nn.Module, params, batch: Batch, rng: jax.Array | None, label_smoothing: float,
+def loss_fn(task: Task, params, batch: Batch, rng: jax.Array | None, label_smoothing: float,
             z_loss: float = 0.0):
-  """(float32 loss per real target token, metric sums) of `model` on `batch`.
+  """(float32 loss per real target token, metric sums) of `task`'s model on `batch`.
 
-  `batch` holds int32 `inputs` `[batch, src_len]` and `targets` `[batch, tgt_len]` (0 is
-  padding); `rng` is the dropout key, None for deterministic. The sums are those of
-  `cross_entropy_sums` (with `z_loss`); the loss is computed in float32 whatever the compute dtype.
+  `batch` holds int32 `inputs` and `targets` `[batch, length]` (0 is padding; what they
+  mean depends on `model.kind`, see `train/tasks.py`); `rng` is the step's key (dropout,
+  MLM masks), None for evaluation. The sums are those of `cross_entropy_sums` (with
+  `z_loss`); the loss is computed in float32 whatever the compute dtype.
   """
-  deterministic = rng is None
-  rngs = None if deterministic else {"dropout": rng}
-  logits = model.apply({"params": params}, batch["inputs"], batch["targets"],
-                       deterministic=deterministic, rngs=rngs)
-  weights = (batch["targets"] != PAD_ID).astype(jnp.float32)
-  sums = cross_entropy_sums(logits, batch["targets"], weights, label_smoothing, z_loss)
+  logits, targets, weights = task.outputs(params, batch, rng)
+  sums = cross_entropy_sums(logits, targets, weights, label_smoothing, z_loss)
   # Normalise by the global count of real target tokens (section 5.4 loss per token).
   return sums["loss"] / jnp.maximum(sums["num_tokens"], 1.0), sums
 
@@ -66,16 +63,17 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, config: 
   """
   schedule = make_schedule(config.optim, config.model.d_model)
   label_smoothing, z_loss = config.optim.label_smoothing, config.train.z_loss
-  use_dropout = config.model.dropout_rate > 0 or config.model.attention_dropout_rate > 0
+  task = Task(model, config)
+  use_rng = config.model.dropout_rate > 0 or config.model.attention_dropout_rate > 0 or task.needs_rng
   precision = config.precision
   dynamic = precision.dynamic_loss_scale
 
   def scaled_loss(params, batch, rng, scale):
-    loss, sums = loss_fn(model, params, batch, rng, label_smoothing, z_loss)
+    loss, sums = loss_fn(task, params, batch, rng, label_smoothing, z_loss)
     return loss * scale, sums
 
   def step(state: TrainState, batch: Batch, rng: jax.Array):
-    step_rng = jax.random.fold_in(rng, state.step) if use_dropout else None
+    step_rng = jax.random.fold_in(rng, state.step) if use_rng else None
     scale = state.loss_scale.scale if dynamic else jnp.ones((), jnp.float32)
     (_, sums), grads = jax.value_and_grad(scaled_loss, has_aux=True)(state.params, batch, step_rng, scale)
     if dynamic:
@@ -102,9 +100,10 @@ def make_eval_step(model: nn.Module, config: Config, mesh: Mesh,
                    param_shardings) -> Callable[[object, Batch], dict]:
   """Returns jitted `(params, batch) -> metric sums` with dropout off (validation loss)."""
   label_smoothing, z_loss = config.optim.label_smoothing, config.train.z_loss
+  task = Task(model, config)
 
   def step(params, batch: Batch):
-    return loss_fn(model, params, batch, None, label_smoothing, z_loss)[1]
+    return loss_fn(task, params, batch, None, label_smoothing, z_loss)[1]
 
   jitted = jax.jit(step, in_shardings=(param_shardings, _batch_shardings(mesh)), out_shardings=sh.replicated(mesh))
   return _with_mesh(jitted, mesh)

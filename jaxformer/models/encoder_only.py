@@ -1,0 +1,26 @@
+"""Encoder-only masked language model (BERT style, Devlin et al. 2019): the paper's encoder
+stack with bidirectional self-attention under a padding mask, and output logits that
+predict the original token at every position (the loss keeps the masked ones)."""
+
+from __future__ import annotations
+
+import jax
+
+from jaxformer.models.decoder_only import SelfAttentionStack
+from jaxformer.models.transformer import PAD_ID, default_positions
+
+
+class EncoderOnly(SelfAttentionStack):
+  """Masked LM over int `[batch, length]` ids -> float32 logits `[batch, length, vocab_size]`.
+  Layers: `model.num_encoder_layers`. PAD (0) positions are masked as keys, so appending
+  padding does not change the logits of real positions."""
+
+  def __call__(self, inputs: jax.Array, targets: jax.Array | None = None, *,
+               deterministic: bool = True) -> jax.Array:
+    """Logits for every position of `inputs` (ids with [MASK] substitutions already made).
+
+    `targets` is ignored; it is accepted so the model has the `(inputs, targets)` call
+    form the training state's initialisation uses.
+    """
+    del targets
+    return self._logits(inputs, inputs != PAD_ID, default_positions(inputs), deterministic, False)
