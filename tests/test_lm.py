@@ -239,12 +239,17 @@ def test_generate_is_seeded_and_spans_several_context_windows(uniform_lm):
     lm.generate(uniform_lm, "\u00e9", 5)
 
 
+def _tiny_run(layers_key: str, length: int, steps: int) -> list[str]:
+  """Overrides for a one-layer d_model 32 run of `steps` steps on `length`-token windows."""
+  return ["model.d_model=32", "model.num_heads=2", "model.d_ff=48", f"model.{layers_key}=1",
+          f"model.max_length={length}", f"data.max_length={length}", "train.batch_size=8",
+          f"train.num_steps={steps}", f"train.log_every={steps // 2}", f"train.eval_every={steps}",
+          f"train.checkpoint_every={steps}", "optim.warmup_steps=2", f"optim.decay_steps={steps}"]
+
+
 def test_cli_causal_lm_train_eval_generate(tmp_path):
   workdir = str(tmp_path / "lm")
-  tiny = ["model.d_model=32", "model.num_heads=2", "model.d_ff=48", "model.num_decoder_layers=1",
-          "model.max_length=16", "data.max_length=16", "train.batch_size=8", "train.num_steps=6",
-          "train.log_every=3", "train.eval_every=6", "train.checkpoint_every=6", "optim.warmup_steps=2",
-          "optim.decay_steps=6"]
+  tiny = _tiny_run("num_decoder_layers", length=16, steps=6)
   run_cli("train", "--config", "configs/shakespeare_char.yaml", "--workdir", workdir, *tiny)
   result = json.loads(run_cli("eval", "--workdir", workdir).stdout.strip().splitlines()[-1])
   assert result["step"] == 6 and result["num_tokens"] == 1115394 - 1003854 - 1
@@ -257,10 +262,7 @@ def test_cli_causal_lm_train_eval_generate(tmp_path):
 
 def test_cli_masked_lm_train_eval(tmp_path):
   workdir = str(tmp_path / "mlm")
-  tiny = ["model.d_model=32", "model.num_heads=2", "model.d_ff=48", "model.num_encoder_layers=1",
-          "model.max_length=32", "data.max_length=32", "train.batch_size=8", "train.num_steps=4",
-          "train.log_every=2", "train.eval_every=4", "train.checkpoint_every=4", "optim.warmup_steps=2",
-          "optim.decay_steps=4"]
+  tiny = _tiny_run("num_encoder_layers", length=32, steps=4)
   run_cli("train", "--config", "configs/shakespeare_mlm.yaml", "--workdir", workdir, *tiny)
   result = json.loads(run_cli("eval", "--workdir", workdir).stdout.strip().splitlines()[-1])
   assert result["step"] == 4 and result["kind"] == "encoder_only"
