@@ -14,7 +14,7 @@ import numpy as np
 from jaxformer import sharding as sh
 from jaxformer.evaluate import Restored
 from jaxformer.models.transformer import PAD_ID
-from jaxformer.search import _check_sampling, sample_core
+from jaxformer.search import check_sampling, sample_core
 from jaxformer.train.loop import evaluate_loss, load_data, make_batches
 from jaxformer.train.step import make_eval_step
 
@@ -90,7 +90,7 @@ def generate(restored: Restored, prompt: str, max_new_tokens: int, *, temperatur
     raise ValueError("the prompt is empty; pass --prompt TEXT (e.g. a newline)")
   if max_new_tokens < 1 or num_samples < 1:
     raise ValueError("--max-new-tokens and --num-samples must be >= 1")
-  _check_sampling(temperature, top_k, top_p)
+  check_sampling(temperature, top_k, top_p)
   window = min(cfg.data.max_length, cfg.model.max_length)
   keep = max(window // 2, 1)
   ids = restored.tokenizer.encode(prompt)

@@ -228,7 +228,8 @@ def beam_search(model: nn.Module, params: Any, inputs: jax.Array, beam_size: int
 
 # ----------------------------------------------------------------------------- sampling
 
-def _check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+  """Raises ValueError (one line) unless temperature > 0, top_k is an int >= 0 and top_p is in (0, 1]."""
   if not temperature > 0.0:
     raise ValueError(f"temperature must be > 0 (for temperature -> 0 use greedy search), got {temperature}")
   if not isinstance(top_k, int) or top_k < 0:
@@ -284,7 +285,7 @@ def sample_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, row_key
   Returns:
     int32 `[batch, max_decode_len]`: tokens through EOS, then PAD; rows stop independently.
   """
-  _check_sampling(temperature, top_k, top_p)
+  check_sampling(temperature, top_k, top_p)
   if not isinstance(max_decode_len, int) or max_decode_len < 1:
     raise ValueError(f"max_decode_len must be an integer >= 1, got {max_decode_len!r}")
   def draw(key, logits, i):
@@ -315,7 +316,7 @@ def sample_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_l
     int32 `[batch, max_decode_len]`: tokens through EOS, then PAD.
   """
   _check_inputs(inputs)
-  _check_sampling(temperature, top_k, top_p)
+  check_sampling(temperature, top_k, top_p)
   length = _resolve_decode_len(model, inputs, max_decode_len)
   logits, cache = prefill(model, params, inputs)
   return sample_core(model_logits_fn(model, params, inputs), logits, cache, source_row_keys(rng, inputs),
@@ -367,7 +368,7 @@ class SearchOptions:
     if not isinstance(self.extra_tokens, int) or self.extra_tokens < 0:
       raise ValueError(f"max length (extra tokens over the source length) must be >= 0, got {self.extra_tokens!r}")
     if self.sampling:
-      _check_sampling(*self._sampling_args())
+      check_sampling(*self._sampling_args())
     return self
 
   def _sampling_args(self) -> tuple[float, int, float]:
