@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from jaxformer.config import ModelConfig
-from jaxformer.layers.attention import MultiHeadAttention, dot_product_attention, padding_mask
+from jaxformer.layers.attention import MultiHeadAttention, dot_product_attention
+from jaxformer.layers.scores import attention_mask
 from jaxformer.layers.embedding import sinusoidal_positions
 from jaxformer.layers.feed_forward import FeedForward
 from jaxformer.layers.norm import LayerNorm, RMSNorm, make_norm
@@ -71,7 +72,7 @@ def test_padded_keys_get_zero_weight():
   lengths = np.array([S, 5, 1])
   kv_valid = np.arange(S)[None, :] < lengths[:, None]       # [B, S]
   q_valid = np.ones((B, T), bool)
-  mask = padding_mask(jnp.asarray(q_valid), jnp.asarray(kv_valid))
+  mask = attention_mask(None, None, jnp.asarray(q_valid), jnp.asarray(kv_valid), causal=False, sliding_window=0)
   out = np.asarray(dot_product_attention(q, k, v, mask))
 
   # Replace the padded keys/values with large garbage: the output must not move at all.
@@ -92,7 +93,7 @@ def test_fully_masked_row_is_finite():
   q_valid[0, 3:] = False                    # those query rows see nothing
   kv_valid = np.ones((B, S), bool)
   kv_valid[1] = False                       # batch row 1: no valid key at all
-  mask = padding_mask(jnp.asarray(q_valid), jnp.asarray(kv_valid))
+  mask = attention_mask(None, None, jnp.asarray(q_valid), jnp.asarray(kv_valid), causal=False, sliding_window=0)
   out = np.asarray(dot_product_attention(q, k, v, mask))
   assert np.all(np.isfinite(out))
   # Fully masked rows degrade to a uniform average of the values (documented behaviour).

@@ -21,16 +21,6 @@ from jaxformer.layers.positions import alibi_bias, alibi_slopes, apply_rope
 from jaxformer.layers.scores import attention_mask, attention_scores, repeat_kv
 
 
-def padding_mask(q_valid: jax.Array, kv_valid: jax.Array) -> jax.Array:
-  """bool `[batch, 1, q_len, kv_len]` from bool `[batch, q_len]` and `[batch, kv_len]` validity."""
-  return q_valid[:, None, :, None] & kv_valid[:, None, None, :]
-
-
-def causal_mask(length: int) -> jax.Array:
-  """bool `[1, 1, length, length]`: query i may see keys j <= i."""
-  return jnp.tril(jnp.ones((length, length), dtype=bool))[None, None]
-
-
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
                           dropout_rng: jax.Array | None = None, dropout_rate: float = 0.0, *,
                           bias: jax.Array | None = None, softcap: float = 0.0) -> jax.Array:
@@ -160,15 +150,14 @@ class MultiHeadAttention(nn.Module):
     return jnp.einsum("mnh,nhd->md", out.reshape(b * t, n, h), wo).reshape(b, t, d_model)
 
   def _cross_kv(self, kv, wk, wv, decode):
-    if not decode:
-      return _project(kv.astype(self.dtype), wk), _project(kv.astype(self.dtype), wv)
-    if kv is None:  # decode step: reuse the keys/values computed at prefill
+    if decode and kv is None:  # decode step: reuse the keys/values computed at prefill
       if not self.has_variable("cache", "cross_key"):
         raise ValueError("cross-attention decode step before prefill: pass the encoder output first")
       return self.get_variable("cache", "cross_key"), self.get_variable("cache", "cross_value")
     k, v = _project(kv.astype(self.dtype), wk), _project(kv.astype(self.dtype), wv)
-    self.put_variable("cache", "cross_key", k)
-    self.put_variable("cache", "cross_value", v)
+    if decode:  # prefill: keep them for the decode steps
+      self.put_variable("cache", "cross_key", k)
+      self.put_variable("cache", "cross_value", v)
     return k, v
 
   def _update_self_cache(self, k, v, index):
