@@ -194,11 +194,16 @@ def reference_loss(restored: Restored, sources: Sequence[str], references: Seque
   batch_size = _round_batch(restored, batch_size)
   data = tokenize_split(restored.tokenizer, list(sources), list(references), cfg.data.max_length,
                         overlong="truncate")
+  return batches_loss(restored, eval_batches(data, batch_size, cfg.data.buckets))
+
+
+def batches_loss(restored: Restored, batches) -> dict[str, float]:
+  """`loss` (mean NLL per weighted target token, nats, no label smoothing), `perplexity` =
+  exp(loss), `accuracy` and `num_tokens` of the restored model over host `batches` (dropout off)."""
   param_shardings = jax.tree.map(lambda x: x.sharding, restored.params)
   with sh.axis_rules(restored.rules):
-    eval_step = make_eval_step(restored.model, cfg, restored.mesh, param_shardings)
-    totals = evaluate_loss(eval_step, restored.params, eval_batches(data, batch_size, cfg.data.buckets),
-                           restored.mesh)
+    eval_step = make_eval_step(restored.model, restored.config, restored.mesh, param_shardings)
+    totals = evaluate_loss(eval_step, restored.params, batches, restored.mesh)
   return {"loss": totals["nll"], "perplexity": float(np.exp(totals["nll"])), "accuracy": totals["accuracy"],
           "num_tokens": int(totals["num_tokens"])}
 

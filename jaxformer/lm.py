@@ -4,19 +4,16 @@ loss and accuracy (masked LM), and sampling with the KV cache (causal LM)."""
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer import sharding as sh
-from jaxformer.evaluate import Restored
+from jaxformer.evaluate import Restored, batches_loss
 from jaxformer.models.transformer import PAD_ID
 from jaxformer.search import check_sampling, sample_core
-from jaxformer.train.loop import evaluate_loss, load_data, make_batches
-from jaxformer.train.step import make_eval_step
+from jaxformer.train.loop import load_data, make_batches
 
 
 def evaluate_split(restored: Restored) -> dict[str, Any]:
@@ -28,12 +25,7 @@ def evaluate_split(restored: Restored) -> dict[str, Any]:
   """
   _, splits = load_data(restored.config)
   _, batches = make_batches(restored.config, splits, jax.process_index(), jax.process_count())
-  shardings = jax.tree.map(lambda x: x.sharding, restored.params)
-  with sh.axis_rules(restored.rules):
-    eval_step = make_eval_step(restored.model, restored.config, restored.mesh, shardings)
-    val = evaluate_loss(eval_step, restored.params, batches, restored.mesh)
-  return {"step": restored.step, "loss": val["nll"], "perplexity": math.exp(val["nll"]),
-          "accuracy": val["accuracy"], "num_tokens": int(val["num_tokens"])}
+  return {"step": restored.step, **batches_loss(restored, batches)}
 
 
 def _init_cache(model, batch_size: int) -> Any:
