@@ -33,7 +33,7 @@ from jaxformer.runtime import build_mesh
 from jaxformer.train.loop import global_batch
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import create_state, state_shardings
-from jaxformer.train.step import make_train_step
+from jaxformer.train.step import make_multi_step, make_train_step
 
 FIRST_WORD_ID = 3  # ids 0..2 are padding, EOS and BOS; synthetic batches use real words only
 
@@ -165,8 +165,9 @@ def synthetic_batch(batch_size: int, src_length: int, tgt_length: int, vocab_siz
 
 
 class _JaxTrainer:
-  """The compiled train step on one fixed batch; each call runs a step and returns its loss
-  per target token (fetching it waits for the step to finish)."""
+  """The compiled train step on one fixed batch; each call runs one jitted call (one step, or
+  `train.steps_per_call` steps on a stack of copies of the batch) and records the loss per
+  target token of each step (fetching it waits for the call to finish)."""
 
   def __init__(self, compiled, state, batch, rng):
     self.compiled, self.state, self.batch, self.rng = compiled, state, batch, rng
@@ -174,7 +175,8 @@ class _JaxTrainer:
 
   def __call__(self) -> float:
     self.state, metrics = self.compiled(self.state, self.batch, self.rng)
-    self.losses.append(float(metrics["loss"]) / float(metrics["num_tokens"]))
+    losses = np.atleast_1d(np.asarray(metrics["loss"])) / np.atleast_1d(np.asarray(metrics["num_tokens"]))
+    self.losses += [float(x) for x in losses]
     return self.losses[-1]
 
 
@@ -217,9 +219,12 @@ def prepare_step(config: Config, options: BenchOptions) -> PreparedStep:
   tx = make_optimizer(config.optim, config.model.d_model)
   abstract, shardings = state_shardings(model, tx, mesh)
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-  batch = {name: jax.ShapeDtypeStruct((options.batch_size, length), jnp.int32, sharding=sh.batch_sharding(mesh))
+  k = config.train.steps_per_call
+  lead = (k,) if k > 1 else ()
+  batch = {name: jax.ShapeDtypeStruct(lead + (options.batch_size, length), jnp.int32,
+                                      sharding=sh.batch_sharding(mesh, stacked=k > 1))
            for name, length in (("inputs", options.src_length), ("targets", options.tgt_length))}
-  train_step = make_train_step(model, tx, config, mesh, shardings)
+  train_step = (make_multi_step if k > 1 else make_train_step)(model, tx, config, mesh, shardings)
   start = time.perf_counter()
   with jax.set_mesh(mesh), sh.axis_rules():
     lowered = train_step.jitted.lower(abstract, batch, jax.random.key(config.runtime.seed))
@@ -238,7 +243,9 @@ def run_bench(config: Config, options: BenchOptions) -> dict[str, Any]:
   """Compiles and times the train step of `config` (see the module docstring).
 
   Returns a flat dict of JSON-safe values; `tokens_per_sec` counts target tokens, `losses`
-  holds the loss per target token of every step run (warm-up first).
+  holds the loss per target token of every step run (warm-up first). With
+  `train.steps_per_call=k > 1` each call runs k steps, a step's time is the call's over k,
+  and `warmup` and `steps` are rounded up to whole calls (`steps` reports the steps run).
   Raises ConfigError for sizes the mesh or model cannot take.
   """
   prepared = prepare_step(config, options)
@@ -250,20 +257,23 @@ def run_bench(config: Config, options: BenchOptions) -> dict[str, Any]:
 
   host_batch = synthetic_batch(options.batch_size, options.src_length, options.tgt_length,
                                config.model.vocab_size, config.runtime.seed)
-  trainer = _JaxTrainer(compiled, prepared.create_state(), global_batch(host_batch, mesh),
+  k = config.train.steps_per_call
+  call_batch = {name: np.stack([a] * k) for name, a in host_batch.items()} if k > 1 else host_batch
+  trainer = _JaxTrainer(compiled, prepared.create_state(), global_batch(call_batch, mesh),
                         jax.random.key(config.runtime.seed))
   peer = _make_peer(config, host_batch) if options.peer else None
-  time_calls(trainer, options.warmup)
+  warmup_calls, calls = -(-options.warmup // k), -(-options.steps // k)
+  time_calls(trainer, warmup_calls)
   if peer is not None:
-    time_calls(peer, options.warmup)
+    time_calls(peer, warmup_calls * k)
   # Two interleaved rounds when there is a peer, so background load hits both alike.
   rounds = 2 if peer is not None else 1
   times, peer_times = [], []
   for r in range(rounds):
-    n = options.steps // rounds + (r < options.steps % rounds)
-    times += time_calls(trainer, n)
+    n = calls // rounds + (r < calls % rounds)
+    times += [t / k for t in time_calls(trainer, n)]
     if peer is not None:
-      peer_times += time_calls(peer, n)
+      peer_times += time_calls(peer, n * k)
 
   step_time = statistics.median(times)
   tokens = options.batch_size * options.tgt_length
@@ -273,11 +283,12 @@ def run_bench(config: Config, options: BenchOptions) -> dict[str, Any]:
   result: dict[str, Any] = {
       "config": config.name, "backend": jax.default_backend(), "num_devices": jax.device_count(),
       "mesh": dict(mesh.shape), "batch_size": options.batch_size, "src_length": options.src_length,
-      "tgt_length": options.tgt_length, "steps": options.steps, "warmup": options.warmup,
+      "tgt_length": options.tgt_length, "steps": calls * k, "warmup": warmup_calls * k, "steps_per_call": k,
       "compute_dtype": dtype, "lower_time_s": prepared.lower_time_s, "compile_time_s": compile_time,
       "step_time_s": step_time, "step_time_min_s": min(times), "tokens_per_sec": tokens / step_time,
       "model_flops_per_token": flops / tokens, "model_flops_per_step": flops,
-      "xla_flops_per_step": float(lowered.cost_analysis().get("flops", float("nan"))),
+      # XLA's cost analysis counts a scanned loop's body once, not per step.
+      "xla_flops_per_step": float(lowered.cost_analysis().get("flops", float("nan"))) if k == 1 else None,
       "achieved_flops": achieved, "peak_flops": peak, "peak_source": peak_source,
       "mfu": achieved / peak if peak else None, **_memory(compiled), **_device_memory(),
       "losses": trainer.losses,
@@ -318,7 +329,7 @@ def format_table(r: dict[str, Any]) -> str:
   peer = "torch_step_time_s" in r
   rows = [
       ("shape", f"{r['config']}: batch {r['batch_size']}, src {r['src_length']}, tgt {r['tgt_length']}, "
-                f"{r['compute_dtype']}, mesh {r['mesh']}", None),
+                f"{r['compute_dtype']}, mesh {r['mesh']}, {r['steps_per_call']} step(s) per call", None),
       ("compile", f"{r['compile_time_s']:.1f} s", None),
       ("step time (median)", f"{r['step_time_s'] * 1e3:.0f} ms",
        f"{r['torch_step_time_s'] * 1e3:.0f} ms" if peer else None),

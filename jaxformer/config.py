@@ -266,12 +266,13 @@ class TrainConfig:
   keep_checkpoints: int = 3
   async_checkpoint: bool = True
   z_loss: float = 0.0           # weight of log(Z)^2 per target token (PaLM uses 1e-4); 0 = off
+  steps_per_call: int = 1       # optimizer steps per jitted call (one lax.scan); >1 saves per-call cost
 
   def validate(self) -> None:
     if self.z_loss < 0:
       raise ConfigError(f"train.z_loss must be >= 0, got {self.z_loss}")
     for name in ("num_steps", "batch_size", "log_every", "eval_every", "checkpoint_every",
-                 "keep_checkpoints"):
+                 "keep_checkpoints", "steps_per_call"):
       if getattr(self, name) < 1:
         raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
 

@@ -133,10 +133,11 @@ def axis_rules(rules: Rules | None = None):
   return nn.logical_axis_rules(current_rules() if rules is None else rules)
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Sharding of a `[batch, length]` input array: batch over the data-parallel axes."""
+def batch_sharding(mesh: Mesh, stacked: bool = False) -> NamedSharding:
+  """Sharding of a `[batch, length]` input array: batch over the data-parallel axes.
+  `stacked`: of a `[steps, batch, length]` stack of batches (the steps axis is not split)."""
   spec = nn.logical_to_mesh_axes((ACT_BATCH, ACT_LENGTH), current_rules())
-  return NamedSharding(mesh, spec)
+  return NamedSharding(mesh, PartitionSpec(None, *spec) if stacked else spec)
 
 
 def check_divisible(abstract: Any, shardings: Any) -> None:

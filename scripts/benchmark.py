@@ -3,8 +3,9 @@
 CPU device count is fixed when JAX starts), prints one table and writes every result as JSON.
 
 Matrices:
-  targets  multi30k_small (batch 64, 32 + 32 tokens) against torch.nn.Transformer, and the
-           multi30k_base step's MFU; checks the targets (>= 1.2x torch tokens/s, MFU >= 55%).
+  targets  multi30k_small (batch 64, 32 + 32 tokens) against torch.nn.Transformer, one and four
+           steps per jitted call (train.steps_per_call=4), and the multi30k_base step's MFU;
+           checks the targets (>= 1.2x torch tokens/s, MFU >= 55%).
   remat    multi30k_base at source and target length 512 with model.scan_layers=true for each
            --remat policy (model.remat=...): temporary memory saved and extra step time against `none`.
   mesh     multi30k_small on 1, 2 and 4 simulated CPU devices, every data x fsdp x tensor
@@ -45,6 +46,7 @@ def matrix_rows(args) -> list[tuple[str, list[str]]]:
   rows: list[tuple[str, list[str]]] = []
   if args.matrix == "targets":
     rows += [("small vs torch", SMALL + ["--batch-size", "64"] + timing),
+             ("small 4/call vs torch", SMALL + ["--batch-size", "64"] + timing + ["train.steps_per_call=4"]),
              ("base MFU", BASE + ["--batch-size", str(args.batch_size or 32), "--no-torch"] + timing)]
   elif args.matrix == "remat":
     shape = ["--batch-size", str(args.batch_size or 4), "--src-length", "512", "--tgt-length", "512", "--no-torch"]

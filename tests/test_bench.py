@@ -77,13 +77,25 @@ def _run_bench(*args):
                          *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
 
 
-def test_bench_command_prints_a_table_and_json():
-  proc = _run_bench("--batch-size", "8", "--src-length", "11", "--tgt-length", "7", "--steps", "3", "--warmup", "1",
-                    "--no-torch", "model.d_model=32", "model.d_ff=48", "model.num_heads=4", "model.vocab_size=37")
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  lines = proc.stdout.strip().splitlines()
+_SMALL = ("--batch-size", "8", "--src-length", "11", "--tgt-length", "7", "--steps", "3", "--warmup", "1",
+          "--no-torch", "model.d_model=32", "model.d_ff=48", "model.num_heads=4", "model.vocab_size=37")
+
+
+@pytest.fixture(scope="module")
+def bench_runs():
+  """(stdout lines, JSON) of `jaxformer bench` with one and with two steps per call."""
+  runs = {}
+  for k in (1, 2):
+    proc = _run_bench(*_SMALL, f"train.steps_per_call={k}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    runs[k] = lines, json.loads(lines[-1])
+  return runs
+
+
+def test_bench_command_prints_a_table_and_json(bench_runs):
+  lines, r = bench_runs[1]
   assert any(line.startswith("target tokens/s") for line in lines)
-  r = json.loads(lines[-1])
   for key in ("tokens_per_sec", "step_time_s", "mfu", "peak_flops", "compile_time_s", "temp_memory_bytes",
               "model_flops_per_token", "achieved_flops", "xla_flops_per_step", "losses"):
     assert key in r, key
@@ -95,6 +107,17 @@ def test_bench_command_prints_a_table_and_json():
   assert math.isclose(r["mfu"], r["model_flops_per_step"] / r["step_time_s"] / r["peak_flops"])
   assert r["temp_memory_bytes"] > 0 and r["peak_source"] == "measured float32 matmul"
   assert len(r["losses"]) == 4 and r["losses"][-1] < r["losses"][0]   # 1 warm-up + 3 timed steps, learning
+
+
+def test_bench_with_two_steps_per_call_runs_the_same_steps(bench_runs):
+  one, two = bench_runs[1][1], bench_runs[2][1]
+  # Whole calls: 1 warm-up step -> 1 call (2 steps), 3 timed steps -> 2 calls (4 steps).
+  assert (two["steps_per_call"], two["warmup"], two["steps"]) == (2, 2, 4)
+  assert len(two["losses"]) == 6 and two["xla_flops_per_step"] is None
+  # The same batch and dropout keys step by step: the 1-step run's losses, then more learning.
+  assert two["losses"][:4] == pytest.approx(one["losses"], rel=1e-5)
+  assert two["losses"][-1] < two["losses"][3]
+  assert math.isclose(two["tokens_per_sec"], 8 * 7 / two["step_time_s"])
 
 
 def test_bench_rejects_a_length_beyond_the_model():

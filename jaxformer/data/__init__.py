@@ -12,7 +12,8 @@ from pathlib import Path
 from jaxformer.data import multi30k
 from jaxformer.data.pipeline import (DEFAULT_BUCKETS, TokenizedSplit,
                                      TrainBatches, eval_batches, make_buckets,
-                                     padding_fraction, tokenize_split)
+                                     padding_fraction, stack_batches,
+                                     tokenize_split)
 from jaxformer.data.tokenizer import (BOS_ID, EOS_ID, PAD_ID, UNK_ID,
                                       Tokenizer, load_or_train_tokenizer,
                                       train_tokenizer)
@@ -72,5 +73,6 @@ __all__ = [
     "BOS_ID", "DEFAULT_BUCKETS", "EOS_ID", "PAD_ID", "SPLITS", "UNK_ID",
     "TokenizedSplit", "Tokenizer", "TrainBatches", "eval_batches",
     "load_or_train_tokenizer", "make_buckets", "multi30k", "padding_fraction",
-    "prepare_translation_data", "tokenize_split", "train_tokenizer",
+    "prepare_translation_data", "stack_batches", "tokenize_split",
+    "train_tokenizer",
 ]

@@ -11,7 +11,11 @@ Training (:class:`TrainBatches`) is a pure function of the global step: epoch
 ``e = step // batches_per_epoch`` permutes the examples with
 ``np.random.default_rng((seed, e))``, sorts chunks of ``batch_size *
 chunk_batches`` examples by length, cuts them into full batches and shuffles
-the batch order. Resuming at step ``k`` is just starting at index ``k``.
+the batch order. Resuming at step ``k`` is just starting at index ``k``. With
+``group=k > 1`` (the loop's ``train.steps_per_call``) whole runs of ``k``
+consecutive, similar-length batches are shuffled instead, aligned to global
+steps that are multiples of ``k``, so a call's stacked batches
+(:func:`stack_batches`) add little padding.
 """
 
 from __future__ import annotations
@@ -162,10 +166,13 @@ class TrainBatches:
   def __init__(self, data: TokenizedSplit, batch_size: int,
                buckets: Sequence[int] | None = None, *, seed: int = 0,
                process_index: int = 0, process_count: int = 1,
-               chunk_batches: int = 64, prefetch: int = 4,
+               chunk_batches: int = 64, group: int = 1, prefetch: int = 4,
                num_threads: int = 1):
-    """See class docstring. ``prefetch``/``num_threads`` size grain's
-    thread prefetch in :meth:`iterate` (``num_threads=0``: no threads)."""
+    """See class docstring. ``group``: batches per shuffled run (>= 1).
+    ``prefetch``/``num_threads`` size grain's thread prefetch in
+    :meth:`iterate` (``num_threads=0``: no threads)."""
+    if group < 1:
+      raise ValueError(f"group={group} must be >= 1; use train.steps_per_call >= 1.")
     if buckets is None:
       buckets = make_buckets(data.max_length)
     self._buckets = _check_buckets(buckets, data)
@@ -177,6 +184,7 @@ class TrainBatches:
     self.batch_size = batch_size
     self.seed = seed
     self._chunk = batch_size * max(1, chunk_batches)
+    self.group = group
     self._lengths = data.lengths
     self._prefetch = prefetch
     self._num_threads = num_threads
@@ -206,7 +214,9 @@ class TrainBatches:
       chunk = chunk[np.argsort(self._lengths[chunk], kind="stable")]
       full = len(chunk) // self.batch_size * self.batch_size
       batches.extend(chunk[:full].reshape(-1, self.batch_size))
-    plan = np.stack(batches)[rng.permutation(len(batches))]
+    order = _run_order(len(batches), self.group,
+                       epoch * self.batches_per_epoch, rng)
+    plan = np.stack(batches)[order]
     with self._lock:
       if len(self._plans) >= 2:
         self._plans.pop(min(self._plans))
@@ -238,6 +248,33 @@ class TrainBatches:
     return iter(ds.to_iter_dataset(grain.ReadOptions(
         num_threads=self._num_threads,
         prefetch_buffer_size=max(1, self._prefetch))))
+
+
+def _run_order(num_batches: int, group: int, first_step: int,
+               rng: np.random.Generator) -> np.ndarray:
+  """Order of an epoch's ``num_batches`` (length-sorted) batches, whose first
+  one is global step ``first_step``: runs of ``group`` consecutive batches
+  that start at steps divisible by ``group`` are shuffled; the partial runs
+  at the epoch's two ends stay in place. ``group=1`` is a plain shuffle."""
+  head = min(-first_step % group, num_batches)
+  full = (num_batches - head) // group
+  runs = np.arange(head, head + full * group).reshape(full, group)
+  return np.concatenate([np.arange(head),
+                         runs[rng.permutation(full)].reshape(-1),
+                         np.arange(head + full * group, num_batches)])
+
+
+def stack_batches(batches: Sequence[dict[str, np.ndarray]]
+                  ) -> dict[str, np.ndarray]:
+  """``[n, rows, L]`` arrays from ``n`` batches of ``[rows, L_i]``, padded with
+  ``PAD_ID`` to ``L = max L_i`` (padding has weight 0 in the loss)."""
+  stacked = {}
+  for key in ("inputs", "targets"):
+    length = max(b[key].shape[1] for b in batches)
+    stacked[key] = np.stack([
+        np.pad(b[key], ((0, 0), (0, length - b[key].shape[1])),
+               constant_values=PAD_ID) for b in batches])
+  return stacked
 
 
 def eval_batches(data: TokenizedSplit, batch_size: int,

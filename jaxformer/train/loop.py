@@ -21,15 +21,15 @@ from tensorboardX import SummaryWriter
 
 from jaxformer import checkpoint as ckpt
 from jaxformer import sharding as sh
-from jaxformer.config import Config, ConfigError, dump_config, load_config
+from jaxformer.config import Config, ConfigError, TrainConfig, dump_config, load_config
 from jaxformer.distributed import main_process_first
-from jaxformer.data import TrainBatches, eval_batches, padding_fraction, prepare_translation_data
+from jaxformer.data import TrainBatches, eval_batches, padding_fraction, prepare_translation_data, stack_batches
 from jaxformer.data.shakespeare import WindowBatches, prepare_shakespeare, window_eval_batches
 from jaxformer.runtime import build_mesh
 from jaxformer.train.optim import make_optimizer
 from jaxformer.summary import format_summary
 from jaxformer.train.state import abstract_state, create_state
-from jaxformer.train.step import make_eval_step, make_train_step
+from jaxformer.train.step import make_eval_step, make_multi_step, make_train_step
 from jaxformer.train.tasks import make_model
 
 
@@ -58,7 +58,8 @@ def load_data(config: Config):
 
 def make_batches(config: Config, splits, process_index: int = 0, process_count: int = 1):
   """(training batches with `.iterate(start_step)`, list of validation batches) for this
-  process: length-bucketed sentence pairs (Multi30k) or token windows (Tiny Shakespeare;
+  process: length-bucketed sentence pairs (Multi30k; shuffled in runs of
+  `train.steps_per_call` similar-length batches) or token windows (Tiny Shakespeare;
   targets shifted one ahead for the causal LM)."""
   process = dict(process_index=process_index, process_count=process_count)
   batch_size, seed = config.train.batch_size, config.runtime.seed
@@ -67,13 +68,15 @@ def make_batches(config: Config, splits, process_index: int = 0, process_count: 
     context = config.data.max_length
     return (WindowBatches(splits["train"], batch_size, context, seed=seed, shift=shift, **process),
             window_eval_batches(splits["validation"], batch_size, context, shift=shift, **process))
-  return (TrainBatches(splits["train"], batch_size, config.data.buckets, seed=seed, **process),
+  return (TrainBatches(splits["train"], batch_size, config.data.buckets, seed=seed,
+                       group=config.train.steps_per_call, **process),
           eval_batches(splits["validation"], batch_size, config.data.buckets, **process))
 
 
 def global_batch(local: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
-  """Assembles the global `[batch, length]` arrays from each process's rows."""
-  sharding = sh.batch_sharding(mesh)
+  """Assembles the global `[batch, length]` (or stacked `[steps, batch, length]`) arrays
+  from each process's rows."""
+  sharding = sh.batch_sharding(mesh, stacked=local["inputs"].ndim == 3)
   return {k: jax.make_array_from_process_local_data(sharding, local[k]) for k in ("inputs", "targets")}
 
 
@@ -87,6 +90,21 @@ def _check_resume_config(workdir: Path, config: Config) -> None:
     raise ConfigError(
         f"{workdir} holds a run with a different model config; use a new --workdir "
         "or the same model.* settings to resume")
+  k = saved.train.steps_per_call
+  if saved.data.dataset != "tinyshakespeare" and k != config.train.steps_per_call:
+    # Sentence-pair batches are shuffled in runs of steps_per_call: changing it changes the data order.
+    raise ConfigError(f"{workdir} was trained with train.steps_per_call={k}, which sets its batch order; "
+                      f"resume with train.steps_per_call={k} or use a new --workdir")
+
+
+def call_length(step: int, train: TrainConfig) -> int:
+  """Steps in the jitted call that starts after `step` steps: at most `train.steps_per_call`,
+  ending at the next multiple of it (calls stay aligned with the data's runs after any short
+  call) and at the next log, eval or checkpoint step and the end of the run, so those see
+  the state of exactly that step."""
+  ends = [step + every - step % every for every in
+          (train.steps_per_call, train.log_every, train.eval_every, train.checkpoint_every)]
+  return min(*ends, train.num_steps) - step
 
 
 def evaluate_loss(eval_step, params, batches, mesh) -> dict[str, float]:
@@ -163,7 +181,8 @@ def _train(config: Config, workdir: Path, dry_run: bool) -> dict[str, Any]:
     start = 0
   else:
     state = checkpointer.restore(ckpt.sharded_target(abstract, shardings), start)
-  train_step = make_train_step(model, tx, config, mesh, shardings)
+  stacked = config.train.steps_per_call > 1
+  train_step = (make_multi_step if stacked else make_train_step)(model, tx, config, mesh, shardings)
   eval_step = make_eval_step(model, config, mesh, shardings.params)
   rng = jax.random.key(config.runtime.seed)
 
@@ -172,36 +191,53 @@ def _train(config: Config, workdir: Path, dry_run: bool) -> dict[str, Any]:
   show_bar = jax.process_index() == 0 and sys.stderr.isatty()
   bar = tqdm.tqdm(total=config.train.num_steps, initial=start, disable=not show_bar, unit="step")
   record: dict[str, Any] = {}
-  pending: list[dict] = []
+  pending: list[tuple[int, dict]] = []   # (steps, metrics) of each call since the last log line
   padding: list[float] = []
-  last_time = time.perf_counter()
+  step, seconds, last_time = start, 0.0, time.perf_counter()
+  stream = batches.iterate(start)
   try:
-    for step, local in zip(range(start, config.train.num_steps), batches.iterate(start)):
-      padding.append(padding_fraction(local))
+    while step < config.train.num_steps:
+      n = call_length(step, config.train)
+      local = [next(stream) for _ in range(n)]
+      local = stack_batches(local) if stacked else local[0]
+      padding += [padding_fraction(local)] * n
       state, metrics = train_step(state, global_batch(local, mesh), rng)
-      pending.append(metrics)
-      done = step + 1
-      bar.update(1)
-      if done % config.train.log_every == 0 or done == config.train.num_steps:
-        record = _summarise(jax.device_get(pending), done, time.perf_counter() - last_time, padding)
+      pending.append((n if stacked else 0, metrics))
+      step += n
+      bar.update(n)
+      if step % config.train.log_every == 0 or step == config.train.num_steps:
+        history = _unstack(jax.device_get(pending))
+        seconds += time.perf_counter() - last_time
+        record = _summarise(history, step, seconds, padding)
         logger.write(record)
         bar.set_postfix(loss=f"{record['loss']:.3f}")
         if not show_bar and jax.process_index() == 0:
           print(json.dumps(record), flush=True)
-        pending, padding, last_time = [], [], time.perf_counter()
-      if done % config.train.eval_every == 0 or done == config.train.num_steps:
+        pending, padding, seconds, last_time = [], [], 0.0, time.perf_counter()
+      if step % config.train.eval_every == 0 or step == config.train.num_steps:
+        # Time the queued steps, not the evaluation: wait for them, then pause the clock.
+        jax.block_until_ready(state)
+        seconds += time.perf_counter() - last_time
         val = evaluate_loss(eval_step, state.params, val_batches, mesh)
-        logger.write({"step": done, **{f"val_{k}": v for k, v in val.items()}}, prefix="validation")
+        logger.write({"step": step, **{f"val_{k}": v for k, v in val.items()}}, prefix="validation")
         if jax.process_index() == 0:
-          print(json.dumps({"step": done, "val_loss": val["loss"], "val_nll": val["nll"]}), flush=True)
+          print(json.dumps({"step": step, "val_loss": val["loss"], "val_nll": val["nll"]}), flush=True)
         last_time = time.perf_counter()
-      if done % config.train.checkpoint_every == 0 or done == config.train.num_steps:
+      if step % config.train.checkpoint_every == 0 or step == config.train.num_steps:
         checkpointer.save(state, force=True)
   finally:
     bar.close()
     checkpointer.close()
     logger.close()
   return record
+
+
+def _unstack(calls: list[tuple[int, dict]]) -> list[dict]:
+  """Per-step metric dicts from each call's metrics: n > 0 marks metrics stacked `[n]`."""
+  history = []
+  for n, metrics in calls:
+    history += [{k: v[i] for k, v in metrics.items()} for i in range(n)] if n else [metrics]
+  return history
 
 
 def _summarise(history: list[dict], step: int, seconds: float, padding: list[float]) -> dict[str, Any]:

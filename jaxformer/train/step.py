@@ -44,7 +44,7 @@ def loss_fn(task: Task, params, batch: Batch, rng: jax.Array | None, label_smoot
 
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh,
                     state_shardings: TrainState) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, dict]]:
-  """Returns jitted `(state, batch, rng) -> (state, metrics)`.
+  """Returns jitted `(state, batch, rng) -> (state, metrics)`: one optimizer step.
 
   `batch` holds int32 `inputs` and `targets` `[global_batch, length]`, sharded over the
   data axes; `rng` is the run's base key: the step's dropout key is fold_in(rng, step),
@@ -61,6 +61,38 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, config: 
   skipped steps), `skipped` (1.0 if the update was skipped, else 0.0) and `loss_scale` (the
   scale this step used; 1.0 without scaling).
   """
+  step = _step_function(model, tx, config)
+  jitted = jax.jit(step, in_shardings=(state_shardings, _batch_shardings(mesh), sh.replicated(mesh)),
+                   out_shardings=(state_shardings, sh.replicated(mesh)), donate_argnums=(0,))
+  return _with_mesh(jitted, mesh)
+
+
+def make_multi_step(model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh,
+                    state_shardings: TrainState) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, dict]]:
+  """Returns jitted `(state, batches, rng) -> (state, metrics)`: n optimizer steps in one call.
+
+  `batches` holds int32 `inputs` and `targets` `[n, global_batch, length]` (the data axes
+  shard dimension 1); the call runs `make_train_step`'s step on `batches[i]` for i = 0..n-1
+  as one `lax.scan`, so step i gets exactly its own batch and dropout key and the result
+  equals n single-step calls. Each metric comes back stacked, `[n]`. One program per n
+  (and per length): `train.steps_per_call` sets the usual n.
+
+  Why: on CPU every call pays a fixed cost (dispatch, and XLA allocating and faulting in
+  its temporary buffers afresh), which is a large share of a small model's step.
+  """
+  step = _step_function(model, tx, config)
+
+  def steps(state: TrainState, batches: Batch, rng: jax.Array):
+    return jax.lax.scan(lambda s, batch: step(s, batch, rng), state, batches)
+
+  stacked = {k: sh.batch_sharding(mesh, stacked=True) for k in ("inputs", "targets")}
+  jitted = jax.jit(steps, in_shardings=(state_shardings, stacked, sh.replicated(mesh)),
+                   out_shardings=(state_shardings, sh.replicated(mesh)), donate_argnums=(0,))
+  return _with_mesh(jitted, mesh)
+
+
+def _step_function(model: nn.Module, tx: optax.GradientTransformation, config: Config):
+  """The unjitted `(state, batch, rng) -> (state, metrics)` that both factories compile."""
   schedule = make_schedule(config.optim, config.model.d_model)
   label_smoothing, z_loss = config.optim.label_smoothing, config.train.z_loss
   task = Task(model, config)
@@ -91,9 +123,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, config: 
                    skipped=skipped, loss_scale=scale)
     return TrainState(state.step + 1, params, opt_state, loss_scale), metrics
 
-  jitted = jax.jit(step, in_shardings=(state_shardings, _batch_shardings(mesh), sh.replicated(mesh)),
-                   out_shardings=(state_shardings, sh.replicated(mesh)), donate_argnums=(0,))
-  return _with_mesh(jitted, mesh)
+  return step
 
 
 def make_eval_step(model: nn.Module, config: Config, mesh: Mesh,

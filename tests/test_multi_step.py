@@ -1,0 +1,133 @@
+"""Several optimizer steps per jitted call (`train.steps_per_call`): call boundaries, stacked
+batches, equality with single-step calls, and the resume check."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jaxformer import sharding as sh
+from jaxformer.config import (Config, ConfigError, MeshConfig, ModelConfig, OptimConfig, TrainConfig,
+                              dump_config, load_config)
+from jaxformer.data import PAD_ID, stack_batches
+from jaxformer.models.transformer import EncoderDecoder
+from jaxformer.train.loop import call_length, global_batch, train
+from jaxformer.train.optim import make_optimizer
+from jaxformer.train.state import create_state, state_shardings
+from jaxformer.train.step import make_multi_step, make_train_step
+
+
+def test_call_length_ends_calls_at_every_boundary():
+  t = TrainConfig(num_steps=23, steps_per_call=4, log_every=6, eval_every=10, checkpoint_every=20)
+  starts, step = [], 0
+  while step < t.num_steps:
+    starts.append(step)
+    step += call_length(step, t)
+  assert step == 23
+  # Ends at multiples of 4, 6, 10, 20 and at 23.
+  assert starts == [0, 4, 6, 8, 10, 12, 16, 18, 20]
+  ends = starts[1:] + [23]
+  assert all(e - s <= 4 for s, e in zip(starts, ends))
+  # After a resume at a step that is not a multiple of k, the next call realigns.
+  assert call_length(13, t) == 3 and call_length(0, dataclasses.replace(t, steps_per_call=1)) == 1
+
+
+def test_stack_batches_pads_to_the_longest():
+  a = {"inputs": np.array([[5, 6, 0]], np.int32), "targets": np.array([[7, 0, 0]], np.int32)}
+  b = {"inputs": np.array([[1, 2, 3, 4, 9]], np.int32), "targets": np.array([[8, 8, 8, 8, 2]], np.int32)}
+  out = stack_batches([a, b])
+  assert out["inputs"].shape == out["targets"].shape == (2, 1, 5)
+  np.testing.assert_array_equal(out["inputs"], [[[5, 6, 0, PAD_ID, PAD_ID]], [[1, 2, 3, 4, 9]]])
+  np.testing.assert_array_equal(out["targets"], [[[7, 0, 0, PAD_ID, PAD_ID]], [[8, 8, 8, 8, 2]]])
+  assert out["inputs"].dtype == np.int32
+
+
+VOCAB = 40
+
+
+@pytest.fixture(scope="module")
+def steps_on_two_devices():
+  """A tiny encoder-decoder with dropout on a 2-device data mesh: the same 3 steps run as
+  three single-step calls and as one 3-step call."""
+  model_cfg = ModelConfig(vocab_size=VOCAB, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1,
+                          num_decoder_layers=1, dropout_rate=0.1, attention_dropout_rate=0.1, max_length=16)
+  cfg = Config(model=model_cfg, optim=OptimConfig(schedule="constant", learning_rate=1e-2))
+  mesh = sh.make_mesh(MeshConfig(data=2), jax.devices()[:2])
+  model = EncoderDecoder(cfg.model)
+  tx = make_optimizer(cfg.optim, 16)
+  _, shardings = state_shardings(model, tx, mesh)
+  rng = np.random.default_rng(0)
+  batches = []
+  for i in range(3):
+    src = rng.integers(3, VOCAB, (4, 7 + i)).astype(np.int32)
+    tgt = rng.integers(3, VOCAB, (4, 7 + i)).astype(np.int32)
+    src[0, 3:] = PAD_ID
+    tgt[1, 2:] = PAD_ID
+    batches.append({"inputs": src, "targets": tgt})
+  key = jax.random.key(7)
+
+  single = make_train_step(model, tx, cfg, mesh, shardings)
+  state = create_state(model, tx, mesh, 0, shardings)
+  single_metrics = []
+  stacked = stack_batches(batches)  # padded to one length; the single steps take its slices
+  for i in range(3):
+    state, m = single(state, global_batch({k: v[i] for k, v in stacked.items()}, mesh), key)
+    single_metrics.append(jax.device_get(m))
+  single_state = jax.device_get(state)
+
+  multi = make_multi_step(model, tx, cfg, mesh, shardings)
+  state = create_state(model, tx, mesh, 0, shardings)
+  state, multi_metrics = multi(state, global_batch(stacked, mesh), key)
+  return single_state, single_metrics, jax.device_get(state), jax.device_get(multi_metrics)
+
+
+def test_multi_step_call_equals_single_steps(steps_on_two_devices):
+  single_state, single_metrics, multi_state, multi_metrics = steps_on_two_devices
+  assert int(multi_state.step) == int(single_state.step) == 3
+  assert multi_metrics["loss"].shape == (3,)
+  for i, m in enumerate(single_metrics):
+    n = float(m["num_tokens"])
+    assert float(multi_metrics["num_tokens"][i]) == n
+    assert abs(float(multi_metrics["loss"][i]) - float(m["loss"])) / n < 1e-6
+    assert float(multi_metrics["grad_norm"][i]) == pytest.approx(float(m["grad_norm"]), rel=1e-5)
+  # Each step drew its own dropout masks and saw its own batch: the losses differ.
+  assert len({round(float(x), 5) for x in multi_metrics["loss"] / multi_metrics["num_tokens"]}) == 3
+  for a, b in zip(jax.tree.leaves(multi_state.params), jax.tree.leaves(single_state.params)):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+  for a, b in zip(jax.tree.leaves(multi_state.opt_state), jax.tree.leaves(single_state.opt_state)):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _lm_run(workdir, steps_per_call: int, num_steps: int = 7):
+  """A tiny character LM trained in-process (data parallel over the 8 test devices); returns
+  its logged metrics."""
+  config = load_config("configs/shakespeare_char.yaml", [
+      "model.d_model=16", "model.num_heads=2", "model.d_ff=32", "model.num_decoder_layers=1",
+      "model.max_length=16", "data.max_length=16", "train.batch_size=8", f"train.num_steps={num_steps}",
+      "train.log_every=2", "train.eval_every=5", "train.checkpoint_every=5", "model.dropout_rate=0.1",
+      "optim.warmup_steps=2", "optim.decay_steps=7", f"train.steps_per_call={steps_per_call}",
+      "train.async_checkpoint=false"])
+  train(config, workdir)
+  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_with_three_steps_per_call_logs_the_same_losses(tmp_path):
+  one = _lm_run(tmp_path / "one", 1)
+  three = _lm_run(tmp_path / "three", 3)
+  assert [m["step"] for m in three] == [m["step"] for m in one] == [2, 4, 5, 6, 7, 7]
+  for a, b in zip(one, three):
+    for key in ("loss", "grad_norm", "val_loss"):
+      if key in a:
+        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+  # Resuming with another steps_per_call is fine for the LM (windows do not depend on it).
+  resumed = _lm_run(tmp_path / "three", 2, num_steps=9)
+  assert resumed[-1]["step"] == 9
+
+
+def test_resume_with_other_steps_per_call_is_refused_for_sentence_pairs(tmp_path):
+  (tmp_path / "config.yaml").write_text(dump_config(load_config("configs/tiny.yaml", ["train.steps_per_call=4"])))
+  config = load_config("configs/tiny.yaml", ["train.steps_per_call=2"])
+  with pytest.raises(ConfigError, match=r"train.steps_per_call=4"):
+    train(config, tmp_path)
