@@ -17,6 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxformer import remat
 from jaxformer import sharding as sh
 from jaxformer.layers.blockwise import blockwise_attention
+from jaxformer.layers.dropout import dropout
 from jaxformer.layers.positions import alibi_bias, alibi_slopes, apply_rope
 from jaxformer.layers.scores import attention_mask, attention_scores, repeat_kv
 
@@ -37,8 +38,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
   """
   weights = jax.nn.softmax(attention_scores(q, k, bias, mask, softcap), axis=-1)
   if dropout_rng is not None and dropout_rate > 0.0:
-    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
-    weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
+    weights = dropout(weights, dropout_rate, dropout_rng)  # rows (b, n, t), columns s
   return jnp.einsum("bnts,bsnh->btnh", weights.astype(v.dtype), repeat_kv(v, q.shape[2]))
 
 

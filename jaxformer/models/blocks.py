@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jaxformer import sharding as sh
 from jaxformer.config import ModelConfig
 from jaxformer.layers.attention import MultiHeadAttention
+from jaxformer.layers.dropout import Dropout
 from jaxformer.layers.feed_forward import FeedForward
 from jaxformer.layers.norm import make_norm
 
@@ -34,7 +35,7 @@ class Residual(nn.Module):
   def __call__(self, x: jax.Array, fn: Callable[[jax.Array], jax.Array], deterministic: bool) -> jax.Array:
     dtype = jnp.dtype(self.config.dtype)
     norm = make_norm(self.config.norm, dtype, name="norm")
-    drop = nn.Dropout(self.config.dropout_rate)
+    drop = Dropout(self.config.dropout_rate)
     if self.config.pre_norm:
       return x + drop(fn(norm(x)), deterministic=deterministic)
     return norm(x + drop(fn(x), deterministic=deterministic))

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from jaxformer import sharding as sh
 from jaxformer.config import ModelConfig
+from jaxformer.layers.dropout import Dropout
 from jaxformer.layers.embedding import Embed
 from jaxformer.layers.norm import make_norm
 from jaxformer.layers.positions import LearnedPositions
@@ -47,7 +48,7 @@ class SelfAttentionStack(nn.Module):
     self.stack = layer_stack(EncoderBlock, cfg, num_layers, "layer", causal=self.CAUSAL)
     if cfg.pre_norm:  # pre-LN leaves the residual stream unnormalized: close the stack with a norm
       self.final_norm = make_norm(cfg.norm, dtype)
-    self.dropout = nn.Dropout(cfg.dropout_rate)
+    self.dropout = Dropout(cfg.dropout_rate)
 
   def _logits(self, tokens, valid, positions, deterministic: bool, decode: bool) -> jax.Array:
     x = embed_tokens(self.config, self.embed, tokens, positions, getattr(self, "positions", None))

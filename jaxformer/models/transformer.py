@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from jaxformer import sharding as sh
 from jaxformer.config import ModelConfig
+from jaxformer.layers.dropout import Dropout
 from jaxformer.layers.embedding import Embed, sinusoidal_positions
 from jaxformer.layers.norm import make_norm
 from jaxformer.layers.positions import LearnedPositions
@@ -144,7 +145,7 @@ class EncoderDecoder(nn.Module):
     if cfg.position == "learned":
       self.source_positions = LearnedPositions(cfg.max_length, cfg.d_model, dtype)
       self.target_positions = LearnedPositions(cfg.max_length, cfg.d_model, dtype)
-    self.dropout = nn.Dropout(cfg.dropout_rate)
+    self.dropout = Dropout(cfg.dropout_rate)
 
   def _embed(self, embed: Embed, tokens, positions, deterministic, learned=None):
     x = embed_tokens(self.config, embed, tokens, positions, learned)
