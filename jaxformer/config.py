@@ -8,7 +8,6 @@ and raises `ConfigError` (one line: what is wrong and how to fix it) on bad inpu
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import typing
 from pathlib import Path
 from typing import Any
@@ -17,10 +16,7 @@ import yaml
 
 from jaxformer.precision import Policy, parse_policy
 from jaxformer.remat import POLICY_NAMES as REMAT_POLICIES
-
-
-class ConfigError(ValueError):
-  """A user mistake in a config file or override; the message is one line."""
+from jaxformer.schema import ConfigError, apply_overrides, build, parse_override, to_plain
 
 
 # Valid names of the string-valued model options.
@@ -54,7 +50,8 @@ class ModelConfig:
   tie_embeddings: bool = True   # one matrix for source, target and output logits
   max_length: int = 256         # longest sequence the positional table covers, tokens
   # Compute dtype read by the modules; not a user key: Config sets it from precision.policy.
-  dtype: str = dataclasses.field(default="float32", metadata={"set_by": "precision.policy"})
+  dtype: str = dataclasses.field(default="float32", metadata={
+      "set_by": "precision.policy", "example": "precision.policy=params=float32,compute=bfloat16,output=float32"})
   # Architecture options beyond the paper (the defaults are the paper's model).
   position: str = "sinusoidal"  # sinusoidal | learned | rope | alibi | none
   norm: str = "layernorm"       # layernorm | rmsnorm
@@ -325,92 +322,11 @@ class Config:
           "raise model.max_length or lower data.max_length")
 
 
-def _type_name(tp: Any) -> str:
-  return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-  """Checks `value` against the annotation `tp`, converting ints to floats and lists to tuples."""
-  origin = typing.get_origin(tp)
-  if origin is tuple:
-    (elem, _) = typing.get_args(tp)
-    if not isinstance(value, (list, tuple)):
-      raise ConfigError(f"{where} must be a list of {_type_name(elem)}, got {value!r}")
-    return tuple(_coerce(v, elem, f"{where}[{i}]") for i, v in enumerate(value))
-  if tp is float and isinstance(value, int) and not isinstance(value, bool):
-    return float(value)
-  if tp is float and isinstance(value, str):  # YAML 1.1 reads "1e-9" (no dot) as a string
-    try:
-      return float(value)
-    except ValueError:
-      pass
-  if tp in (int, float, str, bool):
-    if type(value) is not tp:
-      raise ConfigError(f"{where} must be {_type_name(tp)}, got {type(value).__name__} {value!r}")
-    return value
-  raise ConfigError(f"{where} has an unsupported type {tp}")
-
-
-def _build(cls: type, values: dict[str, Any], where: str) -> Any:
-  hints = typing.get_type_hints(cls)
-  fields = {f.name: f for f in dataclasses.fields(cls)}
-  names = [name for name, f in fields.items() if "set_by" not in f.metadata]
-  kwargs = {}
-  for key, value in values.items():
-    path = f"{where}{key}"
-    if key in fields and key not in names:
-      raise ConfigError(
-          f"{path} is not a config key: {fields[key].metadata['set_by']} sets it; write e.g. "
-          "precision.policy=params=float32,compute=bfloat16,output=float32")
-    if key not in names:
-      close = difflib.get_close_matches(key, names, n=1)
-      hint = f"; did you mean {where}{close[0]}?" if close else f"; valid keys: {', '.join(names)}"
-      raise ConfigError(f"unknown config key {path!r}{hint}")
-    tp = hints[key]
-    if dataclasses.is_dataclass(tp):
-      if not isinstance(value, dict):
-        raise ConfigError(f"{path} must be a mapping of {tp.__name__} fields, got {value!r}")
-      kwargs[key] = _build(tp, value, f"{path}.")
-    else:
-      kwargs[key] = _coerce(value, tp, path)
-  return cls(**kwargs)
-
-
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
-  *parents, leaf = dotted.split(".")
-  node = tree
-  for part in parents:
-    node = node.setdefault(part, {})
-    if not isinstance(node, dict):
-      raise ConfigError(f"override {dotted!r}: {part!r} is a value, not a section")
-  node[leaf] = value
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-  """Splits `a.b=value` and parses the value as YAML (so 3, 0.5, true, [1,2] are typed)."""
-  if "=" not in text or text.startswith("="):
-    raise ConfigError(f"override {text!r} is not of the form section.key=value")
-  key, raw = text.split("=", 1)
-  try:
-    value = yaml.safe_load(raw) if raw else ""
-  except yaml.YAMLError:
-    value = raw
-  return key.strip(), value
-
-
 def config_from_dict(tree: dict[str, Any], overrides: typing.Sequence[str] = ()) -> Config:
   """Builds and validates a Config from a nested dict plus `a.b=c` overrides."""
-  tree = _deep_copy(tree)
-  for text in overrides:
-    key, value = parse_override(text)
-    _set_dotted(tree, key, value)
-  config = _build(Config, tree, "")
+  config = build(Config, apply_overrides(tree, overrides))
   config.validate()
   return config
-
-
-def _deep_copy(tree: dict[str, Any]) -> dict[str, Any]:
-  return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in tree.items()}
 
 
 def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Config:
@@ -435,13 +351,7 @@ def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Confi
 def to_dict(config: Config) -> dict[str, Any]:
   """The config's user keys as plain YAML-safe types (tuples become lists; derived fields
   such as model.dtype are left out)."""
-  def plain(x: Any) -> Any:
-    if dataclasses.is_dataclass(x):
-      return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x) if "set_by" not in f.metadata}
-    if isinstance(x, (list, tuple)):
-      return [plain(v) for v in x]
-    return x
-  return plain(config)
+  return to_plain(config)
 
 
 def dump_config(config: Config) -> str:
