@@ -66,7 +66,11 @@ class BenchOptions:
   peer: bool = True              # also time torch.nn.Transformer when PyTorch is installed
 
   def validate(self, model: ModelConfig) -> "BenchOptions":
-    """Raises ConfigError (one line) for sizes that cannot run."""
+    """Raises ConfigError (one line) for sizes that cannot run, or a model kind other than
+    the encoder-decoder (the step this benchmark builds)."""
+    if model.kind != "encoder_decoder":
+      raise ConfigError(f"jaxformer bench times the encoder-decoder train step, not model.kind={model.kind}; "
+                        "use an encoder_decoder config such as configs/multi30k_small.yaml")
     for name in ("batch_size", "src_length", "tgt_length", "steps"):
       if getattr(self, name) < 1:
         raise ConfigError(f"bench --{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

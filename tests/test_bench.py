@@ -120,11 +120,16 @@ def test_bench_with_two_steps_per_call_runs_the_same_steps(bench_runs):
   assert math.isclose(two["tokens_per_sec"], 8 * 7 / two["step_time_s"])
 
 
-def test_bench_rejects_a_length_beyond_the_model():
+def test_bench_rejects_a_length_beyond_the_model_and_other_model_kinds():
   proc = _run_bench("--tgt-length", "500", "--no-torch")
   assert proc.returncode == 2
   assert proc.stderr.strip().splitlines() == [
       "error: bench length 500 exceeds model.max_length=128; add model.max_length=500"]
+  proc = _run_bench("--no-torch", "model.kind=decoder_only", "data.dataset=tinyshakespeare")
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines() == [
+      "error: jaxformer bench times the encoder-decoder train step, not model.kind=decoder_only; "
+      "use an encoder_decoder config such as configs/multi30k_small.yaml"]
 
 
 def test_torch_peer_has_our_parameter_count():

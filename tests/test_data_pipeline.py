@@ -256,13 +256,22 @@ def test_grouped_epochs_are_permutations_with_aligned_runs(prepared):
       assert sorted(map(tuple, plan)) == sorted(map(tuple, plain._epoch_plan(epoch)))
   # group=1 is the ungrouped plan itself.
   np.testing.assert_array_equal(D.TrainBatches(train, 128, seed=0, group=1)._epoch_plan(1), plain._epoch_plan(1))
-  # With group 4 the batches of each call (global steps 4j .. 4j+3) are stacked with little padding.
-  def stacked_padding(batches, steps):
-    return np.mean([D.padding_fraction(D.stack_batches([batches[s] for s in range(j, j + 4)]))
-                    for j in range(0, steps, 4)])
+  # With group 4 every batch of a run (global steps 4j .. 4j+3) has the run's length, so
+  # the runs stack as they are, with little padding over their own longest bucket.
   grouped = D.TrainBatches(train, 128, seed=0, group=4)
-  steps = 2 * n // 4 * 4  # two epochs, whole calls; epoch 1 starts at a step that is not a multiple of 4
+  steps = 2 * n // 4 * 4  # two epochs, whole runs; epoch 1 starts at a step that is not a multiple of 4
   assert n % 4 != 0
-  assert stacked_padding(grouped, steps) < 0.19 < 0.30 < stacked_padding(plain, steps)
+  for j in range(0, steps, 4):
+    run = [grouped[s] for s in range(j, j + 4)]
+    assert len({b["inputs"].shape for b in run}) == 1, j
+    np.testing.assert_array_equal(D.stack_batches(run)["targets"][2], run[2]["targets"])
+  grouped_padding = np.mean([D.padding_fraction(grouped[s]) for s in range(steps)])
+
+  def padded_to_longest(run):  # what stacking 4 ungrouped batches would cost
+    length = max(b["inputs"].shape[1] for b in run)
+    return np.mean([1 - (b["inputs"].size + b["targets"].size) * (1 - D.padding_fraction(b))
+                    / (2 * b["inputs"].shape[0] * length) for b in run])
+  ungrouped_padding = np.mean([padded_to_longest([plain[s] for s in range(j, j + 4)]) for j in range(0, steps, 4)])
+  assert grouped_padding < 0.19 < 0.30 < ungrouped_padding
   with pytest.raises(ValueError, match="group=0"):
     D.TrainBatches(train, 128, group=0)

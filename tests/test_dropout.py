@@ -130,8 +130,18 @@ def test_errors():
   for rate in (-0.1, 1.5):
     with pytest.raises(ValueError, match=r"in \[0, 1\]"):
       dropout(jnp.ones((2, 3)), rate, jax.random.key(0))
-  with pytest.raises(TypeError, match="one jax.random.key"):
-    dropout(jnp.ones((2, 3)), 0.1, jax.random.split(jax.random.key(0)))
+  for key in (jax.random.split(jax.random.key(0)), 3, [1, 2]):
+    with pytest.raises(TypeError, match="one jax.random.key"):
+      dropout(jnp.ones((2, 3)), 0.1, key)
+
+
+def test_float16_rate_near_one_keeps_finite_scaled_values():
+  rate = 0.99999  # 1 / (1 - rate) = 1e5 overflows float16; x / (1 - rate) = 100 does not
+  x = jnp.full((4000, 1000), 1e-3, jnp.float16)
+  out = np.asarray(dropout(x, rate, jax.random.key(0)), np.float32)
+  kept = out[out != 0]
+  assert 0 < kept.size < 200 and np.all(np.isfinite(kept))
+  np.testing.assert_allclose(kept, 1e-3 / (1 - rate), rtol=2e-3)
 
 
 def test_module_is_identity_when_deterministic():

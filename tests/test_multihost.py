@@ -1,8 +1,8 @@
 """Multi-process training on one machine: 2 processes x 4 CPU devices behave like 1 x 8.
 
 Launches `scripts/launch_local_multihost.sh`, compares the loss with a single-process run on
-the same mesh (both run their 3 steps as one jitted call, `train.steps_per_call=3`, so each
-process feeds its rows of a stacked `[steps, batch, length]` global array), restores the multi-process checkpoint in a single-device `eval`, and
+the same mesh (both run two steps per jitted call, `train.steps_per_call=2`, so each process
+feeds its rows of a stacked `[steps, batch, length]` global array), restores the multi-process checkpoint in a single-device `eval`, and
 checks that the launcher fails fast and leaves no process behind. (That each process loads
 only its rows of the global batch is tested in test_data_pipeline.py::test_process_shards_union.)
 """
@@ -23,7 +23,8 @@ ROOT = Path(__file__).parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
 LAUNCH = str(ROOT / "scripts" / "launch_local_multihost.sh")
 MESH = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
-STEPS = 3
+STEPS = 4
+PER_CALL = 2  # steps per jitted call, and per logged interval
 
 
 def _env(tmp: Path) -> dict:
@@ -72,8 +73,8 @@ def _check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 def _train_args(data_dir, workdir) -> list[str]:
   return ["--config", TINY, "--workdir", str(workdir), f"data.data_dir={data_dir}", "data.buckets=[64]",
-          "train.batch_size=16", f"train.log_every={STEPS}", f"train.num_steps={STEPS}", "train.eval_every=1000",
-          f"train.steps_per_call={STEPS}",
+          "train.batch_size=16", f"train.log_every={PER_CALL}", f"train.num_steps={STEPS}", "train.eval_every=1000",
+          f"train.steps_per_call={PER_CALL}",
           "train.checkpoint_every=1000", *MESH]
 
 
@@ -102,13 +103,14 @@ def runs(tmp_path_factory):
 def test_two_processes_match_one_process(runs):
   tmp, _, multi = runs
   multi_losses, single_losses = _losses(tmp / "multi"), _losses(tmp / "single")
-  assert sorted(multi_losses) == sorted(single_losses) == [STEPS]
+  assert sorted(multi_losses) == sorted(single_losses) == list(range(PER_CALL, STEPS + 1, PER_CALL))
   # Same global batches and same dropout bits (the masks hash each element's global position,
   # so they do not depend on which process holds a shard); only reduction order may differ.
   for step, values in single_losses.items():
     assert multi_losses[step] == pytest.approx(values, rel=1e-5), step
   # Only process 0 printed metrics / wrote run files; process 1's log holds no JSON lines.
-  assert [json.loads(line)["step"] for line in multi.stdout.splitlines() if '"loss"' in line] == [STEPS]
+  assert ([json.loads(line)["step"] for line in multi.stdout.splitlines() if '"loss"' in line]
+          == list(range(PER_CALL, STEPS + 1, PER_CALL)))
   assert not [line for line in (tmp / "logs" / "process_1.log").read_text().splitlines() if line.startswith("{")]
   assert (tmp / "multi" / "config.yaml").is_file() and (tmp / "multi" / "tokenizer.model").is_file()
 

@@ -14,8 +14,9 @@ chunk_batches`` examples by length, cuts them into full batches and shuffles
 the batch order. Resuming at step ``k`` is just starting at index ``k``. With
 ``group=k > 1`` (the loop's ``train.steps_per_call``) whole runs of ``k``
 consecutive, similar-length batches are shuffled instead, aligned to global
-steps that are multiples of ``k``, so a call's stacked batches
-(:func:`stack_batches`) add little padding.
+steps that are multiples of ``k``, and each batch is padded to the longest
+bucket of its run: a call's batches stack (:func:`stack_batches`) with little
+extra padding, and a batch is the same whichever call it falls in.
 """
 
 from __future__ import annotations
@@ -223,15 +224,22 @@ class TrainBatches:
       self._plans[epoch] = plan
     return plan
 
+  def _global_ids(self, step: int) -> np.ndarray:
+    epoch, k = divmod(step, self.batches_per_epoch)
+    return self._epoch_plan(epoch)[k]
+
   def __getitem__(self, step: int) -> dict[str, np.ndarray]:
     step = int(step)
     if step < 0:
       raise ValueError(f"step={step} must be >= 0.")
-    epoch, k = divmod(step, self.batches_per_epoch)
-    ids = self._epoch_plan(epoch)[k]
     # The bucket comes from the global batch so all processes agree on L.
-    length = _bucket_length(self._data, ids, self._buckets)
-    return _pack(self._data, ids[self._rows], length)
+    # With groups, every batch of a run gets the run's longest bucket: the
+    # run stacks as is, and a step's shape (hence its dropout masks) does
+    # not depend on where the loop's calls end.
+    first = step - step % self.group
+    length = max(_bucket_length(self._data, self._global_ids(s), self._buckets)
+                 for s in range(first, first + self.group))
+    return _pack(self._data, self._global_ids(step)[self._rows], length)
 
   def dataset(self, start_step: int = 0,
               num_steps: int | None = None) -> grain.MapDataset:
@@ -266,15 +274,19 @@ def _run_order(num_batches: int, group: int, first_step: int,
 
 def stack_batches(batches: Sequence[dict[str, np.ndarray]]
                   ) -> dict[str, np.ndarray]:
-  """``[n, rows, L]`` arrays from ``n`` batches of ``[rows, L_i]``, padded with
-  ``PAD_ID`` to ``L = max L_i`` (padding has weight 0 in the loss)."""
-  stacked = {}
-  for key in ("inputs", "targets"):
-    length = max(b[key].shape[1] for b in batches)
-    stacked[key] = np.stack([
-        np.pad(b[key], ((0, 0), (0, length - b[key].shape[1])),
-               constant_values=PAD_ID) for b in batches])
-  return stacked
+  """``[n, rows, L]`` ``inputs`` and ``targets`` from ``n`` batches of
+  ``[rows, L]`` (one jitted call's steps).
+
+  Raises:
+    ValueError: the batches differ in shape (a call spans two runs of a
+      grouped ``TrainBatches``; end calls at multiples of the group).
+  """
+  shapes = {(b["inputs"].shape, b["targets"].shape) for b in batches}
+  if len(shapes) != 1:
+    raise ValueError(f"cannot stack batches of shapes {sorted(shapes)}; end "
+                     "each call within one run of train.steps_per_call steps.")
+  return {key: np.stack([b[key] for b in batches])
+          for key in ("inputs", "targets")}
 
 
 def eval_batches(data: TokenizedSplit, batch_size: int,

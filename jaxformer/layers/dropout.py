@@ -54,6 +54,8 @@ def threefry_2x32(key: tuple[jax.Array, jax.Array], x0: jax.Array, x1: jax.Array
 
 def _key_words(key: jax.Array) -> tuple[jax.Array, jax.Array]:
   """The first two uint32 words of a typed PRNG key or a raw uint32 key."""
+  if not isinstance(key, (jax.Array, np.ndarray)):
+    raise TypeError(f"dropout key must be one jax.random.key or a raw uint32[2] key, got {type(key).__name__}")
   if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
     key = jax.random.key_data(key)
   if key.dtype != jnp.uint32 or key.ndim != 1 or key.shape[0] < 2:
@@ -102,7 +104,8 @@ def dropout(x: jax.Array, rate: float, key: jax.Array) -> jax.Array:
     key: a typed `jax.random.key` (any impl; its first two data words are used) or raw uint32[2].
   Returns:
     Array of x's shape and dtype: kept elements are `x * (1 / (1 - rate))`, the scale
-    rounded to x's dtype (within an ulp of `x / (1 - rate)`), dropped ones 0.
+    rounded to x's dtype (within an ulp of `x / (1 - rate)`; in float32 when the scale
+    overflows x's dtype), dropped ones 0.
   Raises:
     TypeError: x is not floating point, or the key is not one key.
     ValueError: rate outside [0, 1].
@@ -121,8 +124,13 @@ def dropout(x: jax.Array, rate: float, key: jax.Array) -> jax.Array:
   keep = random_words(key, x.shape) < _threshold(keep_prob)
   # Multiply by the reciprocal rounded to x's dtype: XLA:CPU turns a divide by a constant
   # into this anyway; written out, the kept values are defined exactly on every backend.
-  scale = np.asarray(1.0 / keep_prob, x.dtype)
-  return lax.select(keep, x * scale, jnp.zeros_like(x))
+  with np.errstate(over="ignore"):
+    scale = np.asarray(1.0 / keep_prob, x.dtype)
+  if np.isfinite(scale):
+    kept = x * scale
+  else:  # a rate within an ulp of 1 in float16: the reciprocal overflows, x / (1 - rate) may not
+    kept = (x.astype(jnp.float32) * np.float32(1.0 / keep_prob)).astype(x.dtype)
+  return lax.select(keep, kept, jnp.zeros_like(x))
 
 
 class Dropout(nn.Module):
