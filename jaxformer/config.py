@@ -247,9 +247,10 @@ class DataConfig:
     if not self.buckets or list(self.buckets) != sorted(set(self.buckets)):
       raise ConfigError(f"data.buckets={self.buckets} must be strictly increasing lengths")
     if self.buckets[-1] != self.max_length:
+      fitting = [b for b in self.buckets if b < self.max_length] + [self.max_length]
       raise ConfigError(
           f"the last of data.buckets ({self.buckets[-1]}) must equal data.max_length "
-          f"({self.max_length}); e.g. data.buckets=[16,32,{self.max_length}]")
+          f"({self.max_length}); e.g. data.buckets=[{','.join(map(str, fitting))}]")
 
 
 @dataclasses.dataclass(frozen=True)

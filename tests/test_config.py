@@ -43,6 +43,8 @@ def test_overrides_are_typed():
     ("model.pre_norm=3", "model.pre_norm must be bool"),
     ("model.num_heads=3", "not divisible by model.num_heads=3"),
     ("data.buckets=[32, 16]", "strictly increasing"),
+    ("data.max_length=16", "must equal data.max_length (16); e.g. data.buckets=[12,14,16]"),
+    ("train.steps_per_call=0", "train.steps_per_call must be >= 1, got 0"),
     ("mesh.data=0", "mesh.data must be a positive size or -1"),
     ("train.num_steps", "not of the form section.key=value"),
     ("model.position=relative", "model.position='relative' is unknown; use one of sinusoidal, learned, rope, alibi, none"),
