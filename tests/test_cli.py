@@ -48,7 +48,9 @@ def resumed_run(tmp_path_factory, data_dir):
   eight = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "runtime.num_cpu_devices=8"]
   run_cli("train", "--config", TINY, "--workdir", str(workdir), *_common(data_dir), *eight, "train.num_steps=20")
   first = _metrics(workdir)
-  run_cli("train", "--config", TINY, "--workdir", str(workdir), *_common(data_dir), *eight, "train.num_steps=30")
+  resumed = run_cli("train", "--config", TINY, "--workdir", str(workdir), *_common(data_dir), *eight,
+                    "train.num_steps=30")
+  assert f"resuming from the step-20 checkpoint in {workdir}" in resumed.stderr
   return workdir, first
 
 

@@ -181,6 +181,8 @@ def _train(config: Config, workdir: Path, dry_run: bool) -> dict[str, Any]:
     start = 0
   else:
     state = checkpointer.restore(ckpt.sharded_target(abstract, shardings), start)
+    if jax.process_index() == 0:
+      print(f"resuming from the step-{start} checkpoint in {workdir}", file=sys.stderr, flush=True)
   stacked = config.train.steps_per_call > 1
   train_step = (make_multi_step if stacked else make_train_step)(model, tx, config, mesh, shardings)
   eval_step = make_eval_step(model, config, mesh, shardings.params)
