@@ -33,7 +33,7 @@ from jaxformer.runtime import build_mesh
 from jaxformer.train.loop import global_batch
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import create_state, state_shardings
-from jaxformer.train.step import make_multi_step, make_train_step
+from jaxformer.train.step import make_train_call
 
 FIRST_WORD_ID = 3  # ids 0..2 are padding, EOS and BOS; synthetic batches use real words only
 
@@ -228,7 +228,7 @@ def prepare_step(config: Config, options: BenchOptions) -> PreparedStep:
   batch = {name: jax.ShapeDtypeStruct(lead + (options.batch_size, length), jnp.int32,
                                       sharding=sh.batch_sharding(mesh, stacked=k > 1))
            for name, length in (("inputs", options.src_length), ("targets", options.tgt_length))}
-  train_step = (make_multi_step if k > 1 else make_train_step)(model, tx, config, mesh, shardings)
+  train_step = make_train_call(model, tx, config, mesh, shardings)
   start = time.perf_counter()
   with jax.set_mesh(mesh), sh.axis_rules():
     lowered = train_step.jitted.lower(abstract, batch, jax.random.key(config.runtime.seed))

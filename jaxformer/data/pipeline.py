@@ -237,8 +237,9 @@ class TrainBatches:
     # run stacks as is, and a step's shape (hence its dropout masks) does
     # not depend on where the loop's calls end.
     first = step - step % self.group
-    length = max(_bucket_length(self._data, self._global_ids(s), self._buckets)
-                 for s in range(first, first + self.group))
+    longest = max(int(self._lengths[self._global_ids(s)].max())
+                  for s in range(first, first + self.group))
+    length = self._buckets[np.searchsorted(self._buckets, longest)]
     return _pack(self._data, self._global_ids(step)[self._rows], length)
 
   def dataset(self, start_step: int = 0,

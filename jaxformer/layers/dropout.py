@@ -6,7 +6,8 @@ they gate. Here Threefry-2x32 is written out round by round in plain uint32 ops:
 the whole hash, the compare and the select into one elementwise kernel.
 
 Each element's random word hashes its *global* position, counter (row, column pair), with
-the leading dims flattened into rows; one hash yields two words, for columns 2j and 2j+1.
+the leading dims flattened into rows: element (r, c) takes word c % 2 of the hash of
+(r, c // 2), so the two words of one hash belong to columns 2j and 2j+1.
 The counters come from `lax.broadcasted_iota`, so the mask is the same under any sharding
 of x, and two counter words reach past 2^32 elements.
 """
@@ -72,8 +73,8 @@ def random_words(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   """uint32 `shape` of Threefry words, one per element, from its global (row, column) position.
 
   Rows are the flattened leading dims (row-major), columns the last dim; the word of
-  column c is word c % 2 of the hash of counter (row, c // 2), so one hash serves the
-  pair of columns 2j, 2j+1 (an odd last dim leaves the last pair's second word unused).
+  column c is word c % 2 of the hash of counter (row, c // 2) (an odd last dim leaves the
+  last pair's second word unused). Each element computes its pair's hash itself (see below).
   Raises ValueError for 2^32 rows or columns or more (a counter word would wrap).
   """
   shape = tuple(shape)

@@ -29,7 +29,7 @@ from jaxformer.runtime import build_mesh
 from jaxformer.train.optim import make_optimizer
 from jaxformer.summary import format_summary
 from jaxformer.train.state import abstract_state, create_state
-from jaxformer.train.step import make_eval_step, make_multi_step, make_train_step
+from jaxformer.train.step import make_eval_step, make_train_call
 from jaxformer.train.tasks import make_model
 
 
@@ -184,7 +184,7 @@ def _train(config: Config, workdir: Path, dry_run: bool) -> dict[str, Any]:
     if jax.process_index() == 0:
       print(f"resuming from the step-{start} checkpoint in {workdir}", file=sys.stderr, flush=True)
   stacked = config.train.steps_per_call > 1
-  train_step = (make_multi_step if stacked else make_train_step)(model, tx, config, mesh, shardings)
+  train_step = make_train_call(model, tx, config, mesh, shardings)
   eval_step = make_eval_step(model, config, mesh, shardings.params)
   rng = jax.random.key(config.runtime.seed)
 
@@ -193,7 +193,7 @@ def _train(config: Config, workdir: Path, dry_run: bool) -> dict[str, Any]:
   show_bar = jax.process_index() == 0 and sys.stderr.isatty()
   bar = tqdm.tqdm(total=config.train.num_steps, initial=start, disable=not show_bar, unit="step")
   record: dict[str, Any] = {}
-  pending: list[tuple[int, dict]] = []   # (steps, metrics) of each call since the last log line
+  pending: list[dict] = []   # metrics of each call since the last log line
   padding: list[float] = []
   step, seconds, last_time = start, 0.0, time.perf_counter()
   stream = batches.iterate(start)
@@ -204,7 +204,7 @@ def _train(config: Config, workdir: Path, dry_run: bool) -> dict[str, Any]:
       local = stack_batches(local) if stacked else local[0]
       padding += [padding_fraction(local)] * n
       state, metrics = train_step(state, global_batch(local, mesh), rng)
-      pending.append((n if stacked else 0, metrics))
+      pending.append(metrics)
       step += n
       bar.update(n)
       if step % config.train.log_every == 0 or step == config.train.num_steps:
@@ -234,11 +234,12 @@ def _train(config: Config, workdir: Path, dry_run: bool) -> dict[str, Any]:
   return record
 
 
-def _unstack(calls: list[tuple[int, dict]]) -> list[dict]:
-  """Per-step metric dicts from each call's metrics: n > 0 marks metrics stacked `[n]`."""
+def _unstack(calls: list[dict]) -> list[dict]:
+  """Per-step metric dicts from each call's host metrics (scalars, or stacked `[n]`)."""
   history = []
-  for n, metrics in calls:
-    history += [{k: v[i] for k, v in metrics.items()} for i in range(n)] if n else [metrics]
+  for metrics in calls:
+    n = np.shape(metrics["loss"])
+    history += [{k: v[i] for k, v in metrics.items()} for i in range(n[0])] if n else [metrics]
   return history
 
 

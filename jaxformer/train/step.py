@@ -91,6 +91,14 @@ def make_multi_step(model: nn.Module, tx: optax.GradientTransformation, config: 
   return _with_mesh(jitted, mesh)
 
 
+def make_train_call(model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh,
+                    state_shardings: TrainState) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, dict]]:
+  """The loop's unit of work: `make_multi_step` (stacked `[n, batch, length]` batches, metrics
+  `[n]`) when `train.steps_per_call > 1`, else `make_train_step`."""
+  factory = make_multi_step if config.train.steps_per_call > 1 else make_train_step
+  return factory(model, tx, config, mesh, state_shardings)
+
+
 def _step_function(model: nn.Module, tx: optax.GradientTransformation, config: Config):
   """The unjitted `(state, batch, rng) -> (state, metrics)` that both factories compile."""
   schedule = make_schedule(config.optim, config.model.d_model)
