@@ -30,7 +30,7 @@ from jaxformer import sharding as sh
 from jaxformer.config import Config, ConfigError, ModelConfig
 from jaxformer.models.transformer import EncoderDecoder
 from jaxformer.runtime import build_mesh
-from jaxformer.train.loop import global_batch
+from jaxformer.data import global_batch
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import create_state, state_shardings
 from jaxformer.train.step import make_train_call

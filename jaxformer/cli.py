@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
   e.add_argument("--src", help="source file (one sentence per line) instead of --split")
   e.add_argument("--ref", help="reference file, line-aligned with --src")
   e.add_argument("--batch-size", type=int, default=64, help="sentences per decoding batch")
-  e.add_argument("--output", help="hypotheses file (default: WORKDIR/hypotheses.<split>.txt)")
+  e.add_argument("--output", help="hypotheses file (default: WORKDIR/hypotheses.<split>.<greedy|beamK|sampleS>.txt)")
   _add_search_args(e)
   e.add_argument("overrides", nargs="*", help="runtime/mesh overrides, e.g. runtime.num_cpu_devices=4 mesh.data=4")
 
@@ -110,16 +110,6 @@ def _search_options(args):
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed).validate()
 
 
-def _read_lines(path: str, what: str) -> list[str]:
-  file = Path(path)
-  if not file.is_file():
-    raise FileNotFoundError(f"{what} file {path} does not exist")
-  lines = file.read_text(encoding="utf-8").splitlines()
-  if not lines:
-    raise ValueError(f"{what} file {path} is empty")
-  return lines
-
-
 def _runtime_from_overrides(overrides: list[str]):
   """The RuntimeConfig implied by overrides alone (for eval/translate before loading)."""
   from jaxformer.config import config_from_dict
@@ -137,42 +127,19 @@ def cmd_train(args) -> None:
   train(config, args.workdir, dry_run=args.dry_run)
 
 
-def _eval_sources(args, splits_loader):
-  if args.src or args.ref:
-    if not (args.src and args.ref):
-      raise ValueError("--src and --ref must be given together")
-    src, ref = _read_lines(args.src, "--src"), _read_lines(args.ref, "--ref")
-    if len(src) != len(ref):
-      raise ValueError(f"--src has {len(src)} lines but --ref has {len(ref)}; they must be line-aligned")
-    return "custom", src, ref
-  split = {"val": "validation", "test": "test"}[args.split]
-  data = splits_loader()[split]
-  return args.split, data.source_texts, data.target_texts
-
-
 def cmd_eval(args) -> None:
   for o in args.overrides:
     parse_override(o)
   from jaxformer.runtime import init_runtime
   init_runtime(_runtime_from_overrides(args.overrides))
   from jaxformer import evaluate
-  from jaxformer.train.loop import load_data
+  from jaxformer.tasks import get_task
+  from jaxformer.tasks.base import EvalOptions
   search = _search_options(args)
   config = evaluate.workdir_config(args.workdir, args.overrides)
-  if config.model.kind != "encoder_decoder":  # language models: loss over the validation split
-    from jaxformer import lm
-    result = lm.evaluate_split(evaluate.restore(args.workdir, config, args.step))
-    print(json.dumps({**result, "split": "val", "kind": config.model.kind}), flush=True)
-    return
-  name, sources, references = _eval_sources(args, lambda: load_data(config)[1])
-  restored = evaluate.restore(args.workdir, config, args.step)
-  hyps, speed = evaluate.translate(restored, sources, args.batch_size, search)
-  losses = evaluate.reference_loss(restored, sources, references, args.batch_size)
-  output = Path(args.output) if args.output else Path(args.workdir) / f"hypotheses.{name}.txt"
-  evaluate.write_lines_atomic(output, hyps)
-  result = {"step": restored.step, "split": name, "num_sentences": len(sources),
-            **evaluate.score(hyps, references), **losses, **{k: round(v, 3) for k, v in speed.items()},
-            "search": search.summary(), "hypotheses": str(output)}
+  options = EvalOptions(split=args.split, src=args.src, ref=args.ref, batch_size=args.batch_size, search=search,
+                        output=args.output or args.workdir)
+  result = get_task(config).evaluate(lambda: evaluate.restore(args.workdir, config, args.step), options)
   print(json.dumps(result), flush=True)
 
 

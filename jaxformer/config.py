@@ -213,37 +213,54 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """Where the data lives and how it is tokenized and batched.
+  """Where the data comes from and how it is tokenized and batched (jaxformer/data/).
 
-  For tinyshakespeare, `max_length` is the context (window) length and `buckets` are unused.
+  For language models `max_length` is the context (window) length and `buckets` are unused.
   """
-  dataset: str = "multi30k"           # multi30k | tinyshakespeare
-  source_lang: str = "en"
+  dataset: str = "multi30k"            # multi30k | tinyshakespeare | files | tfds:NAME (e.g. tfds:wmt14_translate/de-en)
+  train_files: str = ""                # files: comma-separated; translation SRC,TGT or one .jsonl/.tsv; LMs paths/globs
+  validation_files: str = ""           # files: as train_files; empty = hold out the end of train
+  test_files: str = ""                 # files: as train_files (eval --split test)
+  source_field: str = ""               # JSONL/TSV/TFDS key of the source text; empty = data.source_lang
+  target_field: str = ""               # JSONL/TSV/TFDS key of the target text; empty = data.target_lang
+  text_field: str = "text"             # JSONL/TFDS key of a language model's documents
+  source_lang: str = "en"              # free labels (multi30k: en or de)
   target_lang: str = "de"
-  data_dir: str = "~/.cache/jaxformer"  # TFDS ArrayRecord files and the cached tokenizer
-  tokenizer: str = "unigram"           # SentencePiece unigram | bpe; char (tinyshakespeare: one id per character)
-  max_length: int = 64                 # tokens per side including EOS
+  tfds_data_dir: str = ""              # tfds: the TFDS data dir it was prepared in; empty = TFDS's default
+  data_dir: str = "~/.cache/jaxformer"  # prepared (tokenized) splits and trained tokenizers are cached here
+  tokenizer: str = "unigram"           # SentencePiece unigram | bpe; char (language models: one id per character)
+  tokenizer_model: str = ""            # path of an existing SentencePiece .model (instead of training one)
+  input_sentence_size: int = 1000000   # SentencePiece trains on at most this many sentences, sampled from train
+  max_length: int = 64                 # tokens per side including EOS (language models: the context)
   overlong: str = "drop"               # drop | truncate (train split only)
   buckets: tuple[int, ...] = (12, 14, 16, 18, 20, 24, 32, 48, 64)  # padded lengths, tokens
+  packing: bool = False                # several examples per row of max_length tokens, with segment ids
   mask_probability: float = 0.15       # masked LM: fraction of tokens selected (BERT: 15%)
 
   def validate(self) -> None:
-    if self.dataset not in ("multi30k", "tinyshakespeare"):
-      raise ConfigError(f"data.dataset={self.dataset!r} is unknown; use multi30k or tinyshakespeare")
+    from jaxformer.data.sources import DataError, source_key  # noqa: PLC0415  (no JAX import)
+    try:
+      key = source_key(self.dataset)
+    except DataError as e:
+      raise ConfigError(str(e)) from None
+    if key == "files" and not self.train_files:
+      raise ConfigError("data.dataset=files needs data.train_files, e.g. data.train_files=train.fr,train.en")
     if not 0.0 < self.mask_probability < 1.0:
       raise ConfigError(f"data.mask_probability must be in (0, 1), got {self.mask_probability}")
-    if {self.source_lang, self.target_lang} != {"en", "de"}:
-      raise ConfigError("data.source_lang/target_lang must be en and de (either direction)")
+    if not self.source_lang or not self.target_lang or self.source_lang == self.target_lang:
+      raise ConfigError(f"data.source_lang={self.source_lang!r} and data.target_lang={self.target_lang!r} must be "
+                        "two different labels")
     if self.overlong not in ("drop", "truncate"):
       raise ConfigError(f"data.overlong={self.overlong!r} is unknown; use drop or truncate")
     if self.tokenizer not in ("unigram", "bpe", "char"):
       raise ConfigError(f"data.tokenizer={self.tokenizer!r} is unknown; use unigram, bpe or char")
-    if self.tokenizer == "char" and self.dataset != "tinyshakespeare":
-      raise ConfigError("data.tokenizer=char is for data.dataset=tinyshakespeare; use unigram or bpe")
-    if self.dataset == "tinyshakespeare":
-      if self.max_length < 2:
-        raise ConfigError(f"data.max_length (the context) must be >= 2, got {self.max_length}")
-      return
+    if self.input_sentence_size < 1:
+      raise ConfigError(f"data.input_sentence_size must be >= 1, got {self.input_sentence_size}")
+    if self.max_length < 2:
+      raise ConfigError(f"data.max_length must be >= 2, got {self.max_length}")
+
+  def validate_buckets(self) -> None:
+    """Checks `buckets` against `max_length` (tasks whose batches are length-bucketed call this)."""
     if not self.buckets or list(self.buckets) != sorted(set(self.buckets)):
       raise ConfigError(f"data.buckets={self.buckets} must be strictly increasing lengths")
     if self.buckets[-1] != self.max_length:
@@ -312,11 +329,8 @@ class Config:
       section = getattr(self, field.name)
       if hasattr(section, "validate"):
         section.validate()
-    datasets = {"encoder_decoder": ("multi30k",), "decoder_only": ("tinyshakespeare",),
-                "encoder_only": ("tinyshakespeare", "multi30k")}[self.model.kind]
-    if self.data.dataset not in datasets:
-      raise ConfigError(f"model.kind={self.model.kind} trains on data.dataset={' or '.join(datasets)}, "
-                        f"not {self.data.dataset}")
+    from jaxformer.tasks import get_task  # noqa: PLC0415  (tasks import the models, which import this module)
+    get_task(self).validate()
     if self.data.max_length > self.model.max_length:
       raise ConfigError(
           f"data.max_length={self.data.max_length} exceeds model.max_length={self.model.max_length}; "

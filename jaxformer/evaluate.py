@@ -24,16 +24,15 @@ import sacrebleu
 from jaxformer import checkpoint as ckpt
 from jaxformer import sharding as sh
 from jaxformer.config import Config, ConfigError, config_from_dict, load_config, to_dict
-from jaxformer.data import Tokenizer, eval_batches, tokenize_split
-from jaxformer.data.shakespeare import tokenizer_from_bytes
+from jaxformer.data import Tokenizer, eval_batches, global_batch, tokenize_split, tokenizer_from_bytes
 from jaxformer.decode import EOS_ID
 from jaxformer.runtime import build_mesh
 from jaxformer.search import LENGTH_PENALTY, SearchOptions, length_penalty, make_decode_fn
-from jaxformer.train.loop import evaluate_loss, global_batch
+from jaxformer.tasks import get_task
+from jaxformer.train.loop import evaluate_loss
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import state_shardings
 from jaxformer.train.step import make_eval_step
-from jaxformer.train.tasks import make_model
 
 RUNTIME_SECTIONS = ("runtime.", "mesh.", "train.batch_size", "data.data_dir")
 
@@ -79,11 +78,11 @@ def restore(workdir: str | Path, config: Config, step: int | None = None) -> Res
   checkpointer = ckpt.Checkpointer(workdir, async_save=False)
   if not checkpointer.all_steps():
     raise ckpt.CheckpointError(f"no checkpoint in {checkpointer.directory}; train first or check --workdir")
-  tokenizer = tokenizer_from_bytes(config.data.tokenizer, ckpt.run_file(workdir, ckpt.TOKENIZER_FILE).read_bytes())
+  tokenizer = tokenizer_from_bytes(ckpt.run_file(workdir, ckpt.TOKENIZER_FILE).read_bytes())
   rules = sh.parse_rules(config.mesh.rules)
   with sh.axis_rules(rules):
     mesh = build_mesh(config)
-    model = make_model(config)
+    model = get_task(config).make_model()
     tx = make_optimizer(config.optim, config.model.d_model)
     abstract, shardings = state_shardings(model, tx, mesh)
     restored_step, params = checkpointer.restore_params(

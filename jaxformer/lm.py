@@ -1,5 +1,4 @@
-"""Language models from a workdir: validation loss / perplexity (causal LM), masked-token
-loss and accuracy (masked LM), and sampling with the KV cache (causal LM)."""
+"""Sampling from a causal language model restored from its workdir, with the KV cache."""
 
 from __future__ import annotations
 
@@ -10,22 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.evaluate import Restored, batches_loss
+from jaxformer.evaluate import Restored
 from jaxformer.models.transformer import PAD_ID
 from jaxformer.search import check_sampling, sample_core
-from jaxformer.train.loop import load_data, make_batches
-
-
-def evaluate_split(restored: Restored) -> dict[str, Any]:
-  """Loss over the whole validation split (batches of `train.batch_size` windows).
-
-  Returns `step`, `loss` (mean NLL per predicted token, nats; label smoothing is not
-  applied), `perplexity` = exp(loss), `accuracy` (argmax hits; for the masked LM over the
-  masked tokens only) and `num_tokens` (predicted or masked tokens).
-  """
-  _, splits = load_data(restored.config)
-  _, batches = make_batches(restored.config, splits, jax.process_index(), jax.process_count())
-  return {"step": restored.step, **batches_loss(restored, batches)}
+from jaxformer.tasks import get_task
 
 
 def _init_cache(model, batch_size: int) -> Any:
@@ -76,7 +63,7 @@ def generate(restored: Restored, prompt: str, max_new_tokens: int, *, temperatur
     ValueError: an empty prompt, a character outside the vocabulary, bad sampling options.
   """
   cfg = restored.config
-  if cfg.model.kind != "decoder_only":
+  if not get_task(cfg).generates:
     raise ValueError(f"generate needs a decoder_only model; this workdir holds model.kind={cfg.model.kind}")
   if not prompt:
     raise ValueError("the prompt is empty; pass --prompt TEXT (e.g. a newline)")

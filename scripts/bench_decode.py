@@ -45,7 +45,7 @@ from jaxformer.config import load_config
 from jaxformer.decode import greedy_decode
 from jaxformer.models.transformer import BOS_ID, EncoderDecoder
 from jaxformer.search import LENGTH_PENALTY, SearchOptions
-from jaxformer.train.loop import load_data
+from jaxformer.tasks import get_task
 
 NO_EOS = -1  # an id no argmax can return: decoding runs the full output length
 
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
   print(f"speedup {result['speedup']:.1f}x wall, {result['speedup_cpu']:.1f}x CPU; "
         f"same tokens {result['same_tokens_fraction']:.3f}", flush=True)
   if args.workdir and not args.skip_test_split:
-    sources = load_data(config)[1]["test"].source_texts[:args.num_sentences]
+    sources = get_task(config).load_data()[1]["test"].source_texts[:args.num_sentences]
     test = compare_on_split(restored, sources, args)
     result["test2016"] = test
     print(f"\n| test2016 ({test['num_sentences']} sentences) | sentences/s | tokens/s | mean score |")

@@ -1,69 +1,63 @@
-"""Tests of jaxformer.data: TFDS builder, tokenizer, train/eval batches."""
+"""Tests of jaxformer.data: the Multi30k source, streaming preparation, tokenizer, train/eval batches."""
 
-import gzip
 import importlib.util
 
 import numpy as np
 import pytest
-import tensorflow_datasets as tfds
 
 from jaxformer import data as D
-from jaxformer.data import multi30k, tokenizer as tok_lib
+from jaxformer.config import config_from_dict
+from jaxformer.data import tokenizer as tok_lib
+from jaxformer.data.sources.base import read_lines
+from jaxformer.data.sources.multi30k import RAW_DIR
+from jaxformer.tasks import get_task
 
-tfds.disable_progress_bar()
+
+def _raw(split, lang):
+  stem = {"train": "train", "validation": "val", "test": "test_2016_flickr"}[split]
+  return [line.strip() for _, line in read_lines(RAW_DIR / f"{stem}.{lang}.gz")]
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-  path = tmp_path_factory.mktemp("tfds")
-  multi30k.prepare(path)
-  return path
+  return tmp_path_factory.mktemp("data")
 
 
 @pytest.fixture(scope="module")
 def prepared(data_dir):
   """Real Multi30k with the default 8000-piece shared tokenizer."""
-  return D.prepare_translation_data(data_dir, vocab_size=8000, max_length=64)
+  config = config_from_dict({"data": {"data_dir": str(data_dir)}})
+  return get_task(config).load_data()
 
 
 @pytest.fixture(scope="module")
 def tiny_texts():
-  en, de = multi30k.read_raw_split("validation")
-  return en + de
+  return _raw("validation", "en") + _raw("validation", "de")
 
 
 def test_tensorflow_is_not_installed():
   assert importlib.util.find_spec("tensorflow") is None
 
 
-def test_builder_split_sizes_and_order(data_dir):
+def test_prepared_split_sizes_order_and_cache(prepared, data_dir):
+  tokenizer, splits = prepared
   expected = {"train": 29000, "validation": 1014, "test": 1000}
   for split, n in expected.items():
-    source = multi30k.load_split(data_dir, split)
-    assert len(source) == n
-    en, de = multi30k.read_raw_split(split)
-    for i in (0, n // 2, n - 1):
-      assert source[i] == {"en": en[i], "de": de[i]}
-  # The generic TFDS entry point reads the same files.
-  raw = tfds.data_source("multi30k", data_dir=str(data_dir), split="test")
-  assert len(raw) == 1000 and isinstance(raw[0]["de"], bytes)
-  # Idempotent; no leftover incomplete dirs.
-  multi30k.prepare(data_dir)
-  assert not list((data_dir / "multi30k").glob("incomplete*"))
+    data = splits[split]
+    assert len(data) == n
+    en, de = _raw(split, "en"), _raw(split, "de")
+    src, tgt = data.texts([0, n // 2, n - 1])
+    assert src == [en[0], en[n // 2], en[n - 1]] and tgt == [de[0], de[n // 2], de[n - 1]]
+    ids_src, ids_tgt = data.fetch([n // 2])
+    assert ids_src[0].tolist() == tokenizer.encode(en[n // 2]) + [D.EOS_ID]
+    assert ids_tgt[0].tolist() == tokenizer.encode(de[n // 2]) + [D.EOS_ID]
+  # A second load reuses the cache (same folders), and no incomplete folder is left.
+  _, again = get_task(config_from_dict({"data": {"data_dir": str(data_dir)}})).load_data()
+  assert {k: v.folder for k, v in again.items()} == {k: v.folder for k, v in splits.items()}
+  assert not list((data_dir / "prepared").glob("*incomplete*"))
 
 
-def test_missing_or_empty_files(tmp_path):
-  with pytest.raises(FileNotFoundError, match="missing or empty"):
-    multi30k.read_lines(tmp_path / "nope.en.gz")
-  empty = tmp_path / "train.en.gz"
-  with gzip.open(empty, "wt") as f:
-    f.write("\n")
-  with pytest.raises(ValueError, match="missing or empty"):
-    multi30k.read_lines(empty)
-  with pytest.raises(ValueError, match="missing or empty"):
-    multi30k.read_raw_split("train", raw_dir=tmp_path)
-  with pytest.raises(FileNotFoundError, match="not prepared"):
-    multi30k.load_split(tmp_path / "empty_dir", "train")
+def test_missing_tokenizer_file(tmp_path):
   with pytest.raises(FileNotFoundError, match="missing or empty"):
     tok_lib.Tokenizer.load(tmp_path / "none.model")
 
@@ -97,20 +91,6 @@ def test_tokenizer_tiny_deterministic_save_load(tmp_path, tiny_texts):
   assert tok_lib.Tokenizer.load(tmp_path / "t.model").serialized == a.serialized
   assert [p.name for p in tmp_path.iterdir()] == ["t.model"]  # No temp left.
 
-  calls = []
-
-  def texts_fn():
-    calls.append(1)
-    return tiny_texts
-
-  cache = tmp_path / "cache"
-  t1 = tok_lib.load_or_train_tokenizer(cache, texts_fn, 200, "bpe")
-  t2 = tok_lib.load_or_train_tokenizer(cache, texts_fn, 200, "bpe")
-  assert len(calls) == 1 and t1.serialized == t2.serialized
-  t3 = tok_lib.load_or_train_tokenizer(cache, texts_fn, 150, "bpe")
-  assert len(calls) == 2 and t3.vocab_size == 150
-  assert sorted(p.name for p in cache.iterdir()) == [
-      "spm_bpe_150.model", "spm_bpe_200.model"]
   with pytest.raises(ValueError, match="model_type"):
     tok_lib.train_tokenizer(tiny_texts, 200, "word")
 
@@ -217,11 +197,12 @@ def test_eval_batches_cover_once(prepared):
     last = batches[-1]
     filler = last["index"] == -1
     assert not last["inputs"][filler].any() and not last["targets"][filler].any()
+    inputs = val.fetch(range(len(val)))[0]
     for b in batches:
       for row, i in zip(b["inputs"], b["index"]):
         if i >= 0:
-          n = len(val.inputs[i])
-          np.testing.assert_array_equal(row[:n], val.inputs[i])
+          n = len(inputs[i])
+          np.testing.assert_array_equal(row[:n], inputs[i])
     if not sort:
       np.testing.assert_array_equal(index[:len(val)], np.arange(len(val)))
   sharded = [D.eval_batches(val, 64, process_index=i, process_count=2)

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from jaxformer.config import ConfigError, ModelConfig, OptimConfig, config_from_dict
-from jaxformer.data import shakespeare
-from jaxformer.data.shakespeare import CharTokenizer, WindowBatches, split_text, window_eval_batches
+from jaxformer.data import CharTokenizer, WindowBatches, window_eval_batches
+from jaxformer.data.sources.tinyshakespeare import read_text, split_text
 from jaxformer.evaluate import Restored
 from jaxformer.models.decoder_only import DecoderOnly
 from jaxformer.models.encoder_only import EncoderOnly
 from jaxformer.train.optim import cosine_schedule, decay_mask, make_optimizer
-from jaxformer.train.tasks import mlm_mask
+from jaxformer.tasks.masked_lm import mlm_mask
 from test_cli import run_cli
 
 V, T = 37, 11
@@ -108,7 +108,7 @@ def test_encoder_only_ignores_appended_padding():
 def test_split_is_90_10_by_position():
   train, val = split_text("abcdefghij" * 3)
   assert (train, val) == ("abcdefghij" * 2 + "abcdefg", "hij")
-  text = shakespeare.read_text()
+  text = read_text()
   train, val = split_text(text)
   assert len(text) == 1115394 and len(train) == 1003854 and train + val == text
 
@@ -181,8 +181,8 @@ def test_weight_decay_needs_adamw():
     config_from_dict({"optim": {"weight_decay": 0.1}})
   with pytest.raises(ConfigError, match="decay_steps"):
     config_from_dict({"optim": {"schedule": "cosine", "warmup_steps": 10}})
-  with pytest.raises(ConfigError, match="tinyshakespeare"):
-    config_from_dict({"model": {"kind": "decoder_only"}})
+  with pytest.raises(ConfigError, match="data.tokenizer=char is for language models"):
+    config_from_dict({"data": {"tokenizer": "char"}})
 
 
 def test_mlm_masking_proportions_and_weights():
@@ -206,24 +206,26 @@ def test_mlm_masking_proportions_and_weights():
 
 
 @pytest.fixture(scope="module")
-def uniform_lm():
+def uniform_lm(tmp_path_factory):
   """A char LM with zero parameters: zero logits, i.e. a uniform next-character distribution."""
   from jaxformer import sharding as sh
   config = config_from_dict({
       "model": {"kind": "decoder_only", "vocab_size": 66, "d_model": 8, "num_heads": 2, "d_ff": 8,
                 "num_decoder_layers": 1, "max_length": 64, "pre_norm": True},
       "optim": {"schedule": "constant", "learning_rate": 0.1},
-      "data": {"dataset": "tinyshakespeare", "tokenizer": "char", "max_length": 16},
+      "data": {"dataset": "tinyshakespeare", "tokenizer": "char", "max_length": 16,
+               "data_dir": str(tmp_path_factory.mktemp("data"))},
       "train": {"batch_size": 2048}, "mesh": {"data": 1}})
   model = DecoderOnly(config.model)
   params = jax.tree.map(jnp.zeros_like, model.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32))["params"])
-  tokenizer = CharTokenizer.from_text(shakespeare.read_text())
+  tokenizer = CharTokenizer.from_text(read_text())
   return Restored(config, tokenizer, model, sh.make_mesh(config.mesh, jax.devices()[:1]), params, 0, sh.LOGICAL_RULES)
 
 
 def test_perplexity_is_exp_mean_nll_of_uniform_model(uniform_lm):
-  from jaxformer import lm
-  result = lm.evaluate_split(uniform_lm)   # NLL ln(66) on every token
+  from jaxformer.tasks import get_task
+  from jaxformer.tasks.base import EvalOptions
+  result = get_task(uniform_lm.config).evaluate(lambda: uniform_lm, EvalOptions())   # NLL ln(66) on every token
   assert result["num_tokens"] == 1115394 - 1003854 - 1
   assert result["loss"] == pytest.approx(math.log(66), rel=1e-6)
   assert result["perplexity"] == pytest.approx(66.0, rel=1e-5)

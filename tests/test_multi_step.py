@@ -13,7 +13,8 @@ from jaxformer.config import (Config, ConfigError, MeshConfig, ModelConfig, Opti
                               dump_config, load_config)
 from jaxformer.data import PAD_ID, stack_batches
 from jaxformer.models.transformer import EncoderDecoder
-from jaxformer.train.loop import call_length, global_batch, train
+from jaxformer.data import global_batch
+from jaxformer.train.loop import call_length, train
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import create_state, state_shardings
 from jaxformer.train.step import make_multi_step, make_train_step

@@ -17,7 +17,7 @@ from jaxformer.precision import MIN_LOSS_SCALE, LossScale, Policy, next_loss_sca
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import create_state, state_shardings
 from jaxformer.train.step import loss_fn, make_train_step
-from jaxformer.train.tasks import Task
+from jaxformer.tasks import get_task
 
 ROOT = Path(__file__).parent.parent
 VOCAB, SRC_LEN, TGT_LEN = 37, 11, 9
@@ -223,8 +223,8 @@ def padded_results(f16_step):
   results = {}
   for compute in ("float32", "bfloat16", "float16"):
     config = _small_config(compute)
-    task = Task(EncoderDecoder(config.model), config)
-    grad_fn = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(task, p, b, None, 0.1), has_aux=True))
+    task, model = get_task(config), EncoderDecoder(config.model)
+    grad_fn = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(task, model, p, b, None, 0.1), has_aux=True))
     (loss, sums), grads = jax.device_get(grad_fn(params, batch))
     results[compute] = (loss, sums, grads)
   return results

@@ -1,78 +1,111 @@
-"""Data: Multi30k via TFDS/ArrayRecord, SentencePiece tokenizer, batches.
+"""Data: sources (a registry), streaming preparation, tokenizers, batches, and the global batch.
 
-The one call the CLI needs is :func:`prepare_translation_data`; batches come
-from :class:`TrainBatches` and :func:`eval_batches` (``pipeline``).
+The run's data path: `make_source` (what `data.dataset` names) -> `make_tokenizer` ->
+`prepare_pairs` / `prepare_text` (cached ArrayRecord shards) -> batches
+(`TrainBatches`/`PackedBatches`/`eval_batches` for sentence pairs, `WindowBatches` /
+`window_eval_batches` for language models) -> `global_batch` (each process's rows into one
+sharded array). Tasks (`jaxformer/tasks/`) call `load_data` with the kind of examples they
+need and pick the batches.
 """
 
 from __future__ import annotations
 
-import os
+import sys
 from pathlib import Path
+from typing import Any
 
-from jaxformer.data import multi30k
-from jaxformer.data.pipeline import (DEFAULT_BUCKETS, TokenizedSplit,
-                                     TrainBatches, eval_batches, make_buckets,
-                                     padding_fraction, stack_batches,
-                                     tokenize_split)
-from jaxformer.data.tokenizer import (BOS_ID, EOS_ID, PAD_ID, UNK_ID,
-                                      Tokenizer, load_or_train_tokenizer,
-                                      train_tokenizer)
+import numpy as np
 
-SPLITS = ("train", "validation", "test")
+from jaxformer.data.packing import PackedBatches, first_fit, pack_rows
+from jaxformer.data.pipeline import (DEFAULT_BUCKETS, TokenizedSplit, TrainBatches, eval_batches, make_buckets,
+                                     padding_fraction, shard_rows, stack_batches, tokenize_split)
+from jaxformer.data.prepare import PreparedPairs, PreparedText, prepare_pairs, prepare_text
+from jaxformer.data.sources import PAIRS, SOURCES, SPLITS, TEXT, DataError, make_source, source_key
+from jaxformer.data.tokenizer import (BOS_ID, EOS_ID, PAD_ID, UNK_ID, CharTokenizer, Tokenizer,
+                                      tokenizer_from_bytes, train_tokenizer)
+from jaxformer.data.vocab import make_tokenizer
+from jaxformer.data.windows import ArrayStream, WindowBatches, window_eval_batches
+
+HELD_OUT_PAIRS = 1000         # validation pairs taken from the end of train when no validation split is given
+HELD_OUT_TEXT_FRACTION = 0.1  # the same for text: this share of the train tokens
 
 
-def prepare_translation_data(
-    data_dir: str | os.PathLike, vocab_size: int = 8000, max_length: int = 64,
-    *, model_type: str = "unigram", source_lang: str = "en",
-    target_lang: str = "de", train_overlong: str = "drop",
-    tokenizer_dir: str | os.PathLike | None = None,
-) -> tuple[Tokenizer, dict[str, TokenizedSplit]]:
-  """Prepare Multi30k, train/load the shared tokenizer, tokenize all splits.
+def load_data(config, kind: str, reserved_ids: int = 0) -> tuple[Any, dict[str, Any]]:
+  """The tokenizer and prepared splits of the configured dataset.
 
   Args:
-    data_dir: TFDS data directory (ArrayRecord files are written here once).
-    vocab_size: shared En+De SentencePiece vocabulary size.
-    max_length: max tokens per side incl. EOS (last bucket).
-    model_type: ``"unigram"``, ``"bpe"`` or ``"char"``.
-    source_lang, target_lang: ``"en"``/``"de"`` (either direction).
-    train_overlong: ``"drop"`` or ``"truncate"`` for the train split; the
-      evaluation splits are always truncated so every sentence is kept.
-    tokenizer_dir: where the tokenizer model is cached; default
-      ``<data_dir>/tokenizers`` (file ``spm_<model_type>_<vocab_size>.model``).
-
+    config: the run's `Config`.
+    kind: `PAIRS` (sentence pairs) or `TEXT` (a token stream), as the task needs.
+    reserved_ids: ids the model keeps after the tokenizer's (the masked LM's [MASK]).
   Returns:
-    ``(tokenizer, {"train": TokenizedSplit, "validation": ..., "test": ...})``
-    where each split holds ``inputs``/``targets`` (lists of int32 id arrays
-    ending in EOS), ``source_texts``/``target_texts`` (raw strings, for
-    BLEU) and ``index`` (position in the raw split).
+    `(tokenizer, {"train": ..., "validation": ..., ["test": ...]})`: `PreparedPairs` or
+    `PreparedText` per split. Without a validation split, the end of train is held out
+    (`HELD_OUT_PAIRS` pairs, at most a tenth, or `HELD_OUT_TEXT_FRACTION` of the tokens).
+  Raises:
+    DataError, FileNotFoundError: bad data or settings (one line).
   """
-  langs = set(multi30k.LANGUAGES)
-  if source_lang not in langs or target_lang not in langs or (
-      source_lang == target_lang):
-    raise ValueError(f"source_lang={source_lang!r}, target_lang="
-                     f"{target_lang!r} is invalid; use 'en' and 'de'.")
-  data_dir = Path(data_dir).expanduser()
-  multi30k.prepare(data_dir)
-  records = {s: multi30k.load_split(data_dir, s).read_all() for s in SPLITS}
-  train = records["train"]
-  cache = (Path(tokenizer_dir).expanduser() if tokenizer_dir
-           else data_dir / "tokenizers")
-  tokenizer = load_or_train_tokenizer(
-      cache, lambda: [r["en"] for r in train] + [r["de"] for r in train],
-      vocab_size, model_type)
-  splits = {}
-  for split, recs in records.items():
-    splits[split] = tokenize_split(
-        tokenizer, [r[source_lang] for r in recs],
-        [r[target_lang] for r in recs], max_length,
-        overlong=train_overlong if split == "train" else "truncate")
+  data = config.data
+  source = make_source(data, kind)
+  root = Path(data.data_dir).expanduser()
+  tokenizer = make_tokenizer(data, source, config.model.vocab_size - reserved_ids, root, reserved_ids)
+  splits: dict[str, Any] = {}
+  for split in source.splits():
+    if kind == PAIRS:
+      overlong = data.overlong if split == "train" else "truncate"
+      splits[split] = prepare_pairs(source, split, tokenizer, root, data.max_length, overlong)
+    else:
+      splits[split] = prepare_text(source, split, tokenizer, root, append_eos=not isinstance(tokenizer, CharTokenizer))
+  if "validation" not in splits:
+    train = splits["train"]
+    n = len(train)
+    held = min(HELD_OUT_PAIRS, n // 10) if kind == PAIRS else int(n * HELD_OUT_TEXT_FRACTION)
+    if held < 1:
+      raise DataError(f"the train split has {n} {'pairs' if kind == PAIRS else 'tokens'}, too few to hold out "
+                      "a validation split; give data.validation_files")
+    splits["train"], splits["validation"] = train.subset(0, n - held), train.subset(n - held, n)
+    print(f"no validation split: holding out the last {held} {'pairs' if kind == PAIRS else 'tokens'} of train",
+          file=sys.stderr, flush=True)
   return tokenizer, splits
 
 
+def pair_batches(config, splits, process_index: int = 0, process_count: int = 1):
+  """(training batches with `.iterate(start_step)`, list of validation batches) of sentence
+  pairs for this process: packed rows (`data.packing`) or length buckets shuffled in runs
+  of `train.steps_per_call` similar-length batches."""
+  process = dict(process_index=process_index, process_count=process_count)
+  data, batch_size, seed = config.data, config.train.batch_size, config.runtime.seed
+  if data.packing:
+    train = PackedBatches(splits["train"], batch_size, data.max_length, seed=seed, **process)
+  else:
+    train = TrainBatches(splits["train"], batch_size, data.buckets, seed=seed, group=config.train.steps_per_call,
+                         **process)
+  return train, eval_batches(splits["validation"], batch_size, data.buckets, **process)
+
+
+def window_batches(config, splits, shift: bool, process_index: int = 0, process_count: int = 1):
+  """(training batches, validation batches) of token windows of `data.max_length` for this
+  process; `shift`: targets one token ahead (causal LM), else the inputs (masked LM)."""
+  kw = dict(shift=shift, packing=config.data.packing, process_index=process_index, process_count=process_count)
+  batch_size, context = config.train.batch_size, config.data.max_length
+  return (WindowBatches(splits["train"], batch_size, context, seed=config.runtime.seed, **kw),
+          window_eval_batches(splits["validation"], batch_size, context, **kw))
+
+
+def global_batch(local: dict[str, np.ndarray], mesh) -> dict[str, Any]:
+  """The global `[batch, length]` (or stacked `[steps, batch, length]`) arrays of every
+  batch key, assembled from each process's rows and sharded over the data axes."""
+  import jax  # noqa: PLC0415
+
+  from jaxformer import sharding as sh  # noqa: PLC0415
+  sharding = sh.batch_sharding(mesh, stacked=local["inputs"].ndim == 3)
+  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items() if k != "index"}
+
+
 __all__ = [
-    "BOS_ID", "DEFAULT_BUCKETS", "EOS_ID", "PAD_ID", "SPLITS", "UNK_ID",
-    "TokenizedSplit", "Tokenizer", "TrainBatches", "eval_batches",
-    "load_or_train_tokenizer", "make_buckets", "multi30k", "padding_fraction",
-    "prepare_translation_data", "stack_batches", "tokenize_split",
-    "train_tokenizer",
+    "BOS_ID", "DEFAULT_BUCKETS", "EOS_ID", "HELD_OUT_PAIRS", "PAD_ID", "PAIRS", "SOURCES", "SPLITS", "TEXT",
+    "UNK_ID", "ArrayStream", "CharTokenizer", "DataError", "PackedBatches", "PreparedPairs", "PreparedText",
+    "TokenizedSplit", "Tokenizer", "TrainBatches", "WindowBatches", "eval_batches", "first_fit", "global_batch",
+    "load_data", "make_buckets", "make_source", "make_tokenizer", "pack_rows", "padding_fraction", "pair_batches",
+    "prepare_pairs", "prepare_text", "shard_rows", "source_key", "stack_batches", "tokenize_split",
+    "tokenizer_from_bytes", "train_tokenizer", "window_batches",
 ]

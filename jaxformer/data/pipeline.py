@@ -65,6 +65,10 @@ class TokenizedSplit:
     return np.array([max(len(s), len(t)) for s, t in
                      zip(self.inputs, self.targets)], dtype=np.int32)
 
+  def fetch(self, ids) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(source id arrays, target id arrays) of example ``ids``."""
+    return [self.inputs[i] for i in ids], [self.targets[i] for i in ids]
+
 
 def tokenize_split(tokenizer: Tokenizer, source_texts: Sequence[str],
                    target_texts: Sequence[str], max_length: int,
@@ -110,8 +114,7 @@ def make_buckets(max_length: int,
   return tuple(b for b in base if b < max_length) + (int(max_length),)
 
 
-def _check_buckets(buckets: Sequence[int], data: TokenizedSplit
-                   ) -> tuple[int, ...]:
+def _check_buckets(buckets: Sequence[int], data) -> tuple[int, ...]:
   buckets = tuple(int(b) for b in buckets)
   if not buckets or any(b <= 0 for b in buckets) or list(buckets) != sorted(
       set(buckets)):
@@ -124,7 +127,7 @@ def _check_buckets(buckets: Sequence[int], data: TokenizedSplit
   return buckets
 
 
-def _shard_rows(batch_size: int, process_index: int,
+def shard_rows(batch_size: int, process_index: int,
                 process_count: int) -> slice:
   if process_count < 1 or not 0 <= process_index < process_count:
     raise ValueError(f"process_index={process_index} must be in "
@@ -136,35 +139,54 @@ def _shard_rows(batch_size: int, process_index: int,
   return slice(process_index * local, (process_index + 1) * local)
 
 
-def _bucket_length(data: TokenizedSplit, ids: np.ndarray,
-                   buckets: tuple[int, ...]) -> int:
-  """Smallest bucket >= the longest example among ``ids`` (``-1`` ignored)."""
-  longest = max((max(len(data.inputs[i]), len(data.targets[i]))
-                 for i in ids.tolist() if i >= 0), default=1)
+def _bucket_length(lengths: np.ndarray, ids: np.ndarray, buckets: tuple[int, ...]) -> int:
+  """Smallest bucket >= the longest of ``lengths[ids]`` (``-1`` ids ignored)."""
+  real = ids[ids >= 0]
+  longest = int(lengths[real].max()) if len(real) else 1
   return next(b for b in buckets if b >= longest)
 
 
-def _pack(data: TokenizedSplit, ids: np.ndarray,
-          length: int) -> dict[str, np.ndarray]:
+def _pack(data, ids: np.ndarray, length: int) -> dict[str, np.ndarray]:
   """Pad examples ``ids`` (``-1`` = filler row) into ``[len(ids), length]``."""
   inputs = np.full((len(ids), length), PAD_ID, dtype=np.int32)
   targets = np.full((len(ids), length), PAD_ID, dtype=np.int32)
-  for r, i in enumerate(ids.tolist()):
-    if i >= 0:
-      src, tgt = data.inputs[i], data.targets[i]
-      inputs[r, :len(src)] = src
-      targets[r, :len(tgt)] = tgt
+  rows = np.flatnonzero(ids >= 0)
+  sources, targets_ = data.fetch(ids[rows])
+  for r, src, tgt in zip(rows, sources, targets_):
+    inputs[r, :len(src)] = src
+    targets[r, :len(tgt)] = tgt
   return {"inputs": inputs, "targets": targets}
 
 
-class TrainBatches:
+class StepBatches:
+  """Base of the step-indexed training streams: ``self[step]`` is a batch; subclasses set
+  ``_prefetch`` and ``_num_threads`` (grain thread prefetch; 0 threads: none)."""
+
+  def dataset(self, start_step: int = 0,
+              num_steps: int | None = None) -> grain.MapDataset:
+    """A ``grain.MapDataset`` whose item ``i`` is batch ``start_step + i``."""
+    stop = start_step + num_steps if num_steps is not None else 2**62
+    return grain.MapDataset.range(start_step, stop).map(self.__getitem__)
+
+  def iterate(self, start_step: int = 0, num_steps: int | None = None
+              ) -> Iterator[dict[str, np.ndarray]]:
+    """Batches ``start_step, start_step + 1, ...`` with thread prefetch."""
+    ds = self.dataset(start_step, num_steps)
+    if self._num_threads <= 0:
+      return iter(ds)
+    return iter(ds.to_iter_dataset(grain.ReadOptions(
+        num_threads=self._num_threads,
+        prefetch_buffer_size=max(1, self._prefetch))))
+
+
+class TrainBatches(StepBatches):
   """Infinite, deterministic stream of training batches indexed by step.
 
   ``batches[step]`` is this process's rows of global batch ``step``:
   ``{"inputs": int32 [batch_size // process_count, L], "targets": same}``.
   """
 
-  def __init__(self, data: TokenizedSplit, batch_size: int,
+  def __init__(self, data, batch_size: int,
                buckets: Sequence[int] | None = None, *, seed: int = 0,
                process_index: int = 0, process_count: int = 1,
                chunk_batches: int = 64, group: int = 1, prefetch: int = 4,
@@ -177,7 +199,7 @@ class TrainBatches:
     if buckets is None:
       buckets = make_buckets(data.max_length)
     self._buckets = _check_buckets(buckets, data)
-    self._rows = _shard_rows(batch_size, process_index, process_count)
+    self._rows = shard_rows(batch_size, process_index, process_count)
     if len(data) < batch_size:
       raise ValueError(f"the training split has {len(data)} examples, fewer "
                        f"than batch_size={batch_size}; lower batch_size.")
@@ -242,23 +264,6 @@ class TrainBatches:
     length = self._buckets[np.searchsorted(self._buckets, longest)]
     return _pack(self._data, self._global_ids(step)[self._rows], length)
 
-  def dataset(self, start_step: int = 0,
-              num_steps: int | None = None) -> grain.MapDataset:
-    """A ``grain.MapDataset`` whose item ``i`` is batch ``start_step + i``."""
-    stop = start_step + num_steps if num_steps is not None else 2**62
-    return grain.MapDataset.range(start_step, stop).map(self.__getitem__)
-
-  def iterate(self, start_step: int = 0, num_steps: int | None = None
-              ) -> Iterator[dict[str, np.ndarray]]:
-    """Batches ``start_step, start_step + 1, ...`` with thread prefetch."""
-    ds = self.dataset(start_step, num_steps)
-    if self._num_threads <= 0:
-      return iter(ds)
-    return iter(ds.to_iter_dataset(grain.ReadOptions(
-        num_threads=self._num_threads,
-        prefetch_buffer_size=max(1, self._prefetch))))
-
-
 def _run_order(num_batches: int, group: int, first_step: int,
                rng: np.random.Generator) -> np.ndarray:
   """Order of an epoch's ``num_batches`` (length-sorted) batches, whose first
@@ -275,8 +280,8 @@ def _run_order(num_batches: int, group: int, first_step: int,
 
 def stack_batches(batches: Sequence[dict[str, np.ndarray]]
                   ) -> dict[str, np.ndarray]:
-  """``[n, rows, L]`` ``inputs`` and ``targets`` from ``n`` batches of
-  ``[rows, L]`` (one jitted call's steps).
+  """``[n, rows, L]`` arrays (every key: ``inputs``, ``targets``, segment
+  ids, ...) from ``n`` batches of ``[rows, L]`` (one jitted call's steps).
 
   Raises:
     ValueError: the batches differ in shape (a call spans two runs of a
@@ -286,11 +291,10 @@ def stack_batches(batches: Sequence[dict[str, np.ndarray]]
   if len(shapes) != 1:
     raise ValueError(f"cannot stack batches of shapes {sorted(shapes)}; end "
                      "each call within one run of train.steps_per_call steps.")
-  return {key: np.stack([b[key] for b in batches])
-          for key in ("inputs", "targets")}
+  return {key: np.stack([b[key] for b in batches]) for key in batches[0]}
 
 
-def eval_batches(data: TokenizedSplit, batch_size: int,
+def eval_batches(data, batch_size: int,
                  buckets: Sequence[int] | None = None, *,
                  sort_by_length: bool = True, process_index: int = 0,
                  process_count: int = 1) -> list[dict[str, np.ndarray]]:
@@ -307,10 +311,11 @@ def eval_batches(data: TokenizedSplit, batch_size: int,
   if buckets is None:
     buckets = make_buckets(data.max_length)
   buckets = _check_buckets(buckets, data)
-  rows = _shard_rows(batch_size, process_index, process_count)
+  rows = shard_rows(batch_size, process_index, process_count)
   order = np.arange(len(data))
+  lengths = data.lengths
   if sort_by_length:
-    order = order[np.argsort(data.lengths, kind="stable")]
+    order = order[np.argsort(lengths, kind="stable")]
   out = []
   for start in range(0, len(order), batch_size):
     ids = np.full(batch_size, -1, dtype=np.int64)
@@ -318,7 +323,7 @@ def eval_batches(data: TokenizedSplit, batch_size: int,
     ids[:len(chunk)] = chunk
     local = ids[rows]
     # The bucket comes from the global batch so all processes agree on L.
-    batch = _pack(data, local, _bucket_length(data, ids, buckets))
+    batch = _pack(data, local, _bucket_length(lengths, ids, buckets))
     batch["index"] = local.astype(np.int32)
     out.append(batch)
   return out

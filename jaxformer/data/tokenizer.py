@@ -10,10 +10,11 @@ vocabularies of at least 1024 pieces).
 from __future__ import annotations
 
 import io
+import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import sentencepiece as spm
@@ -57,7 +58,7 @@ class Tokenizer:
     if not path.is_file() or path.stat().st_size == 0:
       raise FileNotFoundError(
           f"tokenizer file {path} is missing or empty; train one with "
-          "train_tokenizer() or load_or_train_tokenizer().")
+          "train_tokenizer() or set data.tokenizer_model.")
     return cls.from_bytes(path.read_bytes())
 
   def save(self, path: str | os.PathLike) -> None:
@@ -169,40 +170,58 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int,
   return Tokenizer.from_bytes(model.getvalue())
 
 
-def cache_file(cache_path: str | os.PathLike, vocab_size: int,
-               model_type: str) -> Path:
-  """Model file used by :func:`load_or_train_tokenizer`.
+class CharTokenizer:
+  """Character vocabulary: `PAD_ID=0`, then one id per character in sorted order.
 
-  ``cache_path`` is a folder (file ``spm_<model_type>_<vocab_size>.model``
-  inside it) or a ``*.model`` name whose stem gets ``_<model_type>_<vocab>``.
+  Same interface as the SentencePiece `Tokenizer` (encode, decode, vocab_size,
+  serialized), so workdirs store either one as their tokenizer file.
   """
-  cache_path = Path(cache_path).expanduser()
-  key = f"{model_type}_{vocab_size}"
-  if cache_path.suffix == ".model":
-    return cache_path.with_name(f"{cache_path.stem}_{key}.model")
-  return cache_path / f"spm_{key}.model"
+
+  def __init__(self, chars: str):
+    if len(set(chars)) != len(chars) or not chars:
+      raise ValueError("CharTokenizer needs a non-empty string of distinct characters")
+    self.chars = chars
+    self._ids = {c: i + 1 for i, c in enumerate(chars)}
+    self._table = np.array([""] + list(chars), dtype=object)
+
+  @classmethod
+  def from_text(cls, text: str) -> "CharTokenizer":
+    return cls("".join(sorted(set(text))))
+
+  @classmethod
+  def from_bytes(cls, serialized: bytes) -> "CharTokenizer":
+    try:
+      return cls(json.loads(serialized.decode("utf-8"))["chars"])
+    except (ValueError, KeyError, TypeError) as e:
+      raise ValueError(f"invalid character tokenizer file ({e}); retrain in a new workdir") from None
+
+  @property
+  def serialized(self) -> bytes:
+    return json.dumps({"type": "char", "chars": self.chars}).encode("utf-8")
+
+  @property
+  def vocab_size(self) -> int:
+    """Characters + PAD."""
+    return len(self.chars) + 1
+
+  def encode(self, text: str) -> list[int]:
+    """Ids of `text`. Raises ValueError naming the first unknown character."""
+    try:
+      return [self._ids[c] for c in text]
+    except KeyError as e:
+      raise ValueError(f"character {e.args[0]!r} is not in the vocabulary of {len(self.chars)} characters") from None
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    """:meth:`encode` of each text."""
+    return [self.encode(t) for t in texts]
+
+  def decode(self, ids) -> str:
+    """Text of `ids` (PAD and out-of-range ids are skipped)."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    ids = ids[(ids > 0) & (ids < self.vocab_size)]
+    return "".join(self._table[ids].tolist())
 
 
-def load_or_train_tokenizer(cache_path: str | os.PathLike,
-                            texts_fn: Callable[[], Iterable[str]],
-                            vocab_size: int = 8000,
-                            model_type: str = "unigram",
-                            **train_kwargs) -> Tokenizer:
-  """Load the cached tokenizer for (vocab_size, model_type) or train and save.
-
-  Args:
-    cache_path: folder or ``*.model`` name, see :func:`cache_file`.
-    texts_fn: called (only when training) to get the training texts.
-    vocab_size, model_type, train_kwargs: passed to :func:`train_tokenizer`.
-
-  Returns:
-    The :class:`Tokenizer`. The cache is not keyed on the training texts:
-    delete the file to retrain on different data.
-  """
-  path = cache_file(cache_path, vocab_size, model_type)
-  if path.is_file() and path.stat().st_size > 0:
-    return Tokenizer.load(path)
-  tokenizer = train_tokenizer(texts_fn(), vocab_size, model_type,
-                              **train_kwargs)
-  tokenizer.save(path)
-  return tokenizer
+def tokenizer_from_bytes(serialized: bytes):
+  """A workdir's tokenizer file: a `CharTokenizer` (JSON) or a SentencePiece model."""
+  return CharTokenizer.from_bytes(serialized) if serialized.startswith(b'{"type": "char"') else Tokenizer.from_bytes(serialized)

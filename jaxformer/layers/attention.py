@@ -63,9 +63,17 @@ class MultiHeadAttention(nn.Module):
   Call with `x` `[batch, q_len, d_model]`, `kv` `[batch, kv_len, d_model]` (None for
   self-attention) and bool padding validity `q_valid` `[batch, q_len]` / `kv_valid`
   `[batch, kv_len]` (None = all valid; self-attention uses `q_valid` for its keys too);
-  returns `[batch, q_len, d_model]`. Positions are token indices 0..q_len-1, or the cache
-  slots when decoding. `causal`, `sliding_window` and `position` (rope | alibi; any other
-  value adds nothing here) act in self-attention only: cross-attention has no position bias.
+  returns `[batch, q_len, d_model]`. `causal`, `sliding_window` and `position` (rope |
+  alibi; any other value adds nothing here) act in self-attention only: cross-attention
+  has no position bias.
+
+  Packed rows (several examples in one row) pass int `q_segment_ids` `[batch, q_len]` and,
+  for cross-attention, `kv_segment_ids` `[batch, kv_len]`: 1, 2, ... for the examples of
+  a row, 0 on padding; a query attends only to keys with its own segment id
+  (self-attention uses `q_segment_ids` for its keys too). Self-attention `positions`,
+  int `[batch, q_len]` (restarting at 0 in each segment), drive RoPE, ALiBi and the
+  causal / sliding-window masks; None = token indices 0..q_len-1. When decoding the
+  positions are the cache slots and neither argument may be given.
 
   With `decode=True` the module keeps a cache collection:
     * self-attention: `cached_key`/`cached_value` `[batch, max_length, num_kv_heads, head_dim]`
@@ -77,7 +85,7 @@ class MultiHeadAttention(nn.Module):
 
   Raises:
     ValueError: blockwise attention with dropout; decode without `max_length`; a
-      cross-attention decode step before the prefill.
+      cross-attention decode step before the prefill; decode with segment ids or positions.
   """
   num_heads: int
   head_dim: int
@@ -98,7 +106,11 @@ class MultiHeadAttention(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, kv: jax.Array | None, q_valid: jax.Array | None = None,
-               kv_valid: jax.Array | None = None, *, deterministic: bool, decode: bool = False) -> jax.Array:
+               kv_valid: jax.Array | None = None, *, deterministic: bool, decode: bool = False,
+               q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
+               positions: jax.Array | None = None) -> jax.Array:
+    if decode and (q_segment_ids is not None or kv_segment_ids is not None or positions is not None):
+      raise ValueError("attention with decode=True takes no segment ids or positions: it uses the cache slots")
     d_model = x.shape[-1]
     n, kh, h = self.num_heads, self.num_kv_heads or self.num_heads, self.head_dim
     in_axes = (sh.EMBED, sh.HEADS, sh.KV)
@@ -120,7 +132,9 @@ class MultiHeadAttention(nn.Module):
       causal, window = self.causal, self.sliding_window
       rope, alibi = self.position == "rope", self.position == "alibi"
       k, v = _project(x, wk), _project(x, wv)  # [B, S, K, H]
-      kv_valid, kv_pos = q_valid, q_pos
+      if positions is not None:
+        q_pos = positions                                             # [B, T]
+      kv_valid, kv_pos, kv_segment_ids = q_valid, q_pos, q_segment_ids
       if decode:
         index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
         q_pos = kv_pos = q_pos + index.value
@@ -137,12 +151,13 @@ class MultiHeadAttention(nn.Module):
         raise ValueError("blockwise attention has no attention dropout; use dropout_rate=0 or dense attention")
       out = blockwise_attention(q, k, v, q_positions=q_pos, kv_positions=kv_pos, q_valid=q_valid,
                                 kv_valid=kv_valid, causal=causal, sliding_window=window,
-                                alibi_slopes=slopes, softcap=self.softcap, block_size=self.block_size)
+                                alibi_slopes=slopes, softcap=self.softcap, block_size=self.block_size,
+                                q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     else:
       dropout_rng = None
       if not deterministic and self.dropout_rate > 0.0:
         dropout_rng = self.make_rng("dropout")
-      mask = attention_mask(q_pos, kv_pos, q_valid, kv_valid, causal, window)
+      mask = attention_mask(q_pos, kv_pos, q_valid, kv_valid, causal, window, q_segment_ids, kv_segment_ids)
       bias = alibi_bias(slopes, q_pos, kv_pos) if alibi else None
       out = dot_product_attention(q, k, v, mask, dropout_rng, self.dropout_rate, bias=bias, softcap=self.softcap)
     out = checkpoint_name(out, remat.ATTENTION_OUT)

@@ -6,9 +6,10 @@ max `m` and sum `l`, Milakov & Gimelshein 2018; Rabe & Staats 2021; Dao et al. 2
 and grow linearly with the sequence length. The backward pass (a custom VJP) keeps only
 q, k, v, the output and the per-row max and sum, and recomputes each block's scores.
 
-Masks are given as padding validity plus causal / sliding-window flags on positions and
-built per block; the result equals `attention.dot_product_attention` with the same mask
-(fully masked rows included: they average all values).
+Masks are given as padding validity, optional segment ids (packed examples) and causal /
+sliding-window flags on positions, and built per block; the result equals
+`attention.dot_product_attention` with the same mask (fully masked rows included: they
+average all values).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions
                         kv_positions: jax.Array, q_valid: jax.Array | None = None,
                         kv_valid: jax.Array | None = None, causal: bool = False, sliding_window: int = 0,
                         alibi_slopes: jax.Array | None = None, softcap: float = 0.0,
-                        block_size: int = 128) -> jax.Array:
+                        block_size: int = 128, q_segment_ids: jax.Array | None = None,
+                        kv_segment_ids: jax.Array | None = None) -> jax.Array:
   """Exact softmax attention over key/value blocks, with a memory-linear gradient.
 
   Args:
@@ -46,8 +48,12 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions
     causal, sliding_window, alibi_slopes, softcap: as in `scores.attention_mask`,
       `positions.alibi_bias` and `scores.attention_scores`.
     block_size: keys per block; S is padded up to a multiple (padded keys get weight 0).
+    q_segment_ids, kv_segment_ids: int `[batch, T]` / `[batch, S]` packed-example ids, both
+      or neither, as in `scores.attention_mask`.
   Returns:
     `[batch, T, num_heads, head_dim]` in q's dtype.
+  Raises:
+    ValueError: only one of the segment ids given.
   """
   batch, length = q.shape[0], q.shape[1]
   kv_len = k.shape[1]
@@ -56,32 +62,36 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions
   slopes = jnp.zeros((q.shape[2],), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
   block = min(block_size, kv_len)
   pad = -kv_len % block
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("blockwise_attention needs both q_segment_ids and kv_segment_ids, or neither")
 
   def blocks(x):  # [B', S, ...] -> [S_pad / block, B', block, ...], padded at the end
     x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
     return jnp.moveaxis(x.reshape(x.shape[0], -1, block, *x.shape[2:]), 1, 0)
 
   in_range = blocks(jnp.ones((1, kv_len), bool))                              # [nb, 1, block]
-  kv_blocks = (blocks(k), blocks(v), blocks(kv_positions), blocks(kv_valid), in_range)
+  kv_seg = None if kv_segment_ids is None else blocks(kv_segment_ids)         # [nb, B, block] or None
+  kv_blocks = (blocks(k), blocks(v), blocks(kv_positions), blocks(kv_valid), in_range, kv_seg)
   spec = _Spec(causal, sliding_window, float(softcap), block, alibi_slopes is not None)
-  return _flash(spec, q, kv_blocks, q_positions, q_valid, slopes)
+  return _flash(spec, q, kv_blocks, q_positions, q_valid, q_segment_ids, slopes)
 
 
-def _block_scores(spec: _Spec, q, k_blk, kpos_blk, kvalid_blk, in_range, q_pos, q_valid, slopes):
+def _block_scores(spec: _Spec, q, k_blk, kpos_blk, kvalid_blk, in_range, kseg_blk, q_pos, q_valid, q_seg,
+                  slopes):
   """Masked scores float32 `[B, N, T, block]` of one key block; out-of-range keys get -inf."""
-  mask = attention_mask(q_pos, kpos_blk, q_valid, kvalid_blk, spec.causal, spec.sliding_window)
+  mask = attention_mask(q_pos, kpos_blk, q_valid, kvalid_blk, spec.causal, spec.sliding_window, q_seg, kseg_blk)
   bias = alibi_bias(slopes, q_pos, kpos_blk) if spec.alibi else None
   scores = attention_scores(q, k_blk, bias, mask, spec.softcap)
   return jnp.where(in_range[:, None, None, :], scores, -jnp.inf)
 
 
-def _forward(spec: _Spec, q, kv_blocks, q_pos, q_valid, slopes):
+def _forward(spec: _Spec, q, kv_blocks, q_pos, q_valid, q_seg, slopes):
   batch, length, heads, head_dim = q.shape
 
   def step(carry, blk):
     m, l, acc = carry                                    # [B, N, T], [B, N, T], [B, T, N, H]
-    k_blk, v_blk, kpos, kvalid, in_range = blk
-    s = _block_scores(spec, q, k_blk, kpos, kvalid, in_range, q_pos, q_valid, slopes)
+    k_blk, v_blk, kpos, kvalid, in_range, kseg = blk
+    s = _block_scores(spec, q, k_blk, kpos, kvalid, in_range, kseg, q_pos, q_valid, q_seg, slopes)
     m_new = jnp.maximum(m, s.max(axis=-1))
     correction = jnp.exp(m - m_new)                      # 0 at the first block (m = -inf)
     p = jnp.exp(s - m_new[..., None])                    # [B, N, T, block]
@@ -101,26 +111,27 @@ def _forward(spec: _Spec, q, kv_blocks, q_pos, q_valid, slopes):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(spec, q, kv_blocks, q_pos, q_valid, slopes):
-  return _forward(spec, q, kv_blocks, q_pos, q_valid, slopes)[0]
+def _flash(spec, q, kv_blocks, q_pos, q_valid, q_seg, slopes):
+  return _forward(spec, q, kv_blocks, q_pos, q_valid, q_seg, slopes)[0]
 
 
-def _flash_fwd(spec, q, kv_blocks, q_pos, q_valid, slopes):
-  out, (m, l) = _forward(spec, q, kv_blocks, q_pos, q_valid, slopes)
-  return out, (q, kv_blocks, q_pos, q_valid, slopes, out, m, l)
+def _flash_fwd(spec, q, kv_blocks, q_pos, q_valid, q_seg, slopes):
+  out, (m, l) = _forward(spec, q, kv_blocks, q_pos, q_valid, q_seg, slopes)
+  return out, (q, kv_blocks, q_pos, q_valid, q_seg, slopes, out, m, l)
 
 
 def _flash_bwd(spec, residuals, d_out):
   """Recomputes each block's probabilities p = exp(s - m) / l; dS = p * (dP - rowsum(dO * O))."""
-  q, kv_blocks, q_pos, q_valid, slopes, out, m, l = residuals
+  q, kv_blocks, q_pos, q_valid, q_seg, slopes, out, m, l = residuals
   heads = q.shape[2]
   d_out = d_out.astype(jnp.float32)
   delta = jnp.einsum("btnh,btnh->bnt", d_out, out.astype(jnp.float32))     # [B, N, T]
 
   def step(dq, blk):
-    k_blk, v_blk, kpos, kvalid, in_range = blk
+    k_blk, v_blk, kpos, kvalid, in_range, kseg = blk
     s, scores_vjp = jax.vjp(
-        lambda q_, k_: _block_scores(spec, q_, k_, kpos, kvalid, in_range, q_pos, q_valid, slopes), q, k_blk)
+        lambda q_, k_: _block_scores(spec, q_, k_, kpos, kvalid, in_range, kseg, q_pos, q_valid, q_seg, slopes),
+        q, k_blk)
     p = jnp.exp(s - m[..., None]) / l[..., None]                            # [B, N, T, block]
     v_rep = repeat_kv(v_blk, heads)
     dv = jnp.einsum("bnts,btnh->bsnh", p, d_out)                            # [B, block, N, H]
@@ -130,8 +141,8 @@ def _flash_bwd(spec, residuals, d_out):
     return dq + dq_blk.astype(jnp.float32), (dk, dv.astype(v_blk.dtype))
 
   dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q.shape, jnp.float32), kv_blocks)
-  zeros = [None] * 3
-  return dq.astype(q.dtype), (dk, dv, *zeros), None, None, None
+  zeros = [None] * 4  # positions, validity, in_range, segment ids: integer / bool inputs
+  return dq.astype(q.dtype), (dk, dv, *zeros), None, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -14,8 +14,10 @@ NEG = -1e9  # fits float32/bfloat16; scores are float32 when masked
 
 
 def attention_mask(q_positions: jax.Array, kv_positions: jax.Array, q_valid: jax.Array | None,
-                   kv_valid: jax.Array | None, causal: bool, sliding_window: int) -> jax.Array | None:
-  """Padding, causal and sliding-window mask, bool `[batch, 1, T, S]`, or None if unmasked.
+                   kv_valid: jax.Array | None, causal: bool, sliding_window: int,
+                   q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None
+                   ) -> jax.Array | None:
+  """Padding, segment, causal and sliding-window mask, bool `[batch, 1, T, S]`, or None if unmasked.
 
   Args:
     q_positions: int `[batch, T]`; kv_positions: int `[batch, S]` (batch may be 1).
@@ -23,6 +25,11 @@ def attention_mask(q_positions: jax.Array, kv_positions: jax.Array, q_valid: jax
     causal: a query sees keys at positions <= its own.
     sliding_window: w > 0 limits each query to keys less than w positions away (with
       `causal`, the w most recent tokens including itself); 0 = no limit.
+    q_segment_ids, kv_segment_ids: int `[batch, T]` / `[batch, S]` packed-example ids (1, 2,
+      ... per example of a row, 0 on padding), both or neither: a query sees only keys of
+      its own segment. None = one example per row.
+  Raises:
+    ValueError: only one of the segment ids given.
   """
   mask = None
 
@@ -32,6 +39,10 @@ def attention_mask(q_positions: jax.Array, kv_positions: jax.Array, q_valid: jax
     mask = q_valid[:, None, :, None]
   if kv_valid is not None:
     mask = conj(mask, kv_valid[:, None, None, :])
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("attention_mask needs both q_segment_ids and kv_segment_ids, or neither")
+  if q_segment_ids is not None:
+    mask = conj(mask, q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
   if causal or sliding_window:
     offset = q_positions[:, None, :, None] - kv_positions[:, None, None, :]  # [B, 1, T, S]
     if causal:

@@ -7,6 +7,12 @@ masking and the sliding window act in the decoder's self-attention only.
 
 With `config.scan_layers` a block is the body of `nn.scan` and returns `(output, None)`
 (the scan carry and no per-layer output) instead of the output alone.
+
+Packed rows (several examples per row) pass segment ids, int `[batch, length]` (1, 2, ...
+per example, 0 on padding: attention stays inside a segment), and per-segment positions
+for self-attention, int `[batch, length]` (RoPE / ALiBi / causal and window masks). They
+are positional arguments after `decode` (None = unpacked), so `nn.remat`'s static argnums
+and `nn.scan`'s broadcast arguments treat them like the masks.
 """
 
 from __future__ import annotations
@@ -63,7 +69,8 @@ def _block_output(config: ModelConfig, x: jax.Array):
 
 class EncoderBlock(nn.Module):
   """Self-attention + FFN. `[batch, length, d_model]` -> same; `valid` bool `[batch, length]`
-  marks real (non-padding) tokens, or None.
+  marks real (non-padding) tokens, or None; `segment_ids` and `positions` int
+  `[batch, length]` describe packed rows, or None.
 
   With `causal=True` this is also the decoder-only (GPT) block: causal self-attention with
   the sliding window, and `decode=True` uses its KV cache (`model.max_length` slots).
@@ -73,13 +80,14 @@ class EncoderBlock(nn.Module):
   STATIC_ARGNUMS = (3, 4)  # `deterministic`, `decode` (self is 0), for nn.remat
 
   @nn.compact
-  def __call__(self, x: jax.Array, valid: jax.Array | None, deterministic: bool,
-               decode: bool = False) -> jax.Array:
+  def __call__(self, x: jax.Array, valid: jax.Array | None, deterministic: bool, decode: bool = False,
+               segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
     attn = _attention(self.config, "self_attention", max_length=self.config.max_length if self.causal else 0,
                       causal=self.causal)
     ffn = _ffn(self.config)
     x = Residual(self.config, name="attention_sublayer")(
-        x, lambda h: attn(h, None, valid, deterministic=deterministic, decode=decode), deterministic)
+        x, lambda h: attn(h, None, valid, deterministic=deterministic, decode=decode,
+                          q_segment_ids=segment_ids, positions=positions), deterministic)
     x = Residual(self.config, name="ffn_sublayer")(x, ffn, deterministic)
     return _block_output(self.config, x)
 
@@ -90,20 +98,26 @@ class DecoderBlock(nn.Module):
   `y` `[batch, tgt_len, d_model]`; `encoded` `[batch, src_len, d_model]` (None at decode
   steps after prefill); `tgt_valid` bool `[batch, tgt_len]` and `src_valid` bool
   `[batch, src_len]` mark real tokens (None = all). Self-attention is causal.
+  Packed rows: `tgt_segment_ids` int `[batch, tgt_len]` and `src_segment_ids` int
+  `[batch, src_len]` (target segment k attends to source segment k only) and the targets'
+  per-segment `positions` int `[batch, tgt_len]`; None = unpacked.
   """
   config: ModelConfig
   STATIC_ARGNUMS = (5, 6)  # `deterministic`, `decode` (self is 0), for nn.remat
 
   @nn.compact
-  def __call__(self, y, encoded, tgt_valid, src_valid, deterministic: bool, decode: bool = False):
+  def __call__(self, y, encoded, tgt_valid, src_valid, deterministic: bool, decode: bool = False,
+               tgt_segment_ids=None, src_segment_ids=None, positions=None):
     cfg = self.config
     self_attn = _attention(cfg, "self_attention", max_length=cfg.max_length, causal=True)
     cross_attn = _attention(cfg, "cross_attention", is_cross=True)
     ffn = _ffn(cfg)
     y = Residual(cfg, name="self_attention_sublayer")(
-        y, lambda h: self_attn(h, None, tgt_valid, deterministic=deterministic, decode=decode), deterministic)
+        y, lambda h: self_attn(h, None, tgt_valid, deterministic=deterministic, decode=decode,
+                               q_segment_ids=tgt_segment_ids, positions=positions), deterministic)
     y = Residual(cfg, name="cross_attention_sublayer")(
-        y, lambda h: cross_attn(h, encoded, tgt_valid, src_valid, deterministic=deterministic, decode=decode),
+        y, lambda h: cross_attn(h, encoded, tgt_valid, src_valid, deterministic=deterministic, decode=decode,
+                                q_segment_ids=tgt_segment_ids, kv_segment_ids=src_segment_ids),
         deterministic)
     y = Residual(cfg, name="ffn_sublayer")(y, ffn, deterministic)
     return _block_output(cfg, y)

@@ -5,7 +5,8 @@ The block is the paper's encoder block (section 3.1) with causal self-attention,
 option of the encoder-decoder (positions, norm and its placement, FFN, grouped-query
 attention, soft-cap, sliding window, blockwise attention, remat, scan_layers, tied
 embeddings) applies unchanged. Token id 0 is padding: padded keys are masked and padded
-positions get zero loss weight.
+positions get zero loss weight. Packed rows (several examples per row) pass segment ids and
+per-segment positions, as in `models.transformer`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from jaxformer.layers.embedding import Embed
 from jaxformer.layers.norm import make_norm
 from jaxformer.layers.positions import LearnedPositions
 from jaxformer.models.blocks import BLOCK_AXES, EncoderBlock
-from jaxformer.models.transformer import (PAD_ID, default_positions, embed_tokens, layer_stack, output_logits,
+from jaxformer.models.transformer import (PAD_ID, embed_tokens, layer_stack, output_logits, resolve_positions,
                                           run_stack, untied_output_proj)
 
 
@@ -50,10 +51,15 @@ class SelfAttentionStack(nn.Module):
       self.final_norm = make_norm(cfg.norm, dtype)
     self.dropout = Dropout(cfg.dropout_rate)
 
-  def _logits(self, tokens, valid, positions, deterministic: bool, decode: bool) -> jax.Array:
+  def _logits(self, tokens, valid, positions, segment_ids, deterministic: bool, decode: bool) -> jax.Array:
+    """Logits for int `[batch, length]` tokens; `positions` and `segment_ids` as in `__call__`."""
+    if decode and segment_ids is not None:
+      raise ValueError("packed rows (segment_ids) cannot be decoded with the KV cache (decode=True)")
+    positions, attn_positions = resolve_positions(tokens, positions, segment_ids)
     x = embed_tokens(self.config, self.embed, tokens, positions, getattr(self, "positions", None))
     x = sh.constrain(self.dropout(x, deterministic=deterministic), BLOCK_AXES)
-    x = run_stack(self.stack, x, valid, deterministic, decode)
+    attn_positions = None if decode else attn_positions  # decoding: the cache slots
+    x = run_stack(self.stack, x, valid, deterministic, decode, segment_ids, attn_positions)
     if self.config.pre_norm:
       x = self.final_norm(x)
     return output_logits(self.config, self.embed, getattr(self, "output_proj", None), x)
@@ -65,24 +71,27 @@ class DecoderOnly(SelfAttentionStack):
   CAUSAL: ClassVar[bool] = True
 
   def __call__(self, inputs: jax.Array, targets: jax.Array | None = None, *,
-               positions: jax.Array | None = None, deterministic: bool = True,
-               decode: bool = False) -> jax.Array:
+               positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+               deterministic: bool = True, decode: bool = False) -> jax.Array:
     """Next-token logits.
 
     Args:
       inputs: int `[batch, length]` token ids, PAD (0) padded at the end.
       targets: ignored; accepted so the model has the `(inputs, targets)` call form the
         training state's initialisation uses (the targets are the inputs shifted by one).
-      positions: int `[batch, length]` absolute positions; defaults to 0..length-1.
-        Cached decoding passes the index of each fed token.
+      positions: int `[batch, length]` positions, restarting at 0 in each segment when
+        packed; None = derived from `segment_ids`, or 0..length-1. Cached decoding passes
+        the index of each fed token (attention then uses the cache slot, which equals it).
+      segment_ids: int `[batch, length]` packed-example ids (1, 2, ... per example of a
+        row, 0 on padding): attention stays inside a segment. None = one example per row.
       decode: use and update the self-attention KV cache (`model.max_length` slots):
         a prefill feeds the prompt, each later call one token. No padding mask is
-        applied then, so cached rows must not contain PAD.
+        applied then, so cached rows must not contain PAD; no segment ids.
     Returns:
       float32 `[batch, length, vocab_size]`.
+    Raises:
+      ValueError: `segment_ids` with `decode=True`.
     """
     del targets
-    if positions is None:
-      positions = default_positions(inputs)
     valid = None if decode else inputs != PAD_ID
-    return self._logits(inputs, valid, positions, deterministic, decode)
+    return self._logits(inputs, valid, positions, segment_ids, deterministic, decode)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 
 from jaxformer.models.decoder_only import SelfAttentionStack
-from jaxformer.models.transformer import PAD_ID, default_positions
+from jaxformer.models.transformer import PAD_ID
 
 
 class EncoderOnly(SelfAttentionStack):
@@ -16,11 +16,20 @@ class EncoderOnly(SelfAttentionStack):
   padding does not change the logits of real positions."""
 
   def __call__(self, inputs: jax.Array, targets: jax.Array | None = None, *,
+               positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
                deterministic: bool = True) -> jax.Array:
     """Logits for every position of `inputs` (ids with [MASK] substitutions already made).
 
-    `targets` is ignored; it is accepted so the model has the `(inputs, targets)` call
-    form the training state's initialisation uses.
+    Args:
+      inputs: int `[batch, length]` ids, PAD (0) padded.
+      targets: ignored; accepted so the model has the `(inputs, targets)` call form the
+        training state's initialisation uses.
+      positions: int `[batch, length]` positions, restarting at 0 in each segment when
+        packed; None = derived from `segment_ids`, or 0..length-1.
+      segment_ids: int `[batch, length]` packed-example ids (1, 2, ... per example of a
+        row, 0 on padding): attention stays inside a segment. None = one example per row.
+    Returns:
+      float32 `[batch, length, vocab_size]`.
     """
     del targets
-    return self._logits(inputs, inputs != PAD_ID, default_positions(inputs), deterministic, False)
+    return self._logits(inputs, inputs != PAD_ID, positions, segment_ids, deterministic, False)

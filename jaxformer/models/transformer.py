@@ -2,6 +2,11 @@
 
 Token id 0 is padding everywhere; padding masks are derived from the ids.
 
+Packed batches put several examples in one row: segment ids, int `[batch, length]`, number
+the examples of a row 1, 2, 3, ... (0 on padding) and positions, int `[batch, length]`,
+restart at 0 in each example. Attention never crosses segments (target segment k attends
+to source segment k), so each example's logits equal those of the example alone.
+
 Layer stacks are either unrolled (params `encoder_0`, `encoder_1`, ...) or, with
 `model.scan_layers`, one `nn.scan` per stack (params `encoder`, `decoder`, each leaf with
 a leading `[num_layers]` axis named `layers`, and likewise the decoder's `cache`).
@@ -29,18 +34,49 @@ PAD_ID = 0
 BOS_ID = 2
 
 
-def shift_right(targets: jax.Array, bos_id: int = BOS_ID) -> jax.Array:
+def segment_starts(segment_ids: jax.Array) -> jax.Array:
+  """bool `[batch, length]`: True where a segment begins (position 0, or the segment id
+  differs from the previous position's) for int `[batch, length]` segment ids."""
+  previous = jnp.pad(segment_ids, ((0, 0), (1, 0)), constant_values=-1)[:, :-1]
+  return segment_ids != previous
+
+
+def shift_right(targets: jax.Array, bos_id: int = BOS_ID, segment_ids: jax.Array | None = None) -> jax.Array:
   """Decoder inputs from targets: `[BOS, y1, ..., y_{T-1}]` (int `[batch, length]`).
 
-  Padding stays padding, so the decoder's padding mask equals the target's.
+  Padding stays padding, so the decoder's padding mask equals the target's. With int
+  `segment_ids` `[batch, length]` (packed rows) every segment is shifted on its own: its
+  first token becomes BOS and no token of one segment moves into the next.
   """
   shifted = jnp.pad(targets, ((0, 0), (1, 0)), constant_values=bos_id)[:, :-1]
+  if segment_ids is not None:
+    shifted = jnp.where(segment_starts(segment_ids), bos_id, shifted)
   return jnp.where(targets == PAD_ID, PAD_ID, shifted)
 
 
 def default_positions(tokens: jax.Array) -> jax.Array:
   """int32 `[batch, length]` positions 0..length-1."""
   return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+  """int32 `[batch, length]` positions restarting at 0 at every segment start (see
+  `segment_starts`) of int `[batch, length]` segment ids."""
+  index = default_positions(segment_ids)
+  start = jax.lax.cummax(jnp.where(segment_starts(segment_ids), index, 0), axis=1)
+  return index - start
+
+
+def resolve_positions(tokens: jax.Array, positions: jax.Array | None,
+                      segment_ids: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+  """Positions for the embeddings, int `[batch, length]`, and for self-attention (RoPE,
+  ALiBi, causal / window masks): the given `positions`; else, for packed rows, the
+  per-segment positions; else 0..length-1 and None (attention uses the token index)."""
+  if positions is None and segment_ids is not None:
+    positions = segment_positions(segment_ids)
+  if positions is None:
+    return default_positions(tokens), None
+  return positions, positions
 
 
 def layer_stack(block: type[nn.Module], config: ModelConfig, num_layers: int, name: str, **block_fields):
@@ -125,6 +161,7 @@ class EncoderDecoder(nn.Module):
     encode(inputs) -> `[batch, src_len, d_model]` from int `[batch, src_len]` source ids.
     decode(encoded, inputs, decoder_inputs, ...) -> float32 logits `[batch, tgt_len, vocab_size]`.
     __call__(inputs, targets) -> logits for teacher forcing (targets shifted right with BOS).
+  Each takes optional segment ids and per-segment positions for packed rows (module docstring).
   """
   config: ModelConfig
 
@@ -151,17 +188,26 @@ class EncoderDecoder(nn.Module):
     x = embed_tokens(self.config, embed, tokens, positions, learned)
     return sh.constrain(self.dropout(x, deterministic=deterministic), BLOCK_AXES)
 
-  def encode(self, inputs: jax.Array, *, deterministic: bool = True) -> jax.Array:
-    """Encoder stack over int `[batch, src_len]` ids -> `[batch, src_len, d_model]`."""
+  def encode(self, inputs: jax.Array, *, segment_ids: jax.Array | None = None,
+             positions: jax.Array | None = None, deterministic: bool = True) -> jax.Array:
+    """Encoder stack over int `[batch, src_len]` ids -> `[batch, src_len, d_model]`.
+
+    Args:
+      inputs: int `[batch, src_len]` source ids, PAD (0) padded.
+      segment_ids: int `[batch, src_len]` packed-example ids (1, 2, ..., 0 on padding), or None.
+      positions: int `[batch, src_len]` positions, restarting at 0 in each segment; None =
+        derived from `segment_ids`, or 0..src_len-1 when unpacked.
+    """
     valid = inputs != PAD_ID
-    x = self._embed(self.source_embed, inputs, default_positions(inputs), deterministic,
-                    getattr(self, "source_positions", None))
-    x = run_stack(self.encoder_stack, x, valid, deterministic, False)  # decode: remat needs every static arg
+    positions, attn_positions = resolve_positions(inputs, positions, segment_ids)
+    x = self._embed(self.source_embed, inputs, positions, deterministic, getattr(self, "source_positions", None))
+    # decode=False is passed positionally: remat needs every static arg.
+    x = run_stack(self.encoder_stack, x, valid, deterministic, False, segment_ids, attn_positions)
     return self.encoder_norm(x) if self.config.pre_norm else x
 
   def decode(self, encoded: jax.Array | None, inputs: jax.Array, decoder_inputs: jax.Array, *,
-             positions: jax.Array | None = None, deterministic: bool = True,
-             decode: bool = False) -> jax.Array:
+             positions: jax.Array | None = None, deterministic: bool = True, decode: bool = False,
+             segment_ids: jax.Array | None = None, inputs_segment_ids: jax.Array | None = None) -> jax.Array:
     """Decoder stack -> float32 logits `[batch, tgt_len, vocab_size]`.
 
     Args:
@@ -169,23 +215,43 @@ class EncoderDecoder(nn.Module):
         the prefill it may be None (cross-attention keys/values are cached).
       inputs: int `[batch, src_len]` source ids, for the cross-attention padding mask.
       decoder_inputs: int `[batch, tgt_len]`, starting with BOS.
-      positions: int `[batch, tgt_len]` positions of `decoder_inputs` for sinusoidal / learned
-        embeddings; defaults to 0..tgt_len-1. Decoding passes the absolute step index.
-        RoPE and ALiBi use the token index (the cache slot when decoding), which equals it.
-      decode: use and update the KV cache (prefill or one decode step).
+      positions: int `[batch, tgt_len]` positions of `decoder_inputs` (restarting at 0 in
+        each segment when packed); None = derived from `segment_ids`, or 0..tgt_len-1.
+        Decoding passes the absolute step index for the embeddings; RoPE and ALiBi then use
+        the cache slot, which equals it.
+      decode: use and update the KV cache (prefill or one decode step); no segment ids then.
+      segment_ids: int `[batch, tgt_len]` packed-example ids of `decoder_inputs` (1, 2, ...,
+        0 on padding), or None.
+      inputs_segment_ids: int `[batch, src_len]` segment ids of `inputs`: target segment k
+        attends to source segment k only. Both or neither of the segment ids.
+    Raises:
+      ValueError: segment ids with `decode=True`.
     """
-    if positions is None:
-      positions = default_positions(decoder_inputs)
+    if decode and (segment_ids is not None or inputs_segment_ids is not None):
+      raise ValueError("packed rows (segment ids) cannot be decoded with the KV cache (decode=True)")
+    positions, attn_positions = resolve_positions(decoder_inputs, positions, segment_ids)
     tgt_valid = decoder_inputs != PAD_ID
     src_valid = inputs != PAD_ID
     y = self._embed(self.target_embed, decoder_inputs, positions, deterministic,
                     getattr(self, "target_positions", None))
-    y = run_stack(self.decoder_stack, y, encoded, tgt_valid, src_valid, deterministic, decode)
+    attn_positions = None if decode else attn_positions  # the cache slots
+    y = run_stack(self.decoder_stack, y, encoded, tgt_valid, src_valid, deterministic, decode,
+                  segment_ids, inputs_segment_ids, attn_positions)
     if self.config.pre_norm:
       y = self.decoder_norm(y)
     return output_logits(self.config, self.target_embed, getattr(self, "output_proj", None), y)
 
-  def __call__(self, inputs: jax.Array, targets: jax.Array, *, deterministic: bool = True) -> jax.Array:
-    """Teacher-forced logits `[batch, tgt_len, vocab_size]` (float32) for `targets` `[batch, tgt_len]`."""
-    encoded = self.encode(inputs, deterministic=deterministic)
-    return self.decode(encoded, inputs, shift_right(targets), deterministic=deterministic)
+  def __call__(self, inputs: jax.Array, targets: jax.Array, *, inputs_segment_ids: jax.Array | None = None,
+               inputs_positions: jax.Array | None = None, targets_segment_ids: jax.Array | None = None,
+               targets_positions: jax.Array | None = None, deterministic: bool = True) -> jax.Array:
+    """Teacher-forced logits `[batch, tgt_len, vocab_size]` (float32) for `targets` `[batch, tgt_len]`.
+
+    Packed rows pass int segment ids and per-segment positions for the source
+    (`[batch, src_len]`) and the targets (`[batch, tgt_len]`); see `encode` and `decode`.
+    The targets are shifted right within each segment.
+    """
+    encoded = self.encode(inputs, segment_ids=inputs_segment_ids, positions=inputs_positions,
+                          deterministic=deterministic)
+    decoder_inputs = shift_right(targets, segment_ids=targets_segment_ids)
+    return self.decode(encoded, inputs, decoder_inputs, positions=targets_positions, deterministic=deterministic,
+                       segment_ids=targets_segment_ids, inputs_segment_ids=inputs_segment_ids)

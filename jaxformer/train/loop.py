@@ -23,61 +23,13 @@ from jaxformer import checkpoint as ckpt
 from jaxformer import sharding as sh
 from jaxformer.config import Config, ConfigError, TrainConfig, dump_config, load_config
 from jaxformer.distributed import main_process_first
-from jaxformer.data import TrainBatches, eval_batches, padding_fraction, prepare_translation_data, stack_batches
-from jaxformer.data.shakespeare import WindowBatches, prepare_shakespeare, window_eval_batches
+from jaxformer.data import PAIRS, global_batch, padding_fraction, stack_batches
 from jaxformer.runtime import build_mesh
 from jaxformer.train.optim import make_optimizer
 from jaxformer.summary import format_summary
 from jaxformer.train.state import abstract_state, create_state
 from jaxformer.train.step import make_eval_step, make_train_call
-from jaxformer.train.tasks import make_model
-
-
-def load_data(config: Config):
-  """(tokenizer, splits) for the configured dataset. SentencePiece vocabularies have
-  `model.vocab_size` ids (one fewer for the masked LM, whose last id is [MASK]).
-
-  Raises:
-    ConfigError: `model.vocab_size` is too small for the character vocabulary.
-  """
-  masked = config.model.kind == "encoder_only"
-  data_dir = Path(config.data.data_dir).expanduser()
-  vocab_size = config.model.vocab_size - int(masked)
-  if config.data.dataset == "tinyshakespeare":
-    tokenizer, splits = prepare_shakespeare(data_dir, config.data.tokenizer, vocab_size)
-    if tokenizer.vocab_size > vocab_size:
-      raise ConfigError(f"model.vocab_size={config.model.vocab_size} is too small for the {tokenizer.vocab_size} "
-                        f"tokenizer ids; use model.vocab_size={tokenizer.vocab_size + int(masked)}")
-    return tokenizer, splits
-  return prepare_translation_data(
-      data_dir, vocab_size=vocab_size,
-      max_length=config.data.max_length, model_type=config.data.tokenizer,
-      source_lang=config.data.source_lang, target_lang=config.data.target_lang,
-      train_overlong=config.data.overlong)
-
-
-def make_batches(config: Config, splits, process_index: int = 0, process_count: int = 1):
-  """(training batches with `.iterate(start_step)`, list of validation batches) for this
-  process: length-bucketed sentence pairs (Multi30k; shuffled in runs of
-  `train.steps_per_call` similar-length batches) or token windows (Tiny Shakespeare;
-  targets shifted one ahead for the causal LM)."""
-  process = dict(process_index=process_index, process_count=process_count)
-  batch_size, seed = config.train.batch_size, config.runtime.seed
-  if config.data.dataset == "tinyshakespeare":
-    shift = config.model.kind == "decoder_only"
-    context = config.data.max_length
-    return (WindowBatches(splits["train"], batch_size, context, seed=seed, shift=shift, **process),
-            window_eval_batches(splits["validation"], batch_size, context, shift=shift, **process))
-  return (TrainBatches(splits["train"], batch_size, config.data.buckets, seed=seed,
-                       group=config.train.steps_per_call, **process),
-          eval_batches(splits["validation"], batch_size, config.data.buckets, **process))
-
-
-def global_batch(local: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
-  """Assembles the global `[batch, length]` (or stacked `[steps, batch, length]`) arrays
-  from each process's rows."""
-  sharding = sh.batch_sharding(mesh, stacked=local["inputs"].ndim == 3)
-  return {k: jax.make_array_from_process_local_data(sharding, local[k]) for k in ("inputs", "targets")}
+from jaxformer.tasks import get_task
 
 
 def _check_resume_config(workdir: Path, config: Config) -> None:
@@ -91,8 +43,9 @@ def _check_resume_config(workdir: Path, config: Config) -> None:
         f"{workdir} holds a run with a different model config; use a new --workdir "
         "or the same model.* settings to resume")
   k = saved.train.steps_per_call
-  if saved.data.dataset != "tinyshakespeare" and k != config.train.steps_per_call:
-    # Sentence-pair batches are shuffled in runs of steps_per_call: changing it changes the data order.
+  bucketed = get_task(saved).data_kind == PAIRS and not saved.data.packing
+  if bucketed and k != config.train.steps_per_call:
+    # Bucketed sentence-pair batches are shuffled in runs of steps_per_call: changing it changes the data order.
     raise ConfigError(f"{workdir} was trained with train.steps_per_call={k}, which sets its batch order; "
                       f"resume with train.steps_per_call={k} or use a new --workdir")
 
@@ -159,7 +112,8 @@ def train(config: Config, workdir: str | Path, dry_run: bool = False) -> dict[st
 def _train(config: Config, workdir: Path, dry_run: bool) -> dict[str, Any]:
   _check_resume_config(workdir, config)
   mesh = build_mesh(config)
-  model = make_model(config)
+  task = get_task(config)
+  model = task.make_model()
   tx = make_optimizer(config.optim, config.model.d_model)
   abstract, logical = abstract_state(model, tx)
   shardings = sh.logical_to_sharding(logical, mesh)
@@ -170,7 +124,7 @@ def _train(config: Config, workdir: Path, dry_run: bool) -> dict[str, Any]:
   if dry_run:
     return {}
   # Process 0 builds the dataset and tokenizer cache in data_dir; the others wait, then read them.
-  tokenizer, splits = main_process_first(lambda: load_data(config), "prepare_data")
+  tokenizer, splits = main_process_first(task.load_data, "prepare_data")
   if jax.process_index() == 0:
     ckpt.save_run_files(workdir, dump_config(config), tokenizer.serialized)
   checkpointer = ckpt.Checkpointer(workdir, config.train.checkpoint_every, config.train.keep_checkpoints,
@@ -188,7 +142,7 @@ def _train(config: Config, workdir: Path, dry_run: bool) -> dict[str, Any]:
   eval_step = make_eval_step(model, config, mesh, shardings.params)
   rng = jax.random.key(config.runtime.seed)
 
-  batches, val_batches = make_batches(config, splits, jax.process_index(), jax.process_count())
+  batches, val_batches = task.make_batches(splits, jax.process_index(), jax.process_count())
   logger = _Logger(workdir)
   show_bar = jax.process_index() == 0 and sys.stderr.isatty()
   bar = tqdm.tqdm(total=config.train.num_steps, initial=start, disable=not show_bar, unit="step")

@@ -22,21 +22,23 @@ from jaxformer.precision import all_finite, next_loss_scale, select_tree
 from jaxformer.train.losses import cross_entropy_sums
 from jaxformer.train.optim import make_schedule
 from jaxformer.train.state import TrainState
-from jaxformer.train.tasks import Task
+from jaxformer.tasks import get_task
+from jaxformer.tasks.base import Task
 
 Batch = dict[str, jax.Array]
 
 
-def loss_fn(task: Task, params, batch: Batch, rng: jax.Array | None, label_smoothing: float,
+def loss_fn(task: Task, model: nn.Module, params, batch: Batch, rng: jax.Array | None, label_smoothing: float,
             z_loss: float = 0.0):
-  """(float32 loss per real target token, metric sums) of `task`'s model on `batch`.
+  """(float32 loss per real target token, metric sums) of `task`'s `model` on `batch`.
 
   `batch` holds int32 `inputs` and `targets` `[batch, length]` (0 is padding; what they
-  mean depends on `model.kind`, see `train/tasks.py`); `rng` is the step's key (dropout,
+  mean depends on the task, see `jaxformer/tasks/`) and, when packed, segment ids and
+  positions; `rng` is the step's key (dropout,
   MLM masks), None for evaluation. The sums are those of `cross_entropy_sums` (with
   `z_loss`); the loss is computed in float32 whatever the compute dtype.
   """
-  logits, targets, weights = task.outputs(params, batch, rng)
+  logits, targets, weights = task.outputs(model, params, batch, rng)
   sums = cross_entropy_sums(logits, targets, weights, label_smoothing, z_loss)
   # Normalise by the global count of real target tokens (section 5.4 loss per token).
   return sums["loss"] / jnp.maximum(sums["num_tokens"], 1.0), sums
@@ -62,7 +64,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, config: 
   scale this step used; 1.0 without scaling).
   """
   step = _step_function(model, tx, config)
-  jitted = jax.jit(step, in_shardings=(state_shardings, _batch_shardings(mesh), sh.replicated(mesh)),
+  jitted = jax.jit(step, in_shardings=(state_shardings, sh.batch_sharding(mesh), sh.replicated(mesh)),
                    out_shardings=(state_shardings, sh.replicated(mesh)), donate_argnums=(0,))
   return _with_mesh(jitted, mesh)
 
@@ -85,7 +87,7 @@ def make_multi_step(model: nn.Module, tx: optax.GradientTransformation, config: 
   def steps(state: TrainState, batches: Batch, rng: jax.Array):
     return jax.lax.scan(lambda s, batch: step(s, batch, rng), state, batches)
 
-  stacked = {k: sh.batch_sharding(mesh, stacked=True) for k in ("inputs", "targets")}
+  stacked = sh.batch_sharding(mesh, stacked=True)  # one sharding for every key of the batch dict
   jitted = jax.jit(steps, in_shardings=(state_shardings, stacked, sh.replicated(mesh)),
                    out_shardings=(state_shardings, sh.replicated(mesh)), donate_argnums=(0,))
   return _with_mesh(jitted, mesh)
@@ -103,13 +105,13 @@ def _step_function(model: nn.Module, tx: optax.GradientTransformation, config: C
   """The unjitted `(state, batch, rng) -> (state, metrics)` that both factories compile."""
   schedule = make_schedule(config.optim, config.model.d_model)
   label_smoothing, z_loss = config.optim.label_smoothing, config.train.z_loss
-  task = Task(model, config)
+  task = get_task(config)
   use_rng = config.model.dropout_rate > 0 or config.model.attention_dropout_rate > 0 or task.needs_rng
   precision = config.precision
   dynamic = precision.dynamic_loss_scale
 
   def scaled_loss(params, batch, rng, scale):
-    loss, sums = loss_fn(task, params, batch, rng, label_smoothing, z_loss)
+    loss, sums = loss_fn(task, model, params, batch, rng, label_smoothing, z_loss)
     return loss * scale, sums
 
   def step(state: TrainState, batch: Batch, rng: jax.Array):
@@ -138,17 +140,14 @@ def make_eval_step(model: nn.Module, config: Config, mesh: Mesh,
                    param_shardings) -> Callable[[object, Batch], dict]:
   """Returns jitted `(params, batch) -> metric sums` with dropout off (validation loss)."""
   label_smoothing, z_loss = config.optim.label_smoothing, config.train.z_loss
-  task = Task(model, config)
+  task = get_task(config)
 
   def step(params, batch: Batch):
-    return loss_fn(task, params, batch, None, label_smoothing, z_loss)[1]
+    return loss_fn(task, model, params, batch, None, label_smoothing, z_loss)[1]
 
-  jitted = jax.jit(step, in_shardings=(param_shardings, _batch_shardings(mesh)), out_shardings=sh.replicated(mesh))
+  jitted = jax.jit(step, in_shardings=(param_shardings, sh.batch_sharding(mesh)),
+                   out_shardings=sh.replicated(mesh))
   return _with_mesh(jitted, mesh)
-
-
-def _batch_shardings(mesh: Mesh) -> dict:
-  return {"inputs": sh.batch_sharding(mesh), "targets": sh.batch_sharding(mesh)}
 
 
 def _with_mesh(fn, mesh: Mesh):

@@ -1,0 +1,40 @@
+"""The source registry: `data.dataset` -> the class that yields its raw examples.
+
+Adding a source is one new module with a `Source` subclass (`sources/base.py`) and one line
+here. Modules are imported on first use, so a run pays only for the source it reads.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from jaxformer.data.sources.base import PAIRS, SPLITS, TEXT, DataError, Source
+
+SOURCES = {
+    "multi30k": "jaxformer.data.sources.multi30k:Multi30k",
+    "tinyshakespeare": "jaxformer.data.sources.tinyshakespeare:TinyShakespeare",
+    "files": "jaxformer.data.sources.files:Files",
+    "tfds": "jaxformer.data.sources.tfds:Tfds",   # data.dataset=tfds:NAME
+}
+
+
+def source_key(dataset: str) -> str:
+  """The registry key of a `data.dataset` value (`tfds:NAME` -> `tfds`).
+
+  Raises:
+    DataError: the dataset is not registered (lists those that are).
+  """
+  key = dataset.split(":", 1)[0] if ":" in dataset else dataset
+  if key not in SOURCES or (key == "tfds") != (":" in dataset):
+    raise DataError(f"data.dataset={dataset!r} is unknown; use one of {', '.join(k for k in SOURCES if k != 'tfds')} "
+                    "or tfds:NAME")
+  return key
+
+
+def make_source(data, kind: str) -> Source:
+  """The source of `data.dataset` (a `DataConfig`), yielding `kind` (`PAIRS` or `TEXT`) examples."""
+  module, cls = SOURCES[source_key(data.dataset)].split(":")
+  return getattr(importlib.import_module(module), cls)(data, kind)
+
+
+__all__ = ["PAIRS", "SOURCES", "SPLITS", "TEXT", "DataError", "Source", "make_source", "source_key"]

@@ -1,0 +1,135 @@
+"""What a data source is: raw text examples per split, and a fingerprint of their content.
+
+A source yields either sentence pairs (`kind="pairs"`: `(source, target)` strings, for
+translation) or documents (`kind="text"`: one string per document, for language models),
+streamed, so a corpus larger than memory is never held whole. The task asks for the kind
+it needs; preparation (`data/prepare.py`) tokenizes what the source yields and caches the
+result under a key that includes `fingerprint(split)`, so a changed input file is prepared
+again instead of silently reused.
+
+Helpers here read user files line by line, with one-line errors that name the file and
+line (`DataError`) for text that is not UTF-8 or JSON that does not parse.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+PAIRS, TEXT = "pairs", "text"
+SPLITS = ("train", "validation", "test")
+
+
+class DataError(ValueError):
+  """A problem with the user's data or data settings; the message is one line naming the fix."""
+
+
+class Source:
+  """Base class of the registered sources (`data/sources/__init__.py`).
+
+  Subclasses are built as `cls(data, kind)` from the run's `DataConfig` and the kind the
+  task needs (`PAIRS` or `TEXT`), and implement `splits`, `examples` and `fingerprint`.
+  `name` is a short label used in cache folder names and messages.
+  """
+  name = "source"
+
+  def __init__(self, data: Any, kind: str):
+    self.data, self.kind = data, kind
+
+  def splits(self) -> tuple[str, ...]:
+    """The splits this source has, a subset of `SPLITS` that includes `train`."""
+    raise NotImplementedError
+
+  def examples(self, split: str) -> Iterator[Any]:
+    """`(source, target)` str pairs (kind pairs) or document strings (kind text), in a fixed order."""
+    raise NotImplementedError
+
+  def fingerprint(self, split: str) -> dict[str, Any]:
+    """JSON-serialisable facts that change whenever the split's content may have changed."""
+    raise NotImplementedError
+
+  def describe(self, split: str) -> str:
+    """Where the split comes from, for log lines."""
+    return f"{self.name} {split}"
+
+
+def file_fingerprint(paths: list[Path]) -> list[list[Any]]:
+  """(path, size in bytes, modification time in ns) of each file."""
+  return [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in paths]
+
+
+def expand_paths(spec: str, key: str) -> list[Path]:
+  """Comma-separated paths or globs -> existing files, in order (a glob's matches sorted).
+
+  Raises:
+    FileNotFoundError: a path does not exist or a glob matches nothing (one line naming `key`).
+  """
+  out: list[Path] = []
+  for item in (s.strip() for s in spec.split(",")):
+    if not item:
+      continue
+    pattern = os.path.expanduser(item)
+    if glob.has_magic(pattern):
+      matches = sorted(Path(p) for p in glob.glob(pattern) if Path(p).is_file())
+      if not matches:
+        raise FileNotFoundError(f"{key}: the glob {item!r} matches no file; check the pattern")
+      out += matches
+    elif Path(pattern).is_file():
+      out.append(Path(pattern))
+    else:
+      raise FileNotFoundError(f"{key}: the file {item!r} does not exist; check the path")
+  return out
+
+
+def read_lines(path: Path) -> Iterator[tuple[int, str]]:
+  """(1-based line number, line without its newline) of a UTF-8 text file, gzip if `.gz`.
+
+  Raises:
+    DataError: a line is not valid UTF-8 (names the file, line and byte).
+  """
+  opener = gzip.open if path.suffix == ".gz" else open
+  with opener(path, "rb") as f:
+    for number, raw in enumerate(f, 1):
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise DataError(f"{path}:{number}: not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                        "convert the file to UTF-8, e.g. with iconv") from None
+      yield number, line.rstrip("\r\n")
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
+  """(line number, object) of each non-blank line of a JSON-lines file.
+
+  Raises:
+    DataError: a line is not a JSON object (names the file and line).
+  """
+  for number, line in read_lines(path):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise DataError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno}); "
+                      "each line must be one JSON object") from None
+    if not isinstance(record, dict):
+      raise DataError(f"{path}:{number}: a JSON {type(record).__name__}, not an object; "
+                      "each line must be one JSON object")
+    yield number, record
+
+
+def field(record: dict, key: str, where: str, setting: str) -> str:
+  """`record[key]` as a string.
+
+  Raises:
+    DataError: the key is missing; lists the keys that exist and the setting to change.
+  """
+  if key not in record:
+    raise DataError(f"{where}: no field {key!r}; the fields are {', '.join(map(str, record)) or 'none'}; "
+                    f"set {setting}")
+  value = record[key]
+  return value.decode("utf-8") if isinstance(value, bytes) else str(value)

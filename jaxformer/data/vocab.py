@@ -1,0 +1,87 @@
+"""The run's tokenizer: an existing SentencePiece file, one trained on a bounded sample of the
+train split (cached under a key of the source's content and the settings), or the
+character vocabulary of a language model's text.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from jaxformer.data.prepare import cache_key
+from jaxformer.data.sources.base import PAIRS, DataError, Source
+from jaxformer.data.tokenizer import CharTokenizer, Tokenizer, train_tokenizer
+
+
+def reservoir_sample(items: Iterable[str], size: int, seed: int = 0) -> list[str]:
+  """A uniform sample of at most `size` items in one streaming pass (Vitter's algorithm R).
+
+  Memory holds `size` items whatever the stream's length; a stream no longer than `size`
+  comes back whole, in order.
+  """
+  rng = random.Random(seed)
+  sample: list[str] = []
+  for n, item in enumerate(items):
+    if n < size:
+      sample.append(item)
+    else:
+      j = rng.randrange(n + 1)
+      if j < size:
+        sample[j] = item
+  return sample
+
+
+def _training_texts(source: Source) -> Iterator[str]:
+  """Sentences the SentencePiece model learns from: both sides of each train pair (shared
+  vocabulary; sources first, then targets, as the pairs stream twice), or each train
+  document's paragraphs with their blank-line separator (so the model learns it)."""
+  if source.kind == PAIRS:
+    yield from (s.strip() for s, _ in source.examples("train"))
+    yield from (t.strip() for _, t in source.examples("train"))
+    return
+  for doc in source.examples("train"):
+    yield from (p + "\n\n" for p in doc.split("\n\n"))
+
+
+def make_tokenizer(data, source: Source, vocab_size: int, root: Path, reserved: int = 0):
+  """The tokenizer of a run whose model has `vocab_size` ids for text.
+
+  Args:
+    data: the `DataConfig` (`tokenizer`, `tokenizer_model`, `input_sentence_size`).
+    source: the run's source (its train split trains a new tokenizer).
+    vocab_size: ids the model has for tokens (`model.vocab_size`, less [MASK] for the masked LM).
+    root: cache folder (`data.data_dir`).
+    reserved: ids the model keeps beyond `vocab_size` (the masked LM's [MASK]), for messages.
+  Raises:
+    DataError: the tokenizer file is missing, invalid or has more ids than `vocab_size`, or
+      the character vocabulary does not fit.
+  """
+  if data.tokenizer_model:
+    path = Path(data.tokenizer_model).expanduser()
+    if not path.is_file():
+      raise DataError(f"data.tokenizer_model={data.tokenizer_model!r} does not exist; give the path of a "
+                      "SentencePiece .model file")
+    try:
+      tokenizer = Tokenizer.load(path)
+    except ValueError as e:
+      raise DataError(f"data.tokenizer_model={data.tokenizer_model!r}: {e}") from None
+  elif data.tokenizer == "char":
+    chars: set[str] = set()
+    for split in source.splits():
+      for doc in source.examples(split):
+        chars.update(doc)
+    tokenizer = CharTokenizer("".join(sorted(chars)))
+  else:
+    key = cache_key(source.fingerprint("train"), source.kind, vocab_size, data.tokenizer, data.input_sentence_size)
+    path = root / "tokenizers" / f"{source.name}-{data.tokenizer}{vocab_size}-{key}.model"
+    if path.is_file():
+      return Tokenizer.load(path)
+    sample = reservoir_sample(_training_texts(source), data.input_sentence_size)
+    tokenizer = train_tokenizer(sample, vocab_size, data.tokenizer)
+    tokenizer.save(path)
+  if tokenizer.vocab_size > vocab_size:
+    what = f"data.tokenizer_model={data.tokenizer_model!r}" if data.tokenizer_model else "the character vocabulary"
+    raise DataError(f"{what} has {tokenizer.vocab_size} ids but model.vocab_size={vocab_size + reserved} leaves "
+                    f"{vocab_size} for tokens; set model.vocab_size={tokenizer.vocab_size + reserved}")
+  return tokenizer

@@ -1,0 +1,23 @@
+"""The task registry: `model.kind` -> the task that trains and evaluates it.
+
+Adding a model kind is one new module with a `Task` subclass (`tasks/base.py`) and one line here.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+TASKS = {
+    "encoder_decoder": "jaxformer.tasks.translation:Translation",
+    "decoder_only": "jaxformer.tasks.causal_lm:CausalLM",
+    "encoder_only": "jaxformer.tasks.masked_lm:MaskedLM",
+}
+
+
+def get_task(config):
+  """The task of `config.model.kind`, bound to `config`."""
+  module, cls = TASKS[config.model.kind].split(":")
+  return getattr(importlib.import_module(module), cls)(config)
+
+
+__all__ = ["TASKS", "get_task"]

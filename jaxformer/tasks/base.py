@@ -1,0 +1,88 @@
+"""The task protocol: what a model kind (translation, causal LM, masked LM) supplies to the
+loop, the CLI, the benchmark and config validation.
+
+A task binds a config to one model kind: it builds the model, loads and batches the data
+it needs, computes the training outputs (logits, targets, loss weights) of a batch, and
+evaluates a restored checkpoint. Nothing outside the two registries (`tasks/__init__.py`,
+`data/sources/__init__.py`) dispatches on the model kind or dataset name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+
+from jaxformer import data as D
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalOptions:
+  """What `jaxformer eval` asks of a task (fields a task does not use are ignored).
+
+  split: `val` or `test`; src / ref: files to score instead of a split (translation);
+  batch_size: sentences per decoding batch; search: `search.SearchOptions`; output: the
+  hypotheses file (default: in the workdir, named after the split and the search).
+  """
+  split: str = "test"
+  src: str | None = None
+  ref: str | None = None
+  batch_size: int = 64
+  search: Any = None
+  output: str | None = None
+
+
+class Task:
+  """Base class of the registered tasks; subclasses set the class attributes and implement
+  `make_model`, `make_batches`, `outputs` and `evaluate`.
+
+  Class attributes:
+    kind: the `model.kind` it serves.
+    data_kind: `data.PAIRS` (sentence pairs) or `data.TEXT` (a token stream).
+    reserved_ids: ids the model has after the tokenizer's (the masked LM's [MASK]).
+    needs_rng: whether the train step needs a key even without dropout (MLM masking).
+    generates: whether `jaxformer generate` can sample text from the model.
+  """
+  kind = ""
+  data_kind = D.PAIRS
+  reserved_ids = 0
+  needs_rng = False
+  generates = False
+
+  def __init__(self, config):
+    self.config = config
+
+  def validate(self) -> None:
+    """Raises ConfigError (one line) for settings this task cannot use; `Config.validate` calls it."""
+
+  def make_model(self) -> nn.Module:
+    """The Flax module of this kind for `config.model`."""
+    raise NotImplementedError
+
+  def load_data(self) -> tuple[Any, dict[str, Any]]:
+    """(tokenizer, prepared splits); see `data.load_data`."""
+    return D.load_data(self.config, self.data_kind, self.reserved_ids)
+
+  def make_batches(self, splits, process_index: int = 0, process_count: int = 1):
+    """(training batches with `.iterate(start_step)`, list of validation batches) of this process."""
+    raise NotImplementedError
+
+  def outputs(self, model: nn.Module, params: Any, batch: dict[str, jax.Array],
+              rng: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(float32 logits `[batch, length, vocab]`, int targets `[batch, length]`, float32 loss
+    weights `[batch, length]`: 1 on real targets, 0 on padding). `rng` None means evaluation
+    (dropout off); otherwise it is the step's key."""
+    raise NotImplementedError
+
+  def evaluate(self, restore: Callable[[], Any], options: EvalOptions) -> dict[str, Any]:
+    """The `eval` command's JSON result. `restore()` returns the `evaluate.Restored`
+    checkpoint; tasks check their inputs first, so a user mistake fails before the restore."""
+    raise NotImplementedError
+
+
+def apply_model(model: nn.Module, params: Any, rng: jax.Array | None, *args, **kwargs) -> jax.Array:
+  """`model.apply` with dropout on when `rng` is a key, off when it is None."""
+  rngs = None if rng is None else {"dropout": rng}
+  return model.apply({"params": params}, *args, deterministic=rng is None, rngs=rngs, **kwargs)

@@ -1,0 +1,55 @@
+"""Causal language modelling with the decoder-only model (`model.kind=decoder_only`).
+
+Batches are token windows whose targets are the inputs shifted one token ahead (the data
+pipeline makes them); with packing, segment ids and positions keep each document apart.
+Evaluation reports the validation split's loss and perplexity; `jaxformer generate`
+samples from the model with the KV cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+from jaxformer import data as D
+from jaxformer.models.decoder_only import DecoderOnly
+from jaxformer.models.transformer import PAD_ID
+from jaxformer.tasks.base import EvalOptions, Task, apply_model
+
+
+def lm_outputs(model, params, batch, rng, inputs):
+  """The language models' forward pass on `inputs` (the batch's or masked), with packing's
+  segment ids and positions when the batch has them."""
+  return apply_model(model, params, rng, inputs, None, segment_ids=batch.get("inputs_segment_ids"),
+                     positions=batch.get("inputs_positions"))
+
+
+class CausalLM(Task):
+  """Token windows -> `DecoderOnly`; see the module docstring."""
+  kind = "decoder_only"
+  data_kind = D.TEXT
+  generates = True
+  shift = True
+
+  def make_model(self) -> DecoderOnly:
+    return DecoderOnly(self.config.model)
+
+  def make_batches(self, splits, process_index: int = 0, process_count: int = 1):
+    return D.window_batches(self.config, splits, self.shift, process_index, process_count)
+
+  def outputs(self, model, params, batch, rng):
+    logits = lm_outputs(model, params, batch, rng, batch["inputs"])
+    return logits, batch["targets"], (batch["targets"] != PAD_ID).astype(jnp.float32)
+
+  def evaluate(self, restore, options: EvalOptions) -> dict[str, Any]:
+    """Loss over the whole validation split (batches of `train.batch_size` windows): `loss`
+    (mean NLL per predicted token, nats, no label smoothing), `perplexity` = exp(loss),
+    `accuracy` (argmax hits; for the masked LM over the masked tokens only) and `num_tokens`."""
+    import jax  # noqa: PLC0415
+
+    from jaxformer.evaluate import batches_loss  # noqa: PLC0415
+    _, splits = self.load_data()
+    _, batches = self.make_batches(splits, jax.process_index(), jax.process_count())
+    restored = restore()
+    return {"step": restored.step, **batches_loss(restored, batches), "split": "val", "kind": self.kind}

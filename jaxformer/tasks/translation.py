@@ -1,0 +1,102 @@
+"""Translation with the paper's encoder-decoder (`model.kind=encoder_decoder`).
+
+The model learns the logits of `targets` given `inputs` by teacher forcing (targets shifted
+right behind BOS, per pair when packed). Evaluation decodes a split (or `--src` file) with
+the chosen search, scores BLEU and chrF with sacrebleu, and reports the teacher-forced
+loss of the references.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+
+from jaxformer import data as D
+from jaxformer.config import ConfigError
+from jaxformer.models.transformer import PAD_ID, EncoderDecoder
+from jaxformer.tasks.base import EvalOptions, Task, apply_model
+
+
+# The extra keys of a packed batch (`data/packing.py`), passed to the model as they are.
+PACKED_KEYS = ("inputs_segment_ids", "inputs_positions", "targets_segment_ids", "targets_positions")
+
+
+def _read_lines(path: str, what: str) -> list[str]:
+  file = Path(path)
+  if not file.is_file():
+    raise FileNotFoundError(f"{what} file {path} does not exist")
+  lines = file.read_text(encoding="utf-8").splitlines()
+  if not lines:
+    raise ValueError(f"{what} file {path} is empty")
+  return lines
+
+
+def hypotheses_name(split: str, search) -> str:
+  """`hypotheses.<split>.<strategy>.txt`: greedy, beam<k> or sample<seed>, so decoding a
+  split another way does not overwrite the earlier file."""
+  summary = search.summary()
+  tag = {"beam": f"beam{summary.get('beam_size')}", "sample": f"sample{summary.get('seed')}"}.get(
+      summary["strategy"], summary["strategy"])
+  return f"hypotheses.{split}.{tag}.txt"
+
+
+class Translation(Task):
+  """Sentence pairs -> `EncoderDecoder`; see the module docstring."""
+  kind = "encoder_decoder"
+  data_kind = D.PAIRS
+
+  def validate(self) -> None:
+    data = self.config.data
+    data.validate_buckets()
+    if data.tokenizer == "char" and not data.tokenizer_model:
+      raise ConfigError("data.tokenizer=char is for language models; use unigram or bpe for translation")
+
+  def make_model(self) -> EncoderDecoder:
+    return EncoderDecoder(self.config.model)
+
+  def make_batches(self, splits, process_index: int = 0, process_count: int = 1):
+    return D.pair_batches(self.config, splits, process_index, process_count)
+
+  def outputs(self, model, params, batch, rng):
+    packed = {k: batch[k] for k in PACKED_KEYS if k in batch}
+    logits = apply_model(model, params, rng, batch["inputs"], batch["targets"], **packed)
+    return logits, batch["targets"], (batch["targets"] != PAD_ID).astype(jnp.float32)
+
+  def eval_texts(self, options: EvalOptions) -> tuple[str, list[str], list[str]]:
+    """(name, sources, references): the `--src`/`--ref` files or the split's texts.
+
+    Raises:
+      ValueError: only one of src/ref, files of different lengths, or a split the dataset lacks.
+    """
+    if options.src or options.ref:
+      if not (options.src and options.ref):
+        raise ValueError("--src and --ref must be given together")
+      src, ref = _read_lines(options.src, "--src"), _read_lines(options.ref, "--ref")
+      if len(src) != len(ref):
+        raise ValueError(f"--src has {len(src)} lines but --ref has {len(ref)}; they must be line-aligned")
+      return "custom", src, ref
+    split = {"val": "validation", "test": "test"}[options.split]
+    splits = self.load_data()[1]
+    if split not in splits:
+      raise ValueError(f"the dataset has no {split} split; give data.test_files when training, "
+                       "or use --split val or --src/--ref")
+    data = splits[split]
+    return options.split, data.source_texts, data.target_texts
+
+  def evaluate(self, restore, options: EvalOptions) -> dict[str, Any]:
+    """Decodes and scores; writes the hypotheses to `options.output` (a file, or a folder
+    that gets `hypotheses_name`), atomically."""
+    from jaxformer import evaluate  # noqa: PLC0415  (evaluate imports the task registry)
+    name, sources, references = self.eval_texts(options)
+    restored = restore()
+    hyps, speed = evaluate.translate(restored, sources, options.batch_size, options.search)
+    losses = evaluate.reference_loss(restored, sources, references, options.batch_size)
+    output = Path(options.output)
+    if output.is_dir():
+      output = output / hypotheses_name(name, options.search)
+    evaluate.write_lines_atomic(output, hyps)
+    return {"step": restored.step, "split": name, "num_sentences": len(sources),
+            **evaluate.score(hyps, references), **losses, **{k: round(v, 3) for k, v in speed.items()},
+            "search": options.search.summary(), "hypotheses": str(output)}
