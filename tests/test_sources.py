@@ -179,3 +179,14 @@ def test_bad_input_gets_one_clear_line(tmp_path, pair_files):
     _config(tmp_path, dataset="wmt")
   with pytest.raises(ConfigError, match="needs data.train_files"):
     _config(tmp_path)
+
+
+def test_a_vocabulary_too_large_for_the_text_trains_at_the_largest_size_that_works(capsys):
+  from jaxformer.data.vocab import train_fitting
+  texts = ["cat dog bird fish", "horse cow sheep goat", "duck frog"] * 10
+  for model_type in ("bpe", "unigram"):
+    tokenizer = train_fitting(texts, 300, model_type)
+    assert 8 < tokenizer.vocab_size < 300 and tokenizer.decode(tokenizer.encode("duck frog")) == "duck frog"
+    line = capsys.readouterr().err.strip()
+    assert line == (f"the train split supports {tokenizer.vocab_size} SentencePiece pieces, fewer than the 300 "
+                    f"asked for: trained {tokenizer.vocab_size} (model.vocab_size can be lowered to match)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -164,10 +165,24 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int,
         max_sentence_length=1 << 16, num_threads=num_threads,
         minloglevel=2)
   except RuntimeError as e:
+    limit = re.search(r"value <= (\d+)", str(e))
+    if limit:
+      raise VocabularyTooLarge(vocab_size, int(limit.group(1))) from None
     raise ValueError(
         f"SentencePiece training failed ({e}); try a smaller vocab_size or "
         "more training text.") from e
   return Tokenizer.from_bytes(model.getvalue())
+
+
+class VocabularyTooLarge(ValueError):
+  """SentencePiece found fewer pieces in the text than ``vocab_size``;
+  ``limit`` is its estimate of the largest size that works."""
+
+  def __init__(self, vocab_size: int, limit: int):
+    super().__init__(f"the training text supports at most about {limit} "
+                     f"pieces, fewer than vocab_size={vocab_size}; lower "
+                     "model.vocab_size or add text")
+    self.vocab_size, self.limit = vocab_size, limit
 
 
 class CharTokenizer:

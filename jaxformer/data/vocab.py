@@ -6,12 +6,13 @@ character vocabulary of a language model's text.
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
 from typing import Iterable, Iterator
 
 from jaxformer.data.prepare import cache_key
 from jaxformer.data.sources.base import PAIRS, DataError, Source
-from jaxformer.data.tokenizer import CharTokenizer, Tokenizer, train_tokenizer
+from jaxformer.data.tokenizer import CharTokenizer, Tokenizer, VocabularyTooLarge, train_tokenizer
 
 
 def reservoir_sample(items: Iterable[str], size: int, seed: int = 0) -> list[str]:
@@ -42,6 +43,28 @@ def _training_texts(source: Source) -> Iterator[str]:
     return
   for doc in source.examples("train"):
     yield from (p + "\n\n" for p in doc.split("\n\n"))
+
+
+def train_fitting(sample: list[str], vocab_size: int, model_type: str, attempts: int = 8):
+  """A SentencePiece model of `vocab_size` pieces, or of the largest size the text supports.
+
+  SentencePiece's estimate of the largest workable size can itself be too high, so training
+  retries at each new estimate; when the size had to shrink, one line on stderr says so (the
+  model keeps `vocab_size` ids; the top ones are never produced).
+  """
+  size = vocab_size
+  for _ in range(attempts):
+    try:
+      tokenizer = train_tokenizer(sample, size, model_type)
+    except VocabularyTooLarge as e:
+      size = min(e.limit, size - 1)
+      continue
+    if size != vocab_size:
+      print(f"the train split supports {size} SentencePiece pieces, fewer than the {vocab_size} asked for: "
+            f"trained {size} (model.vocab_size can be lowered to match)", file=sys.stderr, flush=True)
+    return tokenizer
+  raise DataError(f"SentencePiece found too little text for a vocabulary (last try: {size} pieces); add text "
+                  "or lower model.vocab_size")
 
 
 def make_tokenizer(data, source: Source, vocab_size: int, root: Path, reserved: int = 0):
@@ -78,7 +101,7 @@ def make_tokenizer(data, source: Source, vocab_size: int, root: Path, reserved: 
     if path.is_file():
       return Tokenizer.load(path)
     sample = reservoir_sample(_training_texts(source), data.input_sentence_size)
-    tokenizer = train_tokenizer(sample, vocab_size, data.tokenizer)
+    tokenizer = train_fitting(sample, vocab_size, data.tokenizer)
     tokenizer.save(path)
   if tokenizer.vocab_size > vocab_size:
     what = f"data.tokenizer_model={data.tokenizer_model!r}" if data.tokenizer_model else "the character vocabulary"

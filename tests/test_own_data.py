@@ -1,0 +1,108 @@
+"""Training on your own data from the command line: aligned files in another language pair,
+de->en Multi30k, a JSONL corpus for the masked LM, a plain-text file for the causal LM, a
+TFDS dataset by name, and packed batches."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_cli import ROOT, run_cli
+
+TINY_MODEL = ["model.vocab_size=96", "model.d_model=32", "model.num_heads=2", "model.d_ff=48",
+              "model.num_encoder_layers=1", "model.num_decoder_layers=1", "model.max_length=64",
+              "data.tokenizer=bpe", "optim.warmup_steps=2"]
+WORDS = "cat dog bird fish horse cow sheep goat duck frog".split()
+
+
+def _steps(n):
+  return [f"train.num_steps={n}", f"train.log_every={n // 2}", f"train.eval_every={n}", f"train.checkpoint_every={n}",
+          "train.batch_size=8"]
+
+
+def _reverse(sentence):   # the "yy" language: every word spelled backwards
+  return " ".join(w[::-1] for w in sentence.split())
+
+
+def _sentences(n, offset=0):
+  return [" ".join(WORDS[(i * k + offset) % len(WORDS)] for k in range(1, 2 + i % 5)) for i in range(n)]
+
+
+def _metrics(workdir):
+  return [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  path = tmp_path_factory.mktemp("corpus")
+  for split, n, offset in (("train", 400, 0), ("valid", 24, 3), ("test", 16, 5)):
+    src = _sentences(n, offset)
+    (path / f"{split}.xx").write_text("".join(s + "\n" for s in src))
+    (path / f"{split}.yy").write_text("".join(_reverse(s) + "\n" for s in src))
+  docs = ["\n".join(_sentences(3, i)) for i in range(150)]
+  (path / "docs.txt").write_text("\n\n".join(docs) + "\n")
+  (path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+  return path
+
+
+def test_aligned_files_in_another_pair_train_translate_and_eval(corpus, tmp_path):
+  workdir = str(tmp_path / "xx_yy")
+  data = ["data.dataset=files", f"data.train_files={corpus}/train.xx,{corpus}/train.yy",
+          f"data.validation_files={corpus}/valid.xx,{corpus}/valid.yy",
+          f"data.test_files={corpus}/test.xx,{corpus}/test.yy", "data.source_lang=xx", "data.target_lang=yy",
+          f"data.data_dir={tmp_path}/cache", "data.packing=true"]
+  run_cli("train", "--config", "configs/tiny.yaml", "--workdir", workdir, *TINY_MODEL, *data, *_steps(6))
+  logged = [m for m in _metrics(workdir) if "loss" in m]
+  assert logged[-1]["step"] == 6 and 0.0 <= logged[-1]["padding_fraction"] < 0.5
+  result = json.loads(run_cli("eval", "--workdir", workdir).stdout.strip().splitlines()[-1])
+  assert result["split"] == "test" and result["num_sentences"] == 16
+  assert result["hypotheses"] == f"{workdir}/hypotheses.test.greedy.txt"
+  beam = json.loads(run_cli("eval", "--workdir", workdir, "--beam-size", "2").stdout.strip().splitlines()[-1])
+  assert beam["hypotheses"] == f"{workdir}/hypotheses.test.beam2.txt"
+  assert len(Path(result["hypotheses"]).read_text().splitlines()) == 16
+  translated = subprocess.run([sys.executable, "-m", "jaxformer", "translate", "--workdir", workdir],
+                              input="cat dog\nbird\n", capture_output=True, text=True, cwd=ROOT, timeout=600)
+  assert translated.returncode == 0 and len(translated.stdout.splitlines()) == 2
+
+
+def test_multi30k_trains_de_to_en(tmp_path):
+  workdir = str(tmp_path / "de_en")
+  run_cli("train", "--config", "configs/tiny.yaml", "--workdir", workdir, "data.source_lang=de",
+          "data.target_lang=en", f"data.data_dir={tmp_path}/cache", "data.buckets=[32,64]", *_steps(4))
+  src, ref = tmp_path / "src.de", tmp_path / "ref.en"
+  src.write_text("Ein Hund läuft.\nZwei Männer.\n")
+  ref.write_text("A dog runs.\nTwo men.\n")
+  result = json.loads(run_cli("eval", "--workdir", workdir, "--src", str(src), "--ref", str(ref)
+                              ).stdout.strip().splitlines()[-1])
+  assert result["split"] == "custom" and result["num_sentences"] == 2
+  prepared = sorted(p.name for p in (tmp_path / "cache" / "prepared").iterdir())
+  assert len(prepared) == 3 and all(p.startswith("multi30k-") for p in prepared)
+
+
+@pytest.mark.parametrize("kind,config,file", [("encoder_only", "shakespeare_mlm", "docs.jsonl"),
+                                              ("decoder_only", "shakespeare_char", "docs.txt")])
+def test_language_models_train_on_own_text(corpus, tmp_path, kind, config, file):
+  workdir = str(tmp_path / kind)
+  run_cli("train", "--config", f"configs/{config}.yaml", "--workdir", workdir, *TINY_MODEL, "data.dataset=files",
+          f"data.train_files={corpus}/{file}", f"data.data_dir={tmp_path}/cache", "data.max_length=16",
+          "model.max_length=16", "optim.schedule=constant", "optim.learning_rate=0.003", "data.packing=true",
+          *_steps(4))
+  result = json.loads(run_cli("eval", "--workdir", workdir).stdout.strip().splitlines()[-1])
+  assert result["kind"] == kind and result["step"] == 4 and result["num_tokens"] > 0
+  if kind == "decoder_only":
+    text = run_cli("generate", "--workdir", workdir, "--prompt", "cat", "--max-new-tokens", "5").stdout
+    assert text.startswith("cat")
+
+
+def test_tfds_dataset_trains_by_name(tmp_path):
+  from test_tfds_source import JaxformerToyPairs
+  tfds_dir = tmp_path / "tfds"
+  JaxformerToyPairs(data_dir=str(tfds_dir), file_format="array_record").download_and_prepare(
+      file_format="array_record")
+  workdir = str(tmp_path / "tfds_run")
+  run_cli("train", "--config", "configs/tiny.yaml", "--workdir", workdir, *TINY_MODEL,
+          "data.dataset=tfds:jaxformer_toy_pairs", f"data.tfds_data_dir={tfds_dir}", "data.source_lang=xx",
+          "data.target_lang=yy", f"data.data_dir={tmp_path}/cache", *_steps(4))
+  assert [m["step"] for m in _metrics(workdir) if "val_loss" in m] == [4]
