@@ -88,6 +88,7 @@ def sharded_target(abstract: Any, shardings: Any) -> Any:
 
 CONFIG_FILE = "config.yaml"
 TOKENIZER_FILE = "tokenizer.model"
+SOURCE_TOKENIZER_FILE = "source_tokenizer.model"   # only with separate source/target vocabularies
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -96,13 +97,17 @@ def _write_atomic(path: Path, data: bytes) -> None:
   tmp.replace(path)
 
 
-def save_run_files(workdir: str | Path, config_yaml: str, tokenizer_bytes: bytes) -> None:
-  """Writes the resolved config and the tokenizer model next to the checkpoints, so
-  `eval`/`translate` need only the workdir. Each file is replaced atomically."""
+def save_run_files(workdir: str | Path, config_yaml: str, tokenizer_bytes: bytes,
+                   source_tokenizer_bytes: bytes | None = None) -> None:
+  """Writes the resolved config and the tokenizer model (the target's, and the source's
+  when the vocabularies are separate) next to the checkpoints, so `eval`/`translate` need
+  only the workdir. Each file is replaced atomically."""
   workdir = Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   _write_atomic(workdir / CONFIG_FILE, config_yaml.encode())
   _write_atomic(workdir / TOKENIZER_FILE, tokenizer_bytes)
+  if source_tokenizer_bytes is not None:
+    _write_atomic(workdir / SOURCE_TOKENIZER_FILE, source_tokenizer_bytes)
 
 
 def run_file(workdir: str | Path, name: str) -> Path:

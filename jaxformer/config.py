@@ -230,6 +230,7 @@ class DataConfig:
   data_dir: str = "~/.cache/jaxformer"  # prepared (tokenized) splits and trained tokenizers are cached here
   tokenizer: str = "unigram"           # SentencePiece unigram | bpe; char (language models: one id per character)
   tokenizer_model: str = ""            # path of an existing SentencePiece .model (instead of training one)
+  shared_vocab: bool = True            # translation: one vocabulary for source and target; false = one per side
   input_sentence_size: int = 1000000   # SentencePiece trains on at most this many sentences, sampled from train
   max_length: int = 64                 # tokens per side including EOS (language models: the context)
   overlong: str = "drop"               # drop | truncate (train split only)

@@ -39,8 +39,9 @@ RUNTIME_SECTIONS = ("runtime.", "mesh.", "train.batch_size", "data.data_dir")
 
 @dataclasses.dataclass
 class Restored:
-  """A model ready for inference: config, tokenizer (SentencePiece or characters), model
-  (of `config.model.kind`), mesh, params (sharded) and step."""
+  """A model ready for inference: config, tokenizer (SentencePiece or characters; the
+  target's), model (of `config.model.kind`), mesh, params (sharded), step, the rules, and
+  the source tokenizer (`tokenizer` itself unless the vocabularies are separate)."""
   config: Config
   tokenizer: Tokenizer
   model: Any
@@ -48,6 +49,11 @@ class Restored:
   params: Any
   step: int
   rules: sh.Rules  # logical-axis rules the params were placed with (`mesh.rules`)
+  source_tokenizer: Any = None
+
+  def __post_init__(self):
+    if self.source_tokenizer is None:
+      self.source_tokenizer = self.tokenizer
 
 
 def workdir_config(workdir: str | Path, overrides: Sequence[str] = ()) -> Config:
@@ -79,6 +85,8 @@ def restore(workdir: str | Path, config: Config, step: int | None = None) -> Res
   if not checkpointer.all_steps():
     raise ckpt.CheckpointError(f"no checkpoint in {checkpointer.directory}; train first or check --workdir")
   tokenizer = tokenizer_from_bytes(ckpt.run_file(workdir, ckpt.TOKENIZER_FILE).read_bytes())
+  source_file = Path(workdir) / ckpt.SOURCE_TOKENIZER_FILE
+  source_tokenizer = tokenizer_from_bytes(source_file.read_bytes()) if source_file.is_file() else tokenizer
   rules = sh.parse_rules(config.mesh.rules)
   with sh.axis_rules(rules):
     mesh = build_mesh(config)
@@ -88,7 +96,7 @@ def restore(workdir: str | Path, config: Config, step: int | None = None) -> Res
     restored_step, params = checkpointer.restore_params(
         ckpt.sharded_target(abstract.params, shardings.params), step)
   checkpointer.close()
-  return Restored(config, tokenizer, model, mesh, params, restored_step, rules)
+  return Restored(config, tokenizer, model, mesh, params, restored_step, rules, source_tokenizer)
 
 
 def _round_batch(restored: Restored, batch_size: int) -> int:
@@ -113,7 +121,8 @@ def decode_sources(restored: Restored, sources: Sequence[str], batch_size: int =
   """
   cfg = restored.config
   batch_size = _round_batch(restored, batch_size)
-  data = tokenize_split(restored.tokenizer, list(sources), list(sources), cfg.data.max_length, overlong="truncate")
+  data = tokenize_split(restored.source_tokenizer, list(sources), list(sources), cfg.data.max_length,
+                        overlong="truncate")
   decode = make_decode_fn(restored.model, restored.mesh, cfg.model.max_length, search)
   batches = eval_batches(data, batch_size, cfg.data.buckets)
 
@@ -191,8 +200,8 @@ def reference_loss(restored: Restored, sources: Sequence[str], references: Seque
   """
   cfg = restored.config
   batch_size = _round_batch(restored, batch_size)
-  data = tokenize_split(restored.tokenizer, list(sources), list(references), cfg.data.max_length,
-                        overlong="truncate")
+  data = tokenize_split(restored.source_tokenizer, list(sources), list(references), cfg.data.max_length,
+                        overlong="truncate", target_tokenizer=restored.tokenizer)
   return batches_loss(restored, eval_batches(data, batch_size, cfg.data.buckets))
 
 

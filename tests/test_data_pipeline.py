@@ -27,7 +27,9 @@ def data_dir(tmp_path_factory):
 def prepared(data_dir):
   """Real Multi30k with the default 8000-piece shared tokenizer."""
   config = config_from_dict({"data": {"data_dir": str(data_dir)}})
-  return get_task(config).load_data()
+  vocab, splits = get_task(config).load_data()
+  assert vocab.shared
+  return vocab.target, splits
 
 
 @pytest.fixture(scope="module")

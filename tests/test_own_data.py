@@ -67,6 +67,16 @@ def test_aligned_files_in_another_pair_train_translate_and_eval(corpus, tmp_path
   assert translated.returncode == 0 and len(translated.stdout.splitlines()) == 2
 
 
+def test_separate_vocabularies_train_and_translate(corpus, tmp_path):
+  workdir = tmp_path / "separate"
+  run_cli("train", "--config", "configs/tiny.yaml", "--workdir", str(workdir), *TINY_MODEL, "data.dataset=files",
+          f"data.train_files={corpus}/train.xx,{corpus}/train.yy", "data.source_lang=xx", "data.target_lang=yy",
+          "data.shared_vocab=false", "model.tie_embeddings=false", f"data.data_dir={tmp_path}/cache", *_steps(4))
+  assert (workdir / "source_tokenizer.model").read_bytes() != (workdir / "tokenizer.model").read_bytes()
+  result = json.loads(run_cli("eval", "--workdir", str(workdir), "--split", "val").stdout.strip().splitlines()[-1])
+  assert result["split"] == "val" and result["num_sentences"] == 40 and result["num_tokens"] > 40
+
+
 def test_multi30k_trains_de_to_en(tmp_path):
   workdir = str(tmp_path / "de_en")
   run_cli("train", "--config", "configs/tiny.yaml", "--workdir", workdir, "data.source_lang=de",

@@ -51,7 +51,8 @@ def test_every_pair_format_yields_the_same_pairs(tmp_path, pair_files):
 
 def test_pairs_prepare_hold_out_validation_and_reuse_the_cache(tmp_path, pair_files, capsys):
   config = _config(tmp_path, train_files=pair_files["aligned"])
-  tokenizer, splits = get_task(config).load_data()
+  vocab, splits = get_task(config).load_data()
+  tokenizer = vocab.target
   assert len(splits["train"]) == 54 and len(splits["validation"]) == 6   # the last tenth is held out
   assert "holding out the last 6 pairs" in capsys.readouterr().err
   src, tgt = splits["validation"].texts(range(6))
@@ -87,10 +88,10 @@ def test_interrupted_preparation_leaves_no_cache(tmp_path, pair_files):
   real = source.examples
   source.examples = broken
   with pytest.raises(Interrupted):
-    prep.prepare_pairs(source, "train", tokenizer, tmp_path / "cache", 64)
+    prep.prepare_pairs(source, "train", D.Vocabulary(tokenizer, tokenizer), tmp_path / "cache", 64)
   assert not list((tmp_path / "cache" / "prepared").iterdir())   # neither a final nor a temporary folder
   source.examples = real
-  done = prep.prepare_pairs(source, "train", tokenizer, tmp_path / "cache", 64)
+  done = prep.prepare_pairs(source, "train", D.Vocabulary(tokenizer, tokenizer), tmp_path / "cache", 64)
   assert len(done) == 60 and (done.folder / "meta.json").is_file()
 
 
@@ -99,7 +100,7 @@ def test_empty_lines_are_dropped_counted_and_reported(tmp_path, capsys):
   tgt = _write(tmp_path / "a.yy", "un chat\ndeux chats\n \nquatre chats\n")
   source = make_source(_config(tmp_path, train_files=f"{src},{tgt}").data, D.PAIRS)
   tokenizer = D.train_tokenizer(["one cat three cats four", "un chat deux chats quatre"], 30, "bpe")
-  prepared = prep.prepare_pairs(source, "train", tokenizer, tmp_path / "cache", 64)
+  prepared = prep.prepare_pairs(source, "train", D.Vocabulary(tokenizer, tokenizer), tmp_path / "cache", 64)
   assert len(prepared) == 2 and prepared.meta["num_empty"] == 2
   assert prepared.texts([0, 1]) == (["one cat", "four cats"], ["un chat", "quatre chats"])
   assert "dropped 2 of 4 train pairs with an empty side" in capsys.readouterr().err
@@ -168,7 +169,7 @@ def test_bad_input_gets_one_clear_line(tmp_path, pair_files):
   big = D.train_tokenizer([s for p in PAIRS for s in p], 100, "bpe")
   big.save(tmp_path / "big.model")
   given = get_task(_config(tmp_path, train_files=pair_files["jsonl"], tokenizer_model=str(tmp_path / "big.model")))
-  assert given.load_data()[0].serialized == big.serialized   # an existing model is used as it is
+  assert given.load_data()[0].target.serialized == big.serialized   # an existing model is used as it is
   with pytest.raises(DataError, match="has 100 ids but model.vocab_size=50 .*set model.vocab_size=100"):
     config = config_from_dict({"model": {**TINY_MODEL, "vocab_size": 50},
                                "data": {"dataset": "files", "train_files": pair_files["jsonl"], "source_lang": "xx",
@@ -190,3 +191,17 @@ def test_a_vocabulary_too_large_for_the_text_trains_at_the_largest_size_that_wor
     line = capsys.readouterr().err.strip()
     assert line == (f"the train split supports {tokenizer.vocab_size} SentencePiece pieces, fewer than the 300 "
                     f"asked for: trained {tokenizer.vocab_size} (model.vocab_size can be lowered to match)")
+
+
+def test_separate_vocabularies_encode_each_side_with_its_own_model(tmp_path, pair_files):
+  with pytest.raises(ConfigError, match="set model.tie_embeddings=false"):
+    _config(tmp_path, train_files=pair_files["jsonl"], shared_vocab=False)
+  config = config_from_dict({"model": {**TINY_MODEL, "tie_embeddings": False},
+                             "data": {"dataset": "files", "train_files": pair_files["jsonl"], "source_lang": "xx",
+                                      "target_lang": "yy", "tokenizer": "bpe", "shared_vocab": False,
+                                      "data_dir": str(tmp_path / "cache")}})
+  vocab, splits = get_task(config).load_data()
+  assert not vocab.shared and vocab.source.serialized != vocab.target.serialized
+  src, tgt = splits["train"].fetch([4])
+  assert vocab.source.decode(src[0]) == PAIRS[4][0] and vocab.target.decode(tgt[0]) == PAIRS[4][1]
+  assert src[0][:-1].tolist() == vocab.source.encode(PAIRS[4][0]) != vocab.target.encode(PAIRS[4][0])

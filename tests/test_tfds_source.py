@@ -53,7 +53,8 @@ def _config(tfds_dir, tmp_path, name="jaxformer_toy_pairs", kind="encoder_decode
 
 
 def test_a_prepared_dataset_is_read_by_name(tfds_dir, tmp_path):
-  tokenizer, splits = get_task(_config(tfds_dir, tmp_path)).load_data()
+  vocab, splits = get_task(_config(tfds_dir, tmp_path)).load_data()
+  tokenizer = vocab.target
   assert sorted(splits) == ["train", "validation"]      # `dev` serves as the validation split
   assert len(splits["train"]) == 300 and len(splits["validation"]) == 40
   src, tgt = splits["validation"].texts([0])

@@ -1,6 +1,6 @@
 """Data: sources (a registry), streaming preparation, tokenizers, batches, and the global batch.
 
-The run's data path: `make_source` (what `data.dataset` names) -> `make_tokenizer` ->
+The run's data path: `make_source` (what `data.dataset` names) -> `make_vocabulary` ->
 `prepare_pairs` / `prepare_text` (cached ArrayRecord shards) -> batches
 (`TrainBatches`/`PackedBatches`/`eval_batches` for sentence pairs, `WindowBatches` /
 `window_eval_batches` for language models) -> `global_batch` (each process's rows into one
@@ -23,7 +23,7 @@ from jaxformer.data.prepare import PreparedPairs, PreparedText, prepare_pairs, p
 from jaxformer.data.sources import PAIRS, SOURCES, SPLITS, TEXT, DataError, make_source, source_key
 from jaxformer.data.tokenizer import (BOS_ID, EOS_ID, PAD_ID, UNK_ID, CharTokenizer, Tokenizer,
                                       tokenizer_from_bytes, train_tokenizer)
-from jaxformer.data.vocab import make_tokenizer
+from jaxformer.data.vocab import Vocabulary, make_vocabulary
 from jaxformer.data.windows import ArrayStream, WindowBatches, window_eval_batches
 
 HELD_OUT_PAIRS = 1000         # validation pairs taken from the end of train when no validation split is given
@@ -31,14 +31,14 @@ HELD_OUT_TEXT_FRACTION = 0.1  # the same for text: this share of the train token
 
 
 def load_data(config, kind: str, reserved_ids: int = 0) -> tuple[Any, dict[str, Any]]:
-  """The tokenizer and prepared splits of the configured dataset.
+  """The vocabulary and prepared splits of the configured dataset.
 
   Args:
     config: the run's `Config`.
     kind: `PAIRS` (sentence pairs) or `TEXT` (a token stream), as the task needs.
     reserved_ids: ids the model keeps after the tokenizer's (the masked LM's [MASK]).
   Returns:
-    `(tokenizer, {"train": ..., "validation": ..., ["test": ...]})`: `PreparedPairs` or
+    `(Vocabulary, {"train": ..., "validation": ..., ["test": ...]})`: `PreparedPairs` or
     `PreparedText` per split. Without a validation split, the end of train is held out
     (`HELD_OUT_PAIRS` pairs, at most a tenth, or `HELD_OUT_TEXT_FRACTION` of the tokens).
   Raises:
@@ -47,14 +47,15 @@ def load_data(config, kind: str, reserved_ids: int = 0) -> tuple[Any, dict[str, 
   data = config.data
   source = make_source(data, kind)
   root = Path(data.data_dir).expanduser()
-  tokenizer = make_tokenizer(data, source, config.model.vocab_size - reserved_ids, root, reserved_ids)
+  vocab = make_vocabulary(data, source, config.model.vocab_size - reserved_ids, root, reserved_ids)
   splits: dict[str, Any] = {}
   for split in source.splits():
     if kind == PAIRS:
       overlong = data.overlong if split == "train" else "truncate"
-      splits[split] = prepare_pairs(source, split, tokenizer, root, data.max_length, overlong)
+      splits[split] = prepare_pairs(source, split, vocab, root, data.max_length, overlong)
     else:
-      splits[split] = prepare_text(source, split, tokenizer, root, append_eos=not isinstance(tokenizer, CharTokenizer))
+      splits[split] = prepare_text(source, split, vocab.target, root,
+                                   append_eos=not isinstance(vocab.target, CharTokenizer))
   if "validation" not in splits:
     train = splits["train"]
     n = len(train)
@@ -65,7 +66,7 @@ def load_data(config, kind: str, reserved_ids: int = 0) -> tuple[Any, dict[str, 
     splits["train"], splits["validation"] = train.subset(0, n - held), train.subset(n - held, n)
     print(f"no validation split: holding out the last {held} {'pairs' if kind == PAIRS else 'tokens'} of train",
           file=sys.stderr, flush=True)
-  return tokenizer, splits
+  return vocab, splits
 
 
 def pair_batches(config, splits, process_index: int = 0, process_count: int = 1):
@@ -104,8 +105,8 @@ def global_batch(local: dict[str, np.ndarray], mesh) -> dict[str, Any]:
 __all__ = [
     "BOS_ID", "DEFAULT_BUCKETS", "EOS_ID", "HELD_OUT_PAIRS", "PAD_ID", "PAIRS", "SOURCES", "SPLITS", "TEXT",
     "UNK_ID", "ArrayStream", "CharTokenizer", "DataError", "PackedBatches", "PreparedPairs", "PreparedText",
-    "TokenizedSplit", "Tokenizer", "TrainBatches", "WindowBatches", "eval_batches", "first_fit", "global_batch",
-    "load_data", "make_buckets", "make_source", "make_tokenizer", "pack_rows", "padding_fraction", "pair_batches",
+    "TokenizedSplit", "Tokenizer", "TrainBatches", "Vocabulary", "WindowBatches", "eval_batches", "first_fit", "global_batch",
+    "load_data", "make_buckets", "make_source", "make_vocabulary", "pack_rows", "padding_fraction", "pair_batches",
     "prepare_pairs", "prepare_text", "shard_rows", "source_key", "stack_batches", "tokenize_split",
     "tokenizer_from_bytes", "train_tokenizer", "window_batches",
 ]

@@ -72,8 +72,12 @@ class TokenizedSplit:
 
 def tokenize_split(tokenizer: Tokenizer, source_texts: Sequence[str],
                    target_texts: Sequence[str], max_length: int,
-                   overlong: str = "truncate") -> TokenizedSplit:
+                   overlong: str = "truncate",
+                   target_tokenizer: Tokenizer | None = None) -> TokenizedSplit:
   """Tokenize a parallel split and enforce ``max_length`` (tokens incl. EOS).
+
+  ``target_tokenizer`` encodes the targets when the vocabularies are separate
+  (default: ``tokenizer`` for both sides).
 
   ``overlong="drop"`` removes pairs whose source or target is too long;
   ``"truncate"`` keeps the first ``max_length - 1`` tokens plus EOS.
@@ -87,7 +91,7 @@ def tokenize_split(tokenizer: Tokenizer, source_texts: Sequence[str],
   if max_length < 2:
     raise ValueError(f"max_length={max_length} is too small; use >= 2.")
   src_ids = tokenizer.encode_batch(source_texts)
-  tgt_ids = tokenizer.encode_batch(target_texts)
+  tgt_ids = (target_tokenizer or tokenizer).encode_batch(target_texts)
   inputs, targets, keep = [], [], []
   dropped = truncated = 0
   for i, (s, t) in enumerate(zip(src_ids, tgt_ids)):

@@ -99,16 +99,18 @@ def _build(final: Path, fill) -> Path:
   return final
 
 
-def prepare_pairs(source: Source, split: str, tokenizer, root: Path, max_length: int,
+def prepare_pairs(source: Source, split: str, vocab, root: Path, max_length: int,
                   overlong: str = "truncate") -> "PreparedPairs":
   """Tokenized sentence pairs of `split` (cached; see the module docstring).
 
   Args:
+    vocab: a `vocab.Vocabulary` (`source` encodes the sources, `target` the targets).
     max_length: tokens per side including EOS; longer pairs are dropped
       (`overlong="drop"`) or cut to `max_length - 1` tokens plus EOS (`"truncate"`).
   """
-  key = cache_key(source.fingerprint(split), hashlib.sha256(tokenizer.serialized).hexdigest(), max_length,
-                  overlong, FORMAT_VERSION)
+  src_tok, tgt_tok = vocab.source, vocab.target
+  key = cache_key(source.fingerprint(split), *(hashlib.sha256(t.serialized).hexdigest() for t in (src_tok, tgt_tok)),
+                  max_length, overlong, FORMAT_VERSION)
   final = root / "prepared" / f"{source.name}-{split}-{key}"
 
   def fill(folder: Path) -> dict:
@@ -122,8 +124,8 @@ def prepare_pairs(source: Source, split: str, tokenizer, root: Path, max_length:
         counts["empty"] += len(chunk) - len(kept)
         if not kept:
           continue
-        src_ids = tokenizer.encode_batch([s for s, _ in kept])
-        tgt_ids = tokenizer.encode_batch([t for _, t in kept])
+        src_ids = src_tok.encode_batch([s for s, _ in kept])
+        tgt_ids = tgt_tok.encode_batch([t for _, t in kept])
         pair_lengths = []
         for (s_text, t_text), s, t in zip(kept, src_ids, tgt_ids):
           if len(s) >= max_length or len(t) >= max_length:

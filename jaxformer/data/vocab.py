@@ -1,6 +1,7 @@
-"""The run's tokenizer: an existing SentencePiece file, one trained on a bounded sample of the
-train split (cached under a key of the source's content and the settings), or the
-character vocabulary of a language model's text.
+"""The run's vocabulary: an existing SentencePiece file, SentencePiece models trained on a
+bounded sample of the train split (cached under a key of the source's content and the
+settings), shared by source and target or one per side, or the character vocabulary of a
+language model's text.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import random
 import sys
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator, NamedTuple
 
 from jaxformer.data.prepare import cache_key
 from jaxformer.data.sources.base import PAIRS, DataError, Source
@@ -33,13 +34,24 @@ def reservoir_sample(items: Iterable[str], size: int, seed: int = 0) -> list[str
   return sample
 
 
-def _training_texts(source: Source) -> Iterator[str]:
-  """Sentences the SentencePiece model learns from: both sides of each train pair (shared
-  vocabulary; sources first, then targets, as the pairs stream twice), or each train
-  document's paragraphs with their blank-line separator (so the model learns it)."""
+class Vocabulary(NamedTuple):
+  """The tokenizers of a run: `source` encodes the inputs, `target` the targets (and a
+  language model's text); the same object when the vocabulary is shared."""
+  source: Any
+  target: Any
+
+  @property
+  def shared(self) -> bool:
+    return self.source is self.target
+
+
+def _training_texts(source: Source, sides: tuple[int, ...] = (0, 1)) -> Iterator[str]:
+  """Sentences the SentencePiece model learns from: the given sides of each train pair (0
+  source, 1 target; sources first, then targets, as the pairs stream once per side), or
+  each train document's paragraphs with their blank-line separator (so the model learns it)."""
   if source.kind == PAIRS:
-    yield from (s.strip() for s, _ in source.examples("train"))
-    yield from (t.strip() for _, t in source.examples("train"))
+    for side in sides:
+      yield from (pair[side].strip() for pair in source.examples("train"))
     return
   for doc in source.examples("train"):
     yield from (p + "\n\n" for p in doc.split("\n\n"))
@@ -67,19 +79,30 @@ def train_fitting(sample: list[str], vocab_size: int, model_type: str, attempts:
                   "or lower model.vocab_size")
 
 
-def make_tokenizer(data, source: Source, vocab_size: int, root: Path, reserved: int = 0):
-  """The tokenizer of a run whose model has `vocab_size` ids for text.
+def make_vocabulary(data, source: Source, vocab_size: int, root: Path, reserved: int = 0) -> Vocabulary:
+  """The tokenizers of a run whose model has `vocab_size` ids for text.
 
   Args:
-    data: the `DataConfig` (`tokenizer`, `tokenizer_model`, `input_sentence_size`).
-    source: the run's source (its train split trains a new tokenizer).
+    data: the `DataConfig` (`tokenizer`, `tokenizer_model`, `input_sentence_size`, `shared_vocab`).
+    source: the run's source (its train split trains new SentencePiece models).
     vocab_size: ids the model has for tokens (`model.vocab_size`, less [MASK] for the masked LM).
     root: cache folder (`data.data_dir`).
     reserved: ids the model keeps beyond `vocab_size` (the masked LM's [MASK]), for messages.
+  Returns:
+    A `Vocabulary`: one tokenizer for both sides, or (`data.shared_vocab=false`, sentence
+    pairs) one trained on each side's sentences.
   Raises:
     DataError: the tokenizer file is missing, invalid or has more ids than `vocab_size`, or
       the character vocabulary does not fit.
   """
+  if data.shared_vocab or source.kind != PAIRS:
+    tokenizer = _tokenizer(data, source, vocab_size, root, reserved, (0, 1))
+    return Vocabulary(tokenizer, tokenizer)
+  return Vocabulary(*(_tokenizer(data, source, vocab_size, root, reserved, (side,)) for side in (0, 1)))
+
+
+def _tokenizer(data, source: Source, vocab_size: int, root: Path, reserved: int, sides: tuple[int, ...]):
+  """One tokenizer, trained on `sides` of the train pairs (or the train documents)."""
   if data.tokenizer_model:
     path = Path(data.tokenizer_model).expanduser()
     if not path.is_file():
@@ -96,11 +119,13 @@ def make_tokenizer(data, source: Source, vocab_size: int, root: Path, reserved: 
         chars.update(doc)
     tokenizer = CharTokenizer("".join(sorted(chars)))
   else:
-    key = cache_key(source.fingerprint("train"), source.kind, vocab_size, data.tokenizer, data.input_sentence_size)
-    path = root / "tokenizers" / f"{source.name}-{data.tokenizer}{vocab_size}-{key}.model"
+    key = cache_key(source.fingerprint("train"), source.kind, vocab_size, data.tokenizer, data.input_sentence_size,
+                    *([sides] if sides != (0, 1) else []))
+    side = {(0,): "-source", (1,): "-target"}.get(sides, "")
+    path = root / "tokenizers" / f"{source.name}{side}-{data.tokenizer}{vocab_size}-{key}.model"
     if path.is_file():
       return Tokenizer.load(path)
-    sample = reservoir_sample(_training_texts(source), data.input_sentence_size)
+    sample = reservoir_sample(_training_texts(source, sides), data.input_sentence_size)
     tokenizer = train_fitting(sample, vocab_size, data.tokenizer)
     tokenizer.save(path)
   if tokenizer.vocab_size > vocab_size:

@@ -62,7 +62,7 @@ class Task:
     raise NotImplementedError
 
   def load_data(self) -> tuple[Any, dict[str, Any]]:
-    """(tokenizer, prepared splits); see `data.load_data`."""
+    """(`data.Vocabulary`, prepared splits); see `data.load_data`."""
     return D.load_data(self.config, self.data_kind, self.reserved_ids)
 
   def make_batches(self, splits, process_index: int = 0, process_count: int = 1):

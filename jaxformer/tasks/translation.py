@@ -52,6 +52,11 @@ class Translation(Task):
     data.validate_buckets()
     if data.tokenizer == "char" and not data.tokenizer_model:
       raise ConfigError("data.tokenizer=char is for language models; use unigram or bpe for translation")
+    if not data.shared_vocab and self.config.model.tie_embeddings:
+      raise ConfigError("data.shared_vocab=false gives source and target their own ids; set "
+                        "model.tie_embeddings=false (tied embeddings need one shared vocabulary)")
+    if not data.shared_vocab and data.tokenizer_model:
+      raise ConfigError("data.tokenizer_model is one model for both sides; drop it or set data.shared_vocab=true")
 
   def make_model(self) -> EncoderDecoder:
     return EncoderDecoder(self.config.model)

@@ -124,9 +124,10 @@ def _train(config: Config, workdir: Path, dry_run: bool) -> dict[str, Any]:
   if dry_run:
     return {}
   # Process 0 builds the dataset and tokenizer cache in data_dir; the others wait, then read them.
-  tokenizer, splits = main_process_first(task.load_data, "prepare_data")
+  vocab, splits = main_process_first(task.load_data, "prepare_data")
   if jax.process_index() == 0:
-    ckpt.save_run_files(workdir, dump_config(config), tokenizer.serialized)
+    ckpt.save_run_files(workdir, dump_config(config), vocab.target.serialized,
+                        None if vocab.shared else vocab.source.serialized)
   checkpointer = ckpt.Checkpointer(workdir, config.train.checkpoint_every, config.train.keep_checkpoints,
                                    config.train.async_checkpoint)
   start = checkpointer.latest_step()
