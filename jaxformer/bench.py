@@ -31,6 +31,7 @@ from jaxformer.config import Config, ConfigError, ModelConfig
 from jaxformer.models.transformer import EncoderDecoder
 from jaxformer.runtime import build_mesh
 from jaxformer.data import global_batch
+from jaxformer.tasks.translation import Translation
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import create_state, state_shardings
 from jaxformer.train.step import make_train_call
@@ -68,7 +69,7 @@ class BenchOptions:
   def validate(self, model: ModelConfig) -> "BenchOptions":
     """Raises ConfigError (one line) for sizes that cannot run, or a model kind other than
     the encoder-decoder (the step this benchmark builds)."""
-    if model.kind != "encoder_decoder":
+    if model.kind != Translation.kind:
       raise ConfigError(f"jaxformer bench times the encoder-decoder train step, not model.kind={model.kind}; "
                         "use an encoder_decoder config such as configs/multi30k_small.yaml")
     for name in ("batch_size", "src_length", "tgt_length", "steps"):

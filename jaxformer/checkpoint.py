@@ -10,11 +10,8 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from jaxformer.errors import CheckpointError
 from jaxformer.train.state import TrainState
-
-
-class CheckpointError(ValueError):
-  """A workdir has no usable checkpoint; the message is one line."""
 
 
 class Checkpointer:

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from jaxformer.checkpoint import CheckpointError
+from jaxformer.errors import CheckpointError
 from jaxformer.config import ConfigError, load_config, parse_override
 
 
@@ -118,8 +118,8 @@ def _runtime_from_overrides(overrides: list[str]):
 
 
 def cmd_train(args) -> None:
+  config = load_config(args.config, args.overrides)   # before any JAX import: a typo fails fast
   from jaxformer.runtime import init_runtime
-  config = load_config(args.config, args.overrides)
   from jaxformer.distributed import initialize_from_args
   initialize_from_args(args)  # before any other JAX use
   init_runtime(config.runtime)

@@ -14,9 +14,10 @@ from typing import Any
 
 import yaml
 
-from jaxformer.precision import Policy, parse_policy
+from jaxformer.policy import Policy, parse_policy
 from jaxformer.remat import POLICY_NAMES as REMAT_POLICIES
 from jaxformer.schema import ConfigError, apply_overrides, build, parse_override, to_plain
+from jaxformer.tasks import TASKS
 
 
 # Valid names of the string-valued model options.
@@ -27,7 +28,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "attention": ("dense", "blockwise"),
 }
 
-MODEL_KINDS = ("encoder_decoder", "decoder_only", "encoder_only")
+MODEL_KINDS = tuple(TASKS)   # the task registry's model kinds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,7 +323,7 @@ class Config:
   runtime: RuntimeConfig = RuntimeConfig()
 
   def __post_init__(self):
-    compute = self.precision.parsed.compute_dtype.name
+    compute = self.precision.parsed.compute_dtype
     object.__setattr__(self, "model", dataclasses.replace(self.model, dtype=compute))
 
   def validate(self) -> None:

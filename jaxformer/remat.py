@@ -17,10 +17,7 @@ forward pass, so the masks (and so the gradients) are identical to no remat.
 
 from __future__ import annotations
 
-from typing import Callable
-
-import flax.linen as nn
-import jax
+from typing import Any
 
 # checkpoint_name tags (jaxformer/layers/attention.py).
 QUERY = "query_proj"          # q `[batch, q_len, num_heads, head_dim]`
@@ -28,17 +25,19 @@ KEY = "key_proj"              # k `[batch, kv_len, num_heads, head_dim]`
 VALUE = "value_proj"          # v `[batch, kv_len, num_heads, head_dim]`
 ATTENTION_OUT = "attention_out"  # softmax(q k^T / sqrt(head_dim)) v, `[batch, q_len, num_heads, head_dim]`
 
-_POLICIES: dict[str, Callable[..., bool] | None] = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "save_dots": jax.checkpoint_policies.dots_saveable,
-    "minimal": jax.checkpoint_policies.save_only_these_names(QUERY, KEY, VALUE, ATTENTION_OUT),
-}
-POLICY_NAMES = tuple(_POLICIES)
+POLICY_NAMES = ("none", "full", "save_dots", "minimal")
 
 
-def remat_block(block: type[nn.Module], policy: str, static_argnums: tuple[int, ...],
-                prevent_cse: bool = True) -> type[nn.Module]:
+def _policy(name: str) -> Any:
+  """The `jax.checkpoint` policy of a name (JAX is imported here, not with the module, so a
+  config naming a policy is checked without it)."""
+  import jax  # noqa: PLC0415
+  policies = jax.checkpoint_policies
+  return {"full": policies.nothing_saveable, "save_dots": policies.dots_saveable,
+          "minimal": policies.save_only_these_names(QUERY, KEY, VALUE, ATTENTION_OUT)}[name]
+
+
+def remat_block(block: Any, policy: str, static_argnums: tuple[int, ...], prevent_cse: bool = True) -> Any:
   """`block` wrapped in `nn.remat` with the named policy (`block` itself for "none").
 
   Args:
@@ -51,8 +50,9 @@ def remat_block(block: type[nn.Module], policy: str, static_argnums: tuple[int, 
   Raises:
     ValueError: unknown policy name (configs are checked earlier by `ModelConfig.validate`).
   """
-  if policy not in _POLICIES:
+  if policy not in POLICY_NAMES:
     raise ValueError(f"unknown remat policy {policy!r}; use one of {', '.join(POLICY_NAMES)}")
   if policy == "none":
     return block
-  return nn.remat(block, policy=_POLICIES[policy], static_argnums=static_argnums, prevent_cse=prevent_cse)
+  import flax.linen as nn  # noqa: PLC0415
+  return nn.remat(block, policy=_policy(policy), static_argnums=static_argnums, prevent_cse=prevent_cse)

@@ -84,3 +84,16 @@ def test_missing_and_malformed_files(tmp_path):
   bad.write_text("- just\n- a list\n")
   with pytest.raises(ConfigError, match="must hold a mapping"):
     load_config(bad)
+
+
+def test_a_config_typo_fails_before_jax_is_imported():
+  """`jaxformer train` checks the config first: a mistyped key costs no JAX import."""
+  import subprocess
+  import sys
+  code = ("import sys; from jaxformer.cli import main; "
+          "rc = main(['train', '--config', 'configs/tiny.yaml', '--workdir', 'unused', 'train.num_step=3']); "
+          "print(rc, sorted(m for m in ('jax', 'flax', 'orbax', 'grain', 'tensorflow_datasets') if m in sys.modules))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent.parent,
+                       timeout=120)
+  assert out.stdout.split("\n")[0] == "2 []", out.stdout + out.stderr
+  assert out.stderr.strip() == "error: unknown config key 'train.num_step'; did you mean train.num_steps?"

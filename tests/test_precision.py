@@ -13,7 +13,8 @@ from jaxformer import sharding as sh
 from jaxformer.config import (Config, ConfigError, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig,
                               config_from_dict, dump_config, load_config)
 from jaxformer.models.transformer import PAD_ID, EncoderDecoder
-from jaxformer.precision import MIN_LOSS_SCALE, LossScale, Policy, next_loss_scale, parse_policy
+from jaxformer.policy import Policy, parse_policy
+from jaxformer.precision import MIN_LOSS_SCALE, LossScale, next_loss_scale
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import create_state, state_shardings
 from jaxformer.train.step import loss_fn, make_train_step
@@ -31,10 +32,10 @@ def _policy(compute: str) -> str:
 
 
 def test_parse_policy_values():
-  assert parse_policy(_policy("bfloat16")) == Policy(compute_dtype=jnp.dtype(jnp.bfloat16))
+  assert parse_policy(_policy("bfloat16")) == Policy(compute_dtype="bfloat16")
   # Any order, spaces allowed, missing keys are float32.
   f16 = parse_policy(" compute = float16 , params=float32")
-  assert (f16.param_dtype, f16.compute_dtype, f16.output_dtype) == (jnp.float32, jnp.float16, jnp.float32)
+  assert (f16.param_dtype, f16.compute_dtype, f16.output_dtype) == ("float32", "float16", "float32")
   assert parse_policy("compute=float32") == Policy()
   assert str(f16) == _policy("float16") and parse_policy(str(f16)) == f16
 
