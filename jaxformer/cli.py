@@ -1,4 +1,4 @@
-"""`jaxformer train | eval | translate | generate | bench`: thin wiring of config, runtime and the library.
+"""`jaxformer train | eval | translate | generate | bench | config`: thin wiring of config, runtime and the library.
 
 User mistakes (bad config, mesh, paths, missing checkpoints) print one `error:` line and
 exit with status 2; results are JSON lines on stdout (the last line of `eval` is one
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -16,16 +17,32 @@ from jaxformer.errors import CheckpointError
 from jaxformer.config import ConfigError, load_config, parse_override
 
 
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_HINT = ("configs: `jaxformer config --list` lists the shipped configs; `jaxformer config --show CONFIG "
+               "[key=value ...]` prints every key with its value, type, default and description")
+
+
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="jaxformer", description="Train and use Transformer models in JAX.")
+  p = argparse.ArgumentParser(prog="jaxformer", description="Train and use Transformer models in JAX.",
+                              epilog=CONFIG_HINT)
   sub = p.add_subparsers(dest="command", required=True)
 
-  t = sub.add_parser("train", help="train (or resume) a model in a workdir")
-  t.add_argument("--config", required=True, help="YAML config, e.g. configs/multi30k_small.yaml")
+  t = sub.add_parser("train", help="train (or resume) a model in a workdir", epilog=CONFIG_HINT)
+  t.add_argument("--config", required=True, help="YAML config, e.g. configs/multi30k_small.yaml "
+                 "(`jaxformer config --list` shows the shipped ones)")
   t.add_argument("--workdir", required=True, help="directory for checkpoints, logs, config and tokenizer")
   t.add_argument("--dry-run", action="store_true", help="print the sharding summary and exit without training")
+  t.add_argument("--verbose", action="store_true", help="print every parameter's sharding at the start (as --dry-run)")
   _add_distributed_args(t)
-  t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.num_steps=100 mesh.data=4")
+  t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.num_steps=100 mesh.data=4 "
+                 "(`jaxformer config --show CONFIG` lists every key)")
+
+  c = sub.add_parser("config", help="list the shipped configs, or show a resolved config with every key's "
+                     "type, default and description")
+  what = c.add_mutually_exclusive_group(required=True)
+  what.add_argument("--list", action="store_true", help="the shipped configs with their one-line descriptions")
+  what.add_argument("--show", metavar="CONFIG", help="a YAML config (path or shipped name) with overrides applied")
+  c.add_argument("overrides", nargs="*", help="dotted overrides for --show, e.g. train.num_steps=100")
 
   e = sub.add_parser("eval", help="restore a checkpoint and report BLEU/chrF (translation) or validation "
                      "loss and perplexity (causal LM) or masked-token loss and accuracy (masked LM)")
@@ -124,7 +141,7 @@ def cmd_train(args) -> None:
   initialize_from_args(args)  # before any other JAX use
   init_runtime(config.runtime)
   from jaxformer.train.loop import train
-  train(config, args.workdir, dry_run=args.dry_run)
+  train(config, args.workdir, dry_run=args.dry_run, verbose=args.verbose)
 
 
 def cmd_eval(args) -> None:
@@ -181,10 +198,44 @@ def cmd_bench(args) -> None:
   print(json.dumps(result), flush=True)
 
 
+def _config_path(name: str) -> str:
+  """A config path as given, or a shipped config's name (`tiny`, `multi30k_small`)."""
+  shipped = CONFIGS_DIR / f"{name}.yaml"
+  return str(shipped) if not Path(name).is_file() and shipped.is_file() else name
+
+
+def cmd_config(args) -> None:
+  if args.list:
+    configs = []
+    for path in sorted(CONFIGS_DIR.glob("*.yaml")):
+      head = []
+      for line in path.read_text().splitlines():   # the leading comment block, up to its first full stop
+        if not line.startswith("#"):
+          break
+        head.append(line[1:].strip())
+      description = " ".join(head).split(". ")[0].rstrip(".")
+      configs.append({"name": path.stem, "path": str(path), "description": description})
+    width = max(len(c["name"]) for c in configs)
+    for c in configs:
+      print(f"{c['name'].ljust(width)}  {c['description']}")
+    print(json.dumps({"configs": configs}), flush=True)
+    return
+  from jaxformer.config import to_dict
+  from jaxformer.schema import describe
+  config = load_config(_config_path(args.show), args.overrides)
+  rows = describe(config)
+  width = max(len(r["key"]) for r in rows)
+  for r in rows:
+    value = json.dumps(r["value"])
+    default = "" if r["value"] == r["default"] else f", default {json.dumps(r['default'])}"
+    print(f"{r['key'].ljust(width)} = {value}  ({r['type']}{default})  {r['description']}")
+  print(json.dumps(to_dict(config)), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   commands = {"train": cmd_train, "eval": cmd_eval, "translate": cmd_translate, "generate": cmd_generate,
-              "bench": cmd_bench}
+              "bench": cmd_bench, "config": cmd_config}
   try:
     commands[args.command](args)
   except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
@@ -193,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
   except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)
     return 130
+  except BrokenPipeError:   # stdout closed early (`| head`): stop quietly
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
   return 0
 
 

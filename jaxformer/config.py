@@ -38,15 +38,15 @@ class ModelConfig:
   `kind`: encoder_decoder (the paper's translation model), decoder_only (causal LM,
   `num_decoder_layers` blocks) or encoder_only (BERT-style masked LM, `num_encoder_layers`).
   """
-  kind: str = "encoder_decoder"
+  kind: str = "encoder_decoder"  # encoder_decoder (translation) | decoder_only (causal LM) | encoder_only (masked LM)
   vocab_size: int = 8000        # shared source/target vocabulary, tokens
-  d_model: int = 256
-  num_heads: int = 4
-  d_ff: int = 1024
-  num_encoder_layers: int = 3
-  num_decoder_layers: int = 3
+  d_model: int = 256           # width of the residual stream and embeddings
+  num_heads: int = 4            # attention heads (d_model / num_heads = head_dim)
+  d_ff: int = 1024              # hidden width of the position-wise feed-forward network
+  num_encoder_layers: int = 3   # encoder blocks (encoder_decoder, encoder_only)
+  num_decoder_layers: int = 3   # decoder blocks (encoder_decoder, decoder_only)
   dropout_rate: float = 0.1     # residual, embedding (paper section 5.4)
-  attention_dropout_rate: float = 0.0
+  attention_dropout_rate: float = 0.0  # dropout on the attention weights
   pre_norm: bool = False        # paper: post-LN
   tie_embeddings: bool = True   # one matrix for source, target and output logits
   max_length: int = 256         # longest sequence the positional table covers, tokens
@@ -117,9 +117,9 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
   """Device mesh sizes; one of them may be -1 (use the remaining devices)."""
-  data: int = -1
-  fsdp: int = 1
-  tensor: int = 1
+  data: int = -1                # devices on the data axis (batch only); -1 = the rest
+  fsdp: int = 1                 # devices on the fsdp axis (batch and every parameter, ZeRO-3)
+  tensor: int = 1               # devices on the tensor axis (heads, d_ff, vocabulary)
   rules: str = ""               # overrides of sharding.LOGICAL_RULES, e.g. "embed=none,act_batch=data"
 
   def validate(self) -> None:
@@ -138,7 +138,7 @@ class PrecisionConfig:
   loss_scale: str = "auto"      # auto (dynamic iff compute=float16) | dynamic | none
   initial_scale: float = 32768.0  # 2**15
   growth_interval: int = 2000   # finite steps in a row before the scale grows
-  growth_factor: float = 2.0
+  growth_factor: float = 2.0    # the loss scale grows by this after growth_interval finite steps
   backoff_factor: float = 0.5   # on a non-finite step
 
   @property
@@ -182,15 +182,15 @@ class OptimConfig:
   optimizer: str = "adam"       # adam | adamw (decoupled weight decay, none on biases/norms/embeddings)
   schedule: str = "rsqrt"       # rsqrt (paper) | constant | cosine
   learning_rate: float = 1.0    # rsqrt: scale factor on d_model^-0.5 * min(...); constant/cosine: the peak rate
-  warmup_steps: int = 4000
+  warmup_steps: int = 4000      # linear warmup of the learning rate, steps
   decay_steps: int = 0          # cosine: step at which the rate reaches min_learning_rate
   min_learning_rate: float = 0.0  # cosine: final rate
-  b1: float = 0.9
-  b2: float = 0.98
-  eps: float = 1e-9
+  b1: float = 0.9               # Adam beta1 (paper: 0.9)
+  b2: float = 0.98              # Adam beta2 (paper: 0.98)
+  eps: float = 1e-9             # Adam epsilon (paper: 1e-9)
   weight_decay: float = 0.0     # adamw only
   clip_grad_norm: float = 0.0   # 0 disables global-norm clipping
-  label_smoothing: float = 0.1
+  label_smoothing: float = 0.1  # epsilon_ls of the loss (paper section 5.4: 0.1)
 
   def validate(self) -> None:
     if self.schedule not in ("rsqrt", "constant", "cosine"):
@@ -225,8 +225,8 @@ class DataConfig:
   source_field: str = ""               # JSONL/TSV/TFDS key of the source text; empty = data.source_lang
   target_field: str = ""               # JSONL/TSV/TFDS key of the target text; empty = data.target_lang
   text_field: str = "text"             # JSONL/TFDS key of a language model's documents
-  source_lang: str = "en"              # free labels (multi30k: en or de)
-  target_lang: str = "de"
+  source_lang: str = "en"              # free label of the source language (multi30k: en or de)
+  target_lang: str = "de"              # free label of the target language (multi30k: en or de)
   tfds_data_dir: str = ""              # tfds: the TFDS data dir it was prepared in; empty = TFDS's default
   data_dir: str = "~/.cache/jaxformer"  # prepared (tokenized) splits and trained tokenizers are cached here
   tokenizer: str = "unigram"           # SentencePiece unigram | bpe; char (language models: one id per character)
@@ -275,13 +275,13 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """Length of the run and how often it logs, evaluates and checkpoints (in steps)."""
-  num_steps: int = 10000
+  num_steps: int = 10000        # optimizer steps of the whole run
   batch_size: int = 64          # global, in sentence pairs
-  log_every: int = 50
+  log_every: int = 50           # steps between metrics.jsonl lines
   eval_every: int = 500         # validation loss
-  checkpoint_every: int = 1000
-  keep_checkpoints: int = 3
-  async_checkpoint: bool = True
+  checkpoint_every: int = 1000  # steps between checkpoints
+  keep_checkpoints: int = 3     # newest checkpoints kept
+  async_checkpoint: bool = True  # write checkpoints in the background
   z_loss: float = 0.0           # weight of log(Z)^2 per target token (PaLM uses 1e-4); 0 = off
   steps_per_call: int = 1       # optimizer steps per jitted call (one lax.scan); >1 saves per-call cost
 
@@ -297,7 +297,7 @@ class TrainConfig:
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
   """Process-level settings that do not change the model."""
-  seed: int = 0
+  seed: int = 0                 # initialisation, data order and dropout
   num_cpu_devices: int = 0      # >0: simulate this many CPU devices (multi-device runs on a laptop)
   platform: str = ""            # "" picks JAX's default backend; cpu | gpu | tpu forces one
 
@@ -313,7 +313,7 @@ class Config:
   `model.dtype` is derived: construction sets it to the compute dtype of `precision.policy`,
   the one place a user chooses precision.
   """
-  name: str = "unnamed"
+  name: str = "unnamed"         # a label for the run
   model: ModelConfig = ModelConfig()
   mesh: MeshConfig = MeshConfig()
   precision: PrecisionConfig = PrecisionConfig()

@@ -116,3 +116,35 @@ def to_plain(x: Any) -> Any:
   if isinstance(x, (list, tuple)):
     return [to_plain(v) for v in x]
   return x
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+  """The trailing `# comment` of each field line in `cls`'s source (its description)."""
+  import inspect  # noqa: PLC0415
+  import re  # noqa: PLC0415
+  try:
+    source = inspect.getsource(cls)
+  except (OSError, TypeError):
+    return {}
+  found = re.findall(r"^\s+(\w+): [^=\n]+=.*?#\s*(.+)$", source, re.MULTILINE)
+  return {name: text.strip() for name, text in found}
+
+
+def describe(config: Any, prefix: str = "") -> list[dict[str, Any]]:
+  """One row per user key of a dataclass tree: dotted `key`, `value`, `type`, `default` and
+  `description` (the field's source comment), nested dataclasses expanded."""
+  rows = []
+  hints = typing.get_type_hints(type(config))
+  comments = _field_comments(type(config))
+  for f in dataclasses.fields(config):
+    if "set_by" in f.metadata:
+      continue
+    value = getattr(config, f.name)
+    key = f"{prefix}{f.name}"
+    if dataclasses.is_dataclass(value):
+      rows += describe(value, key + ".")
+      continue
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    rows.append({"key": key, "value": to_plain(value), "type": _type_name(hints[f.name]).replace("typing.", ""),
+                 "default": to_plain(default), "description": comments.get(f.name, "")})
+  return rows

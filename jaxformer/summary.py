@@ -50,14 +50,17 @@ def sharding_rows(abstract: TrainState, logical: TrainState, shardings: TrainSta
   return rows
 
 
-def format_summary(abstract: TrainState, logical: TrainState, shardings: TrainState, mesh) -> str:
-  """The parameter table and per-device totals as text."""
+def format_summary(abstract: TrainState, logical: TrainState, shardings: TrainState, mesh,
+                   table: bool = True) -> str:
+  """The per-device totals as text (two lines), after the parameter table when `table`."""
   rows = sharding_rows(abstract, logical, shardings)
-  header = ("parameter", "shape", "logical axes", "PartitionSpec", "per device")
-  table = [header] + [(r["name"], str(r["shape"]), str(r["logical"]), str(r["spec"]),
-                       _human(r["bytes_per_device"])) for r in rows]
-  widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-  lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in table]
+  lines = []
+  if table:
+    header = ("parameter", "shape", "logical axes", "PartitionSpec", "per device")
+    cells = [header] + [(r["name"], str(r["shape"]), str(r["logical"]), str(r["spec"]),
+                         _human(r["bytes_per_device"])) for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in cells]
   params = per_device_bytes(abstract.params, shardings.params)
   opt = per_device_bytes(abstract.opt_state, shardings.opt_state)
   num_params = sum(int(np.prod(r["shape"])) for r in rows)

@@ -150,3 +150,19 @@ def test_eval_errors_on_workdir_without_checkpoints_and_mismatched_files(tmp_pat
   ref.write_text("a\nb\n")
   line = _error_line(run_cli("eval", "--workdir", str(workdir), "--src", str(src), "--ref", str(ref), check=False))
   assert "no checkpoint in" in line
+
+
+def test_config_command_lists_and_shows_every_key(tmp_path):
+  listed = run_cli("config", "--list").stdout.strip().splitlines()
+  configs = json.loads(listed[-1])["configs"]
+  assert {c["name"] for c in configs} >= {"tiny", "multi30k_small", "shakespeare_char"} and len(listed) == len(configs) + 1
+  assert all(c["description"] for c in configs)
+  shown = run_cli("config", "--show", "tiny", "train.num_steps=5").stdout.strip().splitlines()
+  rows = {line.split(" = ")[0].strip(): line for line in shown[:-1]}
+  assert rows["train.num_steps"].split(" = ")[1].startswith("5  (int, default 10000)  optimizer steps")
+  assert "data.packing" in rows and all("(" in line for line in rows.values())
+  from jaxformer.config import load_config, to_dict
+  assert json.loads(shown[-1]) == to_dict(load_config(TINY, ["train.num_steps=5"]))
+  assert "did you mean train.num_steps?" in _error_line(run_cli("config", "--show", TINY, "train.num_step=5",
+                                                               check=False))
+  assert "jaxformer config --list" in run_cli("train", "--help").stdout

@@ -53,7 +53,11 @@ def test_aligned_files_in_another_pair_train_translate_and_eval(corpus, tmp_path
           f"data.validation_files={corpus}/valid.xx,{corpus}/valid.yy",
           f"data.test_files={corpus}/test.xx,{corpus}/test.yy", "data.source_lang=xx", "data.target_lang=yy",
           f"data.data_dir={tmp_path}/cache", "data.packing=true"]
-  run_cli("train", "--config", "configs/tiny.yaml", "--workdir", workdir, *TINY_MODEL, *data, *_steps(6))
+  proc = run_cli("train", "--config", "configs/tiny.yaml", "--workdir", workdir, *TINY_MODEL, *data, *_steps(6))
+  # Redirected output: plain lines (no progress bar, no escape codes), and the totals, not the table.
+  assert "\r" not in proc.stderr + proc.stdout and "\x1b" not in proc.stderr + proc.stdout
+  assert "PartitionSpec" not in proc.stderr and "parameters" in proc.stderr and "per device:" in proc.stderr
+  assert [json.loads(line)["step"] for line in proc.stdout.splitlines() if '"loss"' in line] == [3, 6]
   logged = [m for m in _metrics(workdir) if "loss" in m]
   assert logged[-1]["step"] == 6 and 0.0 <= logged[-1]["padding_fraction"] < 0.5
   result = json.loads(run_cli("eval", "--workdir", workdir).stdout.strip().splitlines()[-1])

@@ -97,19 +97,19 @@ class _Logger:
       self._tb.close()
 
 
-def train(config: Config, workdir: str | Path, dry_run: bool = False) -> dict[str, Any]:
+def train(config: Config, workdir: str | Path, dry_run: bool = False, verbose: bool = False) -> dict[str, Any]:
   """Trains `config` in `workdir`, resuming from its latest checkpoint if there is one.
 
-  Prints the sharding summary first (to stdout and nothing else when `dry_run`, else to
-  stderr). Returns the last logged training metrics. Raises ConfigError for a mesh,
+  Prints the sharding summary first: the parameter table and per-device totals to stdout
+  and nothing else when `dry_run`; else the totals (and with `verbose` the table) to stderr. Returns the last logged training metrics. Raises ConfigError for a mesh,
   `mesh.rules` or batch that does not fit the devices, or a workdir that holds a
   different model.
   """
   with sh.axis_rules(sh.parse_rules(config.mesh.rules)):
-    return _train(config, Path(workdir), dry_run)
+    return _train(config, Path(workdir), dry_run, verbose)
 
 
-def _train(config: Config, workdir: Path, dry_run: bool) -> dict[str, Any]:
+def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[str, Any]:
   _check_resume_config(workdir, config)
   mesh = build_mesh(config)
   task = get_task(config)
@@ -119,7 +119,8 @@ def _train(config: Config, workdir: Path, dry_run: bool) -> dict[str, Any]:
   shardings = sh.logical_to_sharding(logical, mesh)
   sh.check_divisible(abstract, shardings)
   if jax.process_index() == 0:
-    print(format_summary(abstract, logical, shardings, mesh), file=sys.stdout if dry_run else sys.stderr,
+    print(format_summary(abstract, logical, shardings, mesh, table=dry_run or verbose),
+          file=sys.stdout if dry_run else sys.stderr,
           flush=True)
   if dry_run:
     return {}
