@@ -135,6 +135,8 @@ def _runtime_from_overrides(overrides: list[str]):
 
 
 def cmd_train(args) -> None:
+  from jaxformer import interrupt
+  interrupt.install()   # before any library starts a thread (they inherit the blocked SIGINT)
   config = load_config(args.config, args.overrides)   # before any JAX import: a typo fails fast
   from jaxformer.runtime import init_runtime
   from jaxformer.distributed import initialize_from_args
@@ -242,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:
-    print("interrupted", file=sys.stderr)
-    return 130
+    from jaxformer.interrupt import exit_interrupted
+    exit_interrupted()   # status 130, without a teardown that native threads could race
   except BrokenPipeError:   # stdout closed early (`| head`): stop quietly
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0

@@ -20,6 +20,7 @@ import tqdm
 from tensorboardX import SummaryWriter
 
 from jaxformer import checkpoint as ckpt
+from jaxformer import interrupt
 from jaxformer import sharding as sh
 from jaxformer.config import Config, ConfigError, TrainConfig, dump_config, load_config
 from jaxformer.distributed import main_process_first
@@ -155,11 +156,13 @@ def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[
   stream = batches.iterate(start)
   try:
     while step < config.train.num_steps:
+      interrupt.check()
       n = call_length(step, config.train)
       local = [next(stream) for _ in range(n)]
       local = stack_batches(local) if stacked else local[0]
       padding += [padding_fraction(local)] * n
       state, metrics = train_step(state, global_batch(local, mesh), rng)
+      interrupt.loop_active.set()   # from the first call on (compiled): Ctrl-C stops at a step boundary
       pending.append(metrics)
       step += n
       bar.update(n)
@@ -184,8 +187,9 @@ def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[
       if step % config.train.checkpoint_every == 0 or step == config.train.num_steps:
         checkpointer.save(state, force=True)
   finally:
+    interrupt.loop_active.clear()
     bar.close()
-    checkpointer.close()
+    checkpointer.close()   # waits for pending asynchronous checkpoint writes
     logger.close()
   return record
 
