@@ -107,6 +107,18 @@ def save_run_files(workdir: str | Path, config_yaml: str, tokenizer_bytes: bytes
     _write_atomic(workdir / SOURCE_TOKENIZER_FILE, source_tokenizer_bytes)
 
 
+def load_vocabulary(workdir: str | Path):
+  """The workdir's `data.Vocabulary` (`tokenizer.model`, and `source_tokenizer.model` when the
+  vocabularies are separate), or None before the first run has written it."""
+  from jaxformer.data import Vocabulary, tokenizer_from_bytes  # noqa: PLC0415
+  workdir = Path(workdir)
+  if not (workdir / TOKENIZER_FILE).is_file():
+    return None
+  target = tokenizer_from_bytes((workdir / TOKENIZER_FILE).read_bytes())
+  source_file = workdir / SOURCE_TOKENIZER_FILE
+  return Vocabulary(tokenizer_from_bytes(source_file.read_bytes()) if source_file.is_file() else target, target)
+
+
 def run_file(workdir: str | Path, name: str) -> Path:
   """Path of a run file in `workdir`.
 

@@ -48,7 +48,8 @@ def _parser() -> argparse.ArgumentParser:
                      "loss and perplexity (causal LM) or masked-token loss and accuracy (masked LM)")
   e.add_argument("--workdir", required=True)
   e.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-  e.add_argument("--split", choices=("val", "test"), default="test")
+  e.add_argument("--split", choices=("val", "test"), default=None,
+                 help="the split to evaluate (default: test for translation, val for language models)")
   e.add_argument("--src", help="source file (one sentence per line) instead of --split")
   e.add_argument("--ref", help="reference file, line-aligned with --src")
   e.add_argument("--batch-size", type=int, default=64, help="sentences per decoding batch")
@@ -157,7 +158,7 @@ def cmd_eval(args) -> None:
   search = _search_options(args)
   config = evaluate.workdir_config(args.workdir, args.overrides)
   options = EvalOptions(split=args.split, src=args.src, ref=args.ref, batch_size=args.batch_size, search=search,
-                        output=args.output or args.workdir)
+                        output=args.output or args.workdir, workdir=args.workdir)
   result = get_task(config).evaluate(lambda: evaluate.restore(args.workdir, config, args.step), options)
   print(json.dumps(result), flush=True)
 

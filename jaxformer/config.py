@@ -247,11 +247,14 @@ class DataConfig:
       raise ConfigError(str(e)) from None
     if key == "files" and not self.train_files:
       raise ConfigError("data.dataset=files needs data.train_files, e.g. data.train_files=train.fr,train.en")
+    given = [k for k in ("train_files", "validation_files", "test_files") if getattr(self, k)]
+    if key != "files" and given:
+      raise ConfigError(f"data.{given[0]} is set but data.dataset={self.dataset}; add data.dataset=files to train "
+                        "on your files, or drop data.*_files")
     if not 0.0 < self.mask_probability < 1.0:
       raise ConfigError(f"data.mask_probability must be in (0, 1), got {self.mask_probability}")
-    if not self.source_lang or not self.target_lang or self.source_lang == self.target_lang:
-      raise ConfigError(f"data.source_lang={self.source_lang!r} and data.target_lang={self.target_lang!r} must be "
-                        "two different labels")
+    if not self.source_lang or not self.target_lang:
+      raise ConfigError("data.source_lang and data.target_lang must be non-empty labels")
     if self.overlong not in ("drop", "truncate"):
       raise ConfigError(f"data.overlong={self.overlong!r} is unknown; use drop or truncate")
     if self.tokenizer not in ("unigram", "bpe", "char"):

@@ -24,7 +24,7 @@ import sacrebleu
 from jaxformer import checkpoint as ckpt
 from jaxformer import sharding as sh
 from jaxformer.config import Config, ConfigError, config_from_dict, load_config, to_dict
-from jaxformer.data import Tokenizer, eval_batches, global_batch, tokenize_split, tokenizer_from_bytes
+from jaxformer.data import Tokenizer, eval_batches, global_batch, tokenize_split
 from jaxformer.decode import EOS_ID
 from jaxformer.runtime import build_mesh
 from jaxformer.search import LENGTH_PENALTY, SearchOptions, length_penalty, make_decode_fn
@@ -84,9 +84,8 @@ def restore(workdir: str | Path, config: Config, step: int | None = None) -> Res
   checkpointer = ckpt.Checkpointer(workdir, async_save=False)
   if not checkpointer.all_steps():
     raise ckpt.CheckpointError(f"no checkpoint in {checkpointer.directory}; train first or check --workdir")
-  tokenizer = tokenizer_from_bytes(ckpt.run_file(workdir, ckpt.TOKENIZER_FILE).read_bytes())
-  source_file = Path(workdir) / ckpt.SOURCE_TOKENIZER_FILE
-  source_tokenizer = tokenizer_from_bytes(source_file.read_bytes()) if source_file.is_file() else tokenizer
+  ckpt.run_file(workdir, ckpt.TOKENIZER_FILE)   # a one-line error if it is not a workdir
+  vocab = ckpt.load_vocabulary(workdir)
   rules = sh.parse_rules(config.mesh.rules)
   with sh.axis_rules(rules):
     mesh = build_mesh(config)
@@ -96,7 +95,7 @@ def restore(workdir: str | Path, config: Config, step: int | None = None) -> Res
     restored_step, params = checkpointer.restore_params(
         ckpt.sharded_target(abstract.params, shardings.params), step)
   checkpointer.close()
-  return Restored(config, tokenizer, model, mesh, params, restored_step, rules, source_tokenizer)
+  return Restored(config, vocab.target, model, mesh, params, restored_step, rules, vocab.source)
 
 
 def _round_batch(restored: Restored, batch_size: int) -> int:

@@ -81,6 +81,28 @@ def test_separate_vocabularies_train_and_translate(corpus, tmp_path):
   assert result["split"] == "val" and result["num_sentences"] == 40 and result["num_tokens"] > 40
 
 
+def test_resume_keeps_the_workdir_tokenizer_and_paths_are_saved_absolute(corpus, tmp_path):
+  src, tgt = tmp_path / "r.xx", tmp_path / "r.yy"
+  src.write_text((corpus / "train.xx").read_text())
+  tgt.write_text((corpus / "train.yy").read_text())
+  workdir = tmp_path / "resume"
+  args = ["train", "--config", "configs/tiny.yaml", "--workdir", str(workdir), *TINY_MODEL, "data.dataset=files",
+          f"data.train_files={src},{tgt}", "data.source_lang=xx", "data.target_lang=yy",
+          f"data.data_dir={tmp_path}/cache", "train.log_every=2", "train.eval_every=100", "train.checkpoint_every=2",
+          "train.batch_size=8"]
+  run_cli(*args, "train.num_steps=2")
+  tokenizer = (workdir / "tokenizer.model").read_bytes()
+  with open(src, "a") as f:
+    f.write("".join(f"goat{i} frog{i}\n" for i in range(300)))
+  with open(tgt, "a") as f:
+    f.write("".join(f"{i}taog {i}gorf\n" for i in range(300)))
+  resumed = run_cli(*args, "train.num_steps=4")
+  assert "using the tokenizer saved in" in resumed.stderr and "resuming from the step-2 checkpoint" in resumed.stderr
+  assert (workdir / "tokenizer.model").read_bytes() == tokenizer   # the ids the checkpoint was trained on
+  saved = (workdir / "config.yaml").read_text()
+  assert f"train_files: {src},{tgt}" in saved and f"data_dir: {tmp_path}/cache" in saved
+
+
 def test_multi30k_trains_de_to_en(tmp_path):
   workdir = str(tmp_path / "de_en")
   run_cli("train", "--config", "configs/tiny.yaml", "--workdir", workdir, "data.source_lang=de",
@@ -104,8 +126,9 @@ def test_language_models_train_on_own_text(corpus, tmp_path, kind, config, file)
           "model.max_length=16", "optim.schedule=constant", "optim.learning_rate=0.003", "data.packing=true",
           *_steps(4))
   result = json.loads(run_cli("eval", "--workdir", workdir).stdout.strip().splitlines()[-1])
-  assert result["kind"] == kind and result["step"] == 4 and result["num_tokens"] > 0
+  assert result["kind"] == kind and result["step"] == 4 and result["num_tokens"] > 0 and result["split"] == "val"
   if kind == "decoder_only":
+    assert "no test split" in run_cli("eval", "--workdir", workdir, "--split", "test", check=False).stderr
     text = run_cli("generate", "--workdir", workdir, "--prompt", "cat", "--max-new-tokens", "5").stdout
     assert text.startswith("cat")
 

@@ -205,3 +205,43 @@ def test_separate_vocabularies_encode_each_side_with_its_own_model(tmp_path, pai
   src, tgt = splits["train"].fetch([4])
   assert vocab.source.decode(src[0]) == PAIRS[4][0] and vocab.target.decode(tgt[0]) == PAIRS[4][1]
   assert src[0][:-1].tolist() == vocab.source.encode(PAIRS[4][0]) != vocab.target.encode(PAIRS[4][0])
+
+
+def test_more_bad_input_and_messy_files(tmp_path, pair_files, capsys):
+  notgz = _write(tmp_path / "plain.xx", "a\nb\n")
+  (tmp_path / "fake.xx.gz").write_bytes(Path(notgz).read_bytes())
+  good = gzip.compress(("cat\n" * 2000).encode())
+  (tmp_path / "cut.xx.gz").write_bytes(good[:len(good) // 2])
+  yy = _write(tmp_path / "b.yy", "x\n" * 2000)
+  assert "fake.xx.gz: not a valid or complete gzip file" in _error(tmp_path, train_files=f"{tmp_path}/fake.xx.gz,{yy}")
+  assert "cut.xx.gz: not a valid or complete gzip file" in _error(tmp_path, train_files=f"{tmp_path}/cut.xx.gz,{yy}")
+  assert "is a directory; give files" in _error(tmp_path, train_files=f"{tmp_path},{yy}")
+  listed = _write(tmp_path / "list.jsonl", json.dumps({"xx": ["a"], "yy": "b"}) + "\n")
+  assert "list.jsonl:1: field 'xx' holds a JSON list, not text" in _error(tmp_path, train_files=listed)
+  with pytest.raises(ConfigError, match="data.train_files is set but data.dataset=multi30k; add data.dataset=files"):
+    config_from_dict({"data": {"train_files": "a.xx,a.yy"}})
+  # null is an empty side (dropped and counted); blank TSV lines and a byte-order mark are not text.
+  nulls = _write(tmp_path / "nulls.jsonl", "".join(json.dumps({"xx": s, "yy": None if i == 3 else t}) + "\n"
+                                                for i, (s, t) in enumerate(PAIRS)))
+  source = make_source(_config(tmp_path, train_files=nulls).data, D.PAIRS)
+  assert list(source.examples("train"))[3] == (PAIRS[3][0], "")
+  tsv = tmp_path / "bom.tsv"
+  tsv.write_bytes(b"\xef\xbb\xbfxx\tyy\n" + "".join(f"{s}\t{t}\n" for s, t in PAIRS[:5]).encode() + b"\n\n")
+  assert list(make_source(_config(tmp_path, train_files=str(tsv)).data, D.PAIRS).examples("train")) == PAIRS[:5]
+  # Overlong pairs are reported, and a killed preparation's temporary folder is removed later.
+  tokenizer = D.train_tokenizer([s for p in PAIRS for s in p], 60, "bpe")
+  abandoned = tmp_path / "cache" / "prepared" / "files-train-0.incomplete-999999999"
+  abandoned.mkdir(parents=True)
+  source = make_source(_config(tmp_path, train_files=pair_files["aligned"]).data, D.PAIRS)
+  capsys.readouterr()
+  short = prep.prepare_pairs(source, "train", D.Vocabulary(tokenizer, tokenizer), tmp_path / "cache", 14, "drop")
+  assert 0 < len(short) < 60 and f"dropped {60 - len(short)} of 60 train pairs longer than data.max_length=14" \
+      in capsys.readouterr().err
+  prep._remove_abandoned(tmp_path / "cache" / "prepared" / "files-train-0")
+  assert not abandoned.exists()
+
+
+def test_decode_skips_ids_beyond_the_tokenizer():
+  tokenizer = D.train_tokenizer([s for p in PAIRS for s in p], 60, "bpe")
+  ids = tokenizer.encode("the cat")
+  assert tokenizer.decode(ids[:1] + [tokenizer.vocab_size, tokenizer.vocab_size + 5] + ids[1:]) == "the cat"

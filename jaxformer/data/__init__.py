@@ -10,6 +10,7 @@ need and pick the batches.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,33 +31,44 @@ HELD_OUT_PAIRS = 1000         # validation pairs taken from the end of train whe
 HELD_OUT_TEXT_FRACTION = 0.1  # the same for text: this share of the train tokens
 
 
-def load_data(config, kind: str, reserved_ids: int = 0) -> tuple[Any, dict[str, Any]]:
+def load_data(config, kind: str, reserved_ids: int = 0, vocab: Vocabulary | None = None,
+              only: tuple[str, ...] | None = None) -> tuple[Vocabulary, dict[str, Any]]:
   """The vocabulary and prepared splits of the configured dataset.
 
   Args:
     config: the run's `Config`.
     kind: `PAIRS` (sentence pairs) or `TEXT` (a token stream), as the task needs.
     reserved_ids: ids the model keeps after the tokenizer's (the masked LM's [MASK]).
+    vocab: the tokenizers to use (a workdir's, when resuming or evaluating); None makes or
+      loads them from the data settings.
+    only: the splits wanted (default: all the source has); a held-out validation split
+      also prepares train.
   Returns:
     `(Vocabulary, {"train": ..., "validation": ..., ["test": ...]})`: `PreparedPairs` or
-    `PreparedText` per split. Without a validation split, the end of train is held out
-    (`HELD_OUT_PAIRS` pairs, at most a tenth, or `HELD_OUT_TEXT_FRACTION` of the tokens).
+    `PreparedText` per split (of those wanted). Without a validation split, the end of train
+    is held out (`HELD_OUT_PAIRS` pairs, at most a tenth, or `HELD_OUT_TEXT_FRACTION` of the
+    tokens).
   Raises:
     DataError, FileNotFoundError: bad data or settings (one line).
   """
   data = config.data
   source = make_source(data, kind)
   root = Path(data.data_dir).expanduser()
-  vocab = make_vocabulary(data, source, config.model.vocab_size - reserved_ids, root, reserved_ids)
+  if vocab is None:
+    vocab = make_vocabulary(data, source, config.model.vocab_size - reserved_ids, root, reserved_ids)
+  available = source.splits()
+  wanted = set(available) | {"validation"} if only is None else set(only)
+  if "validation" in wanted and "validation" not in available:
+    wanted.add("train")
   splits: dict[str, Any] = {}
-  for split in source.splits():
+  for split in (s for s in available if s in wanted):
     if kind == PAIRS:
       overlong = data.overlong if split == "train" else "truncate"
       splits[split] = prepare_pairs(source, split, vocab, root, data.max_length, overlong)
     else:
       splits[split] = prepare_text(source, split, vocab.target, root,
                                    append_eos=not isinstance(vocab.target, CharTokenizer))
-  if "validation" not in splits:
+  if "validation" in wanted and "validation" not in available:
     train = splits["train"]
     n = len(train)
     held = min(HELD_OUT_PAIRS, n // 10) if kind == PAIRS else int(n * HELD_OUT_TEXT_FRACTION)
@@ -67,6 +79,19 @@ def load_data(config, kind: str, reserved_ids: int = 0) -> tuple[Any, dict[str, 
     print(f"no validation split: holding out the last {held} {'pairs' if kind == PAIRS else 'tokens'} of train",
           file=sys.stderr, flush=True)
   return vocab, splits
+
+
+def absolute_paths(config):
+  """`config` with its data paths (files, tokenizer model, data dirs) made absolute, so the
+  config saved in a workdir works from any directory."""
+  import dataclasses  # noqa: PLC0415
+  data = config.data
+
+  def absolute(spec: str) -> str:
+    return ",".join(os.path.abspath(os.path.expanduser(p.strip())) for p in spec.split(",") if p.strip())
+  keys = ("train_files", "validation_files", "test_files", "tokenizer_model", "data_dir", "tfds_data_dir")
+  return dataclasses.replace(config, data=dataclasses.replace(
+      data, **{k: absolute(getattr(data, k)) for k in keys if getattr(data, k)}))
 
 
 def pair_batches(config, splits, process_index: int = 0, process_count: int = 1):
@@ -87,9 +112,15 @@ def window_batches(config, splits, shift: bool, process_index: int = 0, process_
   """(training batches, validation batches) of token windows of `data.max_length` for this
   process; `shift`: targets one token ahead (causal LM), else the inputs (masked LM)."""
   kw = dict(shift=shift, packing=config.data.packing, process_index=process_index, process_count=process_count)
-  batch_size, context = config.train.batch_size, config.data.max_length
-  return (WindowBatches(splits["train"], batch_size, context, seed=config.runtime.seed, **kw),
-          window_eval_batches(splits["validation"], batch_size, context, **kw))
+  train = WindowBatches(splits["train"], config.train.batch_size, config.data.max_length, seed=config.runtime.seed,
+                        **kw)
+  return train, lm_eval_batches(config, splits["validation"], shift, process_index, process_count)
+
+
+def lm_eval_batches(config, split, shift: bool, process_index: int = 0, process_count: int = 1):
+  """A whole split once in consecutive windows of `data.max_length` (`window_eval_batches`)."""
+  return window_eval_batches(split, config.train.batch_size, config.data.max_length, shift=shift,
+                             packing=config.data.packing, process_index=process_index, process_count=process_count)
 
 
 def global_batch(local: dict[str, np.ndarray], mesh) -> dict[str, Any]:
@@ -104,9 +135,9 @@ def global_batch(local: dict[str, np.ndarray], mesh) -> dict[str, Any]:
 
 __all__ = [
     "BOS_ID", "DEFAULT_BUCKETS", "EOS_ID", "HELD_OUT_PAIRS", "PAD_ID", "PAIRS", "SOURCES", "SPLITS", "TEXT",
-    "UNK_ID", "ArrayStream", "CharTokenizer", "DataError", "PackedBatches", "PreparedPairs", "PreparedText",
+    "UNK_ID", "ArrayStream", "absolute_paths", "CharTokenizer", "DataError", "PackedBatches", "PreparedPairs", "PreparedText",
     "TokenizedSplit", "Tokenizer", "TrainBatches", "Vocabulary", "WindowBatches", "eval_batches", "first_fit", "global_batch",
-    "load_data", "make_buckets", "make_source", "make_vocabulary", "pack_rows", "padding_fraction", "pair_batches",
+    "lm_eval_batches", "load_data", "make_buckets", "make_source", "make_vocabulary", "pack_rows", "padding_fraction", "pair_batches",
     "prepare_pairs", "prepare_text", "shard_rows", "source_key", "stack_batches", "tokenize_split",
     "tokenizer_from_bytes", "train_tokenizer", "window_batches",
 ]

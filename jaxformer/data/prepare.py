@@ -83,6 +83,7 @@ def _build(final: Path, fill) -> Path:
   if (final / "meta.json").is_file():
     return final
   final.parent.mkdir(parents=True, exist_ok=True)
+  _remove_abandoned(final)
   tmp = final.with_name(f"{final.name}.incomplete-{os.getpid()}")
   shutil.rmtree(tmp, ignore_errors=True)
   tmp.mkdir()
@@ -97,6 +98,18 @@ def _build(final: Path, fill) -> Path:
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
   return final
+
+
+def _remove_abandoned(final: Path) -> None:
+  """Deletes temporary folders of `final` whose process is gone (killed or interrupted)."""
+  for tmp in final.parent.glob(f"{final.name}.incomplete-*"):
+    pid = tmp.name.rsplit("-", 1)[-1]
+    try:
+      os.kill(int(pid), 0)   # signal 0: does the process exist?
+    except (ValueError, ProcessLookupError):
+      shutil.rmtree(tmp, ignore_errors=True)
+    except PermissionError:   # alive, someone else's
+      pass
 
 
 def prepare_pairs(source: Source, split: str, vocab, root: Path, max_length: int,
@@ -144,6 +157,10 @@ def prepare_pairs(source: Source, split: str, vocab, root: Path, max_length: int
     if counts["empty"]:
       _log(f"dropped {counts['empty']} of {counts['read']} {split} pairs with an empty side "
            f"({source.describe(split)})")
+    if counts["dropped"] or counts["truncated"]:
+      done = "dropped" if counts["dropped"] else "truncated"
+      _log(f"{done} {counts[done]} of {counts['read']} {split} pairs longer than data.max_length={max_length} "
+           "tokens (data.overlong)")
     if shards.count == 0:
       raise ValueError(f"the {split} split of {source.describe(split)} has no usable sentence pairs "
                        f"(read {counts['read']}, empty {counts['empty']}, too long {counts['dropped']})")

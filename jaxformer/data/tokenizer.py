@@ -37,8 +37,8 @@ class Tokenizer:
     if specials != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
       raise ValueError(
           f"SentencePiece model has special ids (pad, unk, bos, eos)="
-          f"{specials}, expected {(PAD_ID, UNK_ID, BOS_ID, EOS_ID)}; retrain "
-          "it with jaxformer.data.tokenizer.train_tokenizer.")
+          f"{specials}, expected {(PAD_ID, UNK_ID, BOS_ID, EOS_ID)}; train "
+          "it with --pad_id=0 --unk_id=1 --bos_id=2 --eos_id=3")
     self._sp = processor
 
   @classmethod
@@ -48,8 +48,8 @@ class Tokenizer:
     try:
       processor.LoadFromSerializedProto(serialized)
     except Exception as e:  # sentencepiece raises RuntimeError/OSError.
-      raise ValueError(f"invalid SentencePiece model bytes ({e}); retrain "
-                       "the tokenizer or delete the cached model file.") from e
+      raise ValueError(f"not a SentencePiece model ({e}); give a .model file "
+                       "written by SentencePiece") from e
     return cls(processor)
 
   @classmethod
@@ -97,12 +97,15 @@ class Tokenizer:
     return self._sp.encode(list(texts), out_type=int)
 
   def decode(self, ids: Iterable[int] | np.ndarray) -> str:
-    """Text of ``ids``: stops at the first EOS, skips PAD and BOS."""
+    """Text of ``ids``: stops at the first EOS, skips PAD and BOS, and skips ids
+    the model has beyond this tokenizer's (a model may have more ids than its
+    tokenizer, e.g. when the text supported fewer pieces)."""
     out = []
+    size = self.vocab_size
     for i in np.asarray(ids, dtype=np.int64).reshape(-1).tolist():
       if i == EOS_ID:
         break
-      if i not in (PAD_ID, BOS_ID):
+      if i not in (PAD_ID, BOS_ID) and 0 <= i < size:
         out.append(i)
     return self._sp.decode(out)
 

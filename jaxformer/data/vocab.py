@@ -126,6 +126,9 @@ def _tokenizer(data, source: Source, vocab_size: int, root: Path, reserved: int,
     if path.is_file():
       return Tokenizer.load(path)
     sample = reservoir_sample(_training_texts(source, sides), data.input_sentence_size)
+    if not any(t.strip() for t in sample):
+      raise DataError(f"the train split ({source.describe('train')}) has no text to train a tokenizer on; "
+                      "check the files")
     tokenizer = train_fitting(sample, vocab_size, data.tokenizer)
     tokenizer.save(path)
   if tokenizer.vocab_size > vocab_size:

@@ -22,16 +22,19 @@ from jaxformer import data as D
 class EvalOptions:
   """What `jaxformer eval` asks of a task (fields a task does not use are ignored).
 
-  split: `val` or `test`; src / ref: files to score instead of a split (translation);
+  split: `val`, `test` or None (the task's `default_split`); src / ref: files to score
+  instead of a split (translation);
   batch_size: sentences per decoding batch; search: `search.SearchOptions`; output: the
-  hypotheses file (default: in the workdir, named after the split and the search).
+  hypotheses file, or a folder (the workdir) where it is named after the split and the
+  search; workdir: the run's folder, whose tokenizers encode the evaluation data.
   """
-  split: str = "test"
+  split: str | None = None
   src: str | None = None
   ref: str | None = None
   batch_size: int = 64
   search: Any = None
   output: str | None = None
+  workdir: str | None = None
 
 
 class Task:
@@ -44,12 +47,14 @@ class Task:
     reserved_ids: ids the model has after the tokenizer's (the masked LM's [MASK]).
     needs_rng: whether the train step needs a key even without dropout (MLM masking).
     generates: whether `jaxformer generate` can sample text from the model.
+    default_split: what `eval` scores without `--split` (`val` or `test`).
   """
   kind = ""
   data_kind = D.PAIRS
   reserved_ids = 0
   needs_rng = False
   generates = False
+  default_split = "test"
 
   def __init__(self, config):
     self.config = config
@@ -61,9 +66,9 @@ class Task:
     """The Flax module of this kind for `config.model`."""
     raise NotImplementedError
 
-  def load_data(self) -> tuple[Any, dict[str, Any]]:
+  def load_data(self, vocab=None, only: tuple[str, ...] | None = None) -> tuple[Any, dict[str, Any]]:
     """(`data.Vocabulary`, prepared splits); see `data.load_data`."""
-    return D.load_data(self.config, self.data_kind, self.reserved_ids)
+    return D.load_data(self.config, self.data_kind, self.reserved_ids, vocab, only)
 
   def make_batches(self, splits, process_index: int = 0, process_count: int = 1):
     """(training batches with `.iterate(start_step)`, list of validation batches) of this process."""
@@ -75,6 +80,22 @@ class Task:
     weights `[batch, length]`: 1 on real targets, 0 on padding). `rng` None means evaluation
     (dropout off); otherwise it is the step's key."""
     raise NotImplementedError
+
+  def eval_split(self, options: EvalOptions) -> Any:
+    """The prepared split `options.split` names (`val` or `test`), tokenized with the workdir's
+    vocabulary.
+
+    Raises:
+      ValueError: the dataset has no such split.
+    """
+    from jaxformer.checkpoint import load_vocabulary  # noqa: PLC0415  (Orbax: only when evaluating)
+    split = {"val": "validation", "test": "test"}[options.split or self.default_split]
+    vocab = load_vocabulary(options.workdir) if options.workdir else None
+    splits = self.load_data(vocab, only=(split,))[1]
+    if split not in splits:
+      raise ValueError(f"the dataset has no {split} split; give data.test_files when training, "
+                       "or use --split val" + (" or --src/--ref" if self.data_kind == D.PAIRS else ""))
+    return splits[split]
 
   def evaluate(self, restore: Callable[[], Any], options: EvalOptions) -> dict[str, Any]:
     """The `eval` command's JSON result. `restore()` returns the `evaluate.Restored`

@@ -30,6 +30,7 @@ class CausalLM(Task):
   kind = "decoder_only"
   data_kind = D.TEXT
   generates = True
+  default_split = "val"
   shift = True
 
   def make_model(self) -> DecoderOnly:
@@ -43,13 +44,14 @@ class CausalLM(Task):
     return logits, batch["targets"], (batch["targets"] != PAD_ID).astype(jnp.float32)
 
   def evaluate(self, restore, options: EvalOptions) -> dict[str, Any]:
-    """Loss over the whole validation split (batches of `train.batch_size` windows): `loss`
+    """Loss over the whole `options.split` (batches of `train.batch_size` windows): `loss`
     (mean NLL per predicted token, nats, no label smoothing), `perplexity` = exp(loss),
     `accuracy` (argmax hits; for the masked LM over the masked tokens only) and `num_tokens`."""
     import jax  # noqa: PLC0415
 
     from jaxformer.evaluate import batches_loss  # noqa: PLC0415
-    _, splits = self.load_data()
-    _, batches = self.make_batches(splits, jax.process_index(), jax.process_count())
+    data = self.eval_split(options)
+    batches = D.lm_eval_batches(self.config, data, self.shift, jax.process_index(), jax.process_count())
     restored = restore()
-    return {"step": restored.step, **batches_loss(restored, batches), "split": "val", "kind": self.kind}
+    split = options.split or self.default_split
+    return {"step": restored.step, **batches_loss(restored, batches), "split": split, "kind": self.kind}

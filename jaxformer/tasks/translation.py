@@ -49,7 +49,8 @@ class Translation(Task):
 
   def validate(self) -> None:
     data = self.config.data
-    data.validate_buckets()
+    if not data.packing:   # packed rows are data.max_length long: no buckets
+      data.validate_buckets()
     if data.tokenizer == "char" and not data.tokenizer_model:
       raise ConfigError("data.tokenizer=char is for language models; use unigram or bpe for translation")
     if not data.shared_vocab and self.config.model.tie_embeddings:
@@ -82,13 +83,8 @@ class Translation(Task):
       if len(src) != len(ref):
         raise ValueError(f"--src has {len(src)} lines but --ref has {len(ref)}; they must be line-aligned")
       return "custom", src, ref
-    split = {"val": "validation", "test": "test"}[options.split]
-    splits = self.load_data()[1]
-    if split not in splits:
-      raise ValueError(f"the dataset has no {split} split; give data.test_files when training, "
-                       "or use --split val or --src/--ref")
-    data = splits[split]
-    return options.split, data.source_texts, data.target_texts
+    data = self.eval_split(options)
+    return options.split or self.default_split, data.source_texts, data.target_texts
 
   def evaluate(self, restore, options: EvalOptions) -> dict[str, Any]:
     """Decodes and scores; writes the hypotheses to `options.output` (a file, or a folder

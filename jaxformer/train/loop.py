@@ -24,7 +24,7 @@ from jaxformer import interrupt
 from jaxformer import sharding as sh
 from jaxformer.config import Config, ConfigError, TrainConfig, dump_config, load_config
 from jaxformer.distributed import main_process_first
-from jaxformer.data import PAIRS, global_batch, padding_fraction, stack_batches
+from jaxformer.data import PAIRS, absolute_paths, global_batch, padding_fraction, stack_batches
 from jaxformer.runtime import build_mesh
 from jaxformer.train.optim import make_optimizer
 from jaxformer.summary import format_summary
@@ -126,9 +126,13 @@ def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[
   if dry_run:
     return {}
   # Process 0 builds the dataset and tokenizer cache in data_dir; the others wait, then read them.
-  vocab, splits = main_process_first(task.load_data, "prepare_data")
+  # A workdir keeps its tokenizers: a resumed run reads its data with the ids it trained on.
+  saved_vocab = ckpt.load_vocabulary(workdir)
+  if saved_vocab is not None and jax.process_index() == 0:
+    print(f"using the tokenizer saved in {workdir}", file=sys.stderr, flush=True)
+  vocab, splits = main_process_first(lambda: task.load_data(saved_vocab), "prepare_data")
   if jax.process_index() == 0:
-    ckpt.save_run_files(workdir, dump_config(config), vocab.target.serialized,
+    ckpt.save_run_files(workdir, dump_config(absolute_paths(config)), vocab.target.serialized,
                         None if vocab.shared else vocab.source.serialized)
   checkpointer = ckpt.Checkpointer(workdir, config.train.checkpoint_every, config.train.keep_checkpoints,
                                    config.train.async_checkpoint)

@@ -80,6 +80,8 @@ def expand_paths(spec: str, key: str) -> list[Path]:
       out += matches
     elif Path(pattern).is_file():
       out.append(Path(pattern))
+    elif Path(pattern).is_dir():
+      raise FileNotFoundError(f"{key}: {item!r} is a directory; give files, or a glob such as {item.rstrip('/')}/*.txt")
     else:
       raise FileNotFoundError(f"{key}: the file {item!r} does not exist; check the path")
   return out
@@ -92,14 +94,19 @@ def read_lines(path: Path) -> Iterator[tuple[int, str]]:
     DataError: a line is not valid UTF-8 (names the file, line and byte).
   """
   opener = gzip.open if path.suffix == ".gz" else open
-  with opener(path, "rb") as f:
-    for number, raw in enumerate(f, 1):
-      try:
-        line = raw.decode("utf-8")
-      except UnicodeDecodeError as e:
-        raise DataError(f"{path}:{number}: not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
-                        "convert the file to UTF-8, e.g. with iconv") from None
-      yield number, line.rstrip("\r\n")
+  number = 0
+  try:
+    with opener(path, "rb") as f:
+      for number, raw in enumerate(f, 1):
+        try:
+          line = raw.decode("utf-8-sig" if number == 1 else "utf-8")   # a byte-order mark is not text
+        except UnicodeDecodeError as e:
+          raise DataError(f"{path}:{number}: not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                          "convert the file to UTF-8, e.g. with iconv") from None
+        yield number, line.rstrip("\r\n")
+  except (OSError, EOFError) as e:   # gzip.BadGzipFile is an OSError; a truncated .gz ends in EOFError
+    kind = "not a valid or complete gzip file" if path.suffix == ".gz" else "cannot be read"
+    raise DataError(f"{path}: {kind} (after line {number}: {e}); check the file") from None
 
 
 def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
@@ -123,13 +130,19 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
 
 
 def field(record: dict, key: str, where: str, setting: str) -> str:
-  """`record[key]` as a string.
+  """`record[key]` as a string; null is the empty string (an empty side is dropped and counted).
 
   Raises:
-    DataError: the key is missing; lists the keys that exist and the setting to change.
+    DataError: the key is missing (lists the keys that exist and the setting to change), or
+      its value is a list or an object rather than text.
   """
   if key not in record:
     raise DataError(f"{where}: no field {key!r}; the fields are {', '.join(map(str, record)) or 'none'}; "
                     f"set {setting}")
   value = record[key]
+  if value is None:
+    return ""
+  if isinstance(value, (list, dict)):
+    raise DataError(f"{where}: field {key!r} holds a JSON {'list' if isinstance(value, list) else 'object'}, "
+                    f"not text; point {setting} at a text field")
   return value.decode("utf-8") if isinstance(value, bytes) else str(value)

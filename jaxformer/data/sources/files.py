@@ -2,9 +2,10 @@
 
 Translation (kind pairs), per split either
   * two aligned plain-text files `SRC,TGT` (one sentence per line; `.gz` allowed), or
-  * one `.jsonl` file (one object per line) or `.tsv` file (a header row naming the columns)
-    with the fields `data.source_field` / `data.target_field` (default: the language labels
-    `data.source_lang` / `data.target_lang`).
+  * one `.jsonl` file (one object per line; a null value is an empty side) or `.tsv` file (a
+    header row naming the columns; cells split at tabs, without quoting; blank lines
+    skipped) with the fields `data.source_field` / `data.target_field` (default: the
+    language labels `data.source_lang` / `data.target_lang`).
 Language models (kind text): one or more paths or globs of plain-text files, whose documents
 are separated by blank lines, or `.jsonl` files with the field `data.text_field`.
 """
@@ -91,6 +92,8 @@ class Files(Source):
         raise DataError(f"{path}: no column {key!r}; the header has {', '.join(columns)}; set {setting}")
     i, j = columns.index(src_key), columns.index(tgt_key)
     for number, line in lines:
+      if not line.strip():   # blank lines (a trailing one, say) hold no pair
+        continue
       cells = line.split("\t")
       if len(cells) != len(columns):
         raise DataError(f"{path}:{number}: {len(cells)} tab-separated cells, but the header has {len(columns)}")

@@ -43,8 +43,8 @@ class Tfds(Source):
     try:
       self._builder = tfds.builder(self.dataset, data_dir=data_dir)
     except tfds.core.registered.DatasetNotFoundError:
-      raise DataError(f"TFDS has no dataset {self.dataset!r} (nor is it prepared in "
-                      f"{data_dir or 'the default data dir'}); check the name, or prepare it: {hint}") from None
+      raise DataError(f"TFDS has no dataset {self.dataset!r} registered here, nor prepared in "
+                      f"{data_dir or 'the default data dir'}; check the name, or prepare it: {hint}") from None
     except Exception as e:  # noqa: BLE001  tfds raises many kinds for a bad name or config
       raise DataError(f"cannot load TFDS dataset {self.dataset!r} ({str(e).splitlines()[0]}); check the name") from None
     if not self._builder.is_prepared():
