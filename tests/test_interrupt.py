@@ -17,9 +17,10 @@ RUN = ["train.batch_size=8", "train.log_every=5", "train.eval_every=1000", "trai
        "model.num_encoder_layers=1", "model.num_decoder_layers=1"]
 
 
-def _default_sigint():
-  """A child started from a background job inherits SIGINT ignored; a user's terminal would not."""
-  signal.signal(signal.SIGINT, signal.SIG_DFL)
+# A child of a background job inherits SIGINT ignored, which `jaxformer train` respects; a
+# user's terminal does not ignore it, so the child first restores Python's own handler.
+LAUNCH = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+          "sys.argv = ['jaxformer'] + sys.argv[1:]; runpy.run_module('jaxformer', run_name='__main__')")
 
 
 @pytest.mark.slow
@@ -29,9 +30,9 @@ def test_ctrl_c_exits_promptly_with_130(tmp_path):
   data = [f"data.data_dir={tmp_path / 'data'}"]
   workdir = tmp_path / "run"
   for delay in (0.5, 1.5, 3.0, 4.5, 6.0, 7.5, 9.0, 11.0, 13.0, 16.0):
-    proc = subprocess.Popen([sys.executable, "-m", "jaxformer", "train", "--config", TINY, "--workdir", str(workdir),
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "train", "--config", TINY, "--workdir", str(workdir),
                              *data, *RUN], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=_default_sigint)
+                            text=True)
     time.sleep(delay)
     sent = time.perf_counter()
     proc.send_signal(signal.SIGINT)

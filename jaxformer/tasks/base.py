@@ -9,6 +9,7 @@ evaluates a restored checkpoint. Nothing outside the two registries (`tasks/__in
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any, Callable
 
@@ -37,7 +38,7 @@ class EvalOptions:
   workdir: str | None = None
 
 
-class Task:
+class Task(abc.ABC):
   """Base class of the registered tasks; subclasses set the class attributes and implement
   `make_model`, `make_batches`, `outputs` and `evaluate`.
 
@@ -62,24 +63,24 @@ class Task:
   def validate(self) -> None:
     """Raises ConfigError (one line) for settings this task cannot use; `Config.validate` calls it."""
 
+  @abc.abstractmethod
   def make_model(self) -> nn.Module:
     """The Flax module of this kind for `config.model`."""
-    raise NotImplementedError
 
   def load_data(self, vocab=None, only: tuple[str, ...] | None = None) -> tuple[Any, dict[str, Any]]:
     """(`data.Vocabulary`, prepared splits); see `data.load_data`."""
     return D.load_data(self.config, self.data_kind, self.reserved_ids, vocab, only)
 
+  @abc.abstractmethod
   def make_batches(self, splits, process_index: int = 0, process_count: int = 1):
     """(training batches with `.iterate(start_step)`, list of validation batches) of this process."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def outputs(self, model: nn.Module, params: Any, batch: dict[str, jax.Array],
               rng: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(float32 logits `[batch, length, vocab]`, int targets `[batch, length]`, float32 loss
     weights `[batch, length]`: 1 on real targets, 0 on padding). `rng` None means evaluation
     (dropout off); otherwise it is the step's key."""
-    raise NotImplementedError
 
   def eval_split(self, options: EvalOptions) -> Any:
     """The prepared split `options.split` names (`val` or `test`), tokenized with the workdir's
@@ -97,10 +98,10 @@ class Task:
                        "or use --split val" + (" or --src/--ref" if self.data_kind == D.PAIRS else ""))
     return splits[split]
 
+  @abc.abstractmethod
   def evaluate(self, restore: Callable[[], Any], options: EvalOptions) -> dict[str, Any]:
     """The `eval` command's JSON result. `restore()` returns the `evaluate.Restored`
     checkpoint; tasks check their inputs first, so a user mistake fails before the restore."""
-    raise NotImplementedError
 
 
 def apply_model(model: nn.Module, params: Any, rng: jax.Array | None, *args, **kwargs) -> jax.Array:

@@ -13,6 +13,7 @@ line (`DataError`) for text that is not UTF-8 or JSON that does not parse.
 
 from __future__ import annotations
 
+import abc
 import glob
 import gzip
 import json
@@ -28,7 +29,7 @@ class DataError(ValueError):
   """A problem with the user's data or data settings; the message is one line naming the fix."""
 
 
-class Source:
+class Source(abc.ABC):
   """Base class of the registered sources (`data/sources/__init__.py`).
 
   Subclasses are built as `cls(data, kind)` from the run's `DataConfig` and the kind the
@@ -40,17 +41,17 @@ class Source:
   def __init__(self, data: Any, kind: str):
     self.data, self.kind = data, kind
 
+  @abc.abstractmethod
   def splits(self) -> tuple[str, ...]:
     """The splits this source has, a subset of `SPLITS` that includes `train`."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def examples(self, split: str) -> Iterator[Any]:
     """`(source, target)` str pairs (kind pairs) or document strings (kind text), in a fixed order."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def fingerprint(self, split: str) -> dict[str, Any]:
     """JSON-serialisable facts that change whenever the split's content may have changed."""
-    raise NotImplementedError
 
   def describe(self, split: str) -> str:
     """Where the split comes from, for log lines."""
