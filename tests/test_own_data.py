@@ -57,6 +57,9 @@ def test_aligned_files_in_another_pair_train_translate_and_eval(corpus, tmp_path
   # Redirected output: plain lines (no progress bar, no escape codes), and the totals, not the table.
   assert "\r" not in proc.stderr + proc.stdout and "\x1b" not in proc.stderr + proc.stdout
   assert "PartitionSpec" not in proc.stderr and "parameters" in proc.stderr and "per device:" in proc.stderr
+  # Preparation says what it prepares, from which files and where it is cached (nothing is downloaded).
+  assert f"preparing train pairs from {corpus}/train.xx, {corpus}/train.yy into {tmp_path}/cache/prepared/" in proc.stderr
+  assert "Downloading" not in proc.stderr
   assert [json.loads(line)["step"] for line in proc.stdout.splitlines() if '"loss"' in line] == [3, 6]
   logged = [m for m in _metrics(workdir) if "loss" in m]
   assert logged[-1]["step"] == 6 and 0.0 <= logged[-1]["padding_fraction"] < 0.5

@@ -25,7 +25,6 @@ import dataclasses
 import threading
 from typing import Iterator, Sequence
 
-import grain
 import numpy as np
 
 from jaxformer.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
@@ -167,8 +166,9 @@ class StepBatches:
   ``_prefetch`` and ``_num_threads`` (grain thread prefetch; 0 threads: none)."""
 
   def dataset(self, start_step: int = 0,
-              num_steps: int | None = None) -> grain.MapDataset:
+              num_steps: int | None = None):
     """A ``grain.MapDataset`` whose item ``i`` is batch ``start_step + i``."""
+    import grain  # noqa: PLC0415  (imported when batches are read, so config checks stay light)
     stop = start_step + num_steps if num_steps is not None else 2**62
     return grain.MapDataset.range(start_step, stop).map(self.__getitem__)
 
@@ -178,6 +178,7 @@ class StepBatches:
     ds = self.dataset(start_step, num_steps)
     if self._num_threads <= 0:
       return iter(ds)
+    import grain  # noqa: PLC0415
     return iter(ds.to_iter_dataset(grain.ReadOptions(
         num_threads=self._num_threads,
         prefetch_buffer_size=max(1, self._prefetch))))

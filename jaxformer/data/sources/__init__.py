@@ -18,23 +18,28 @@ SOURCES = {
 }
 
 
+def _source_class(key: str) -> type[Source]:
+  module, cls = SOURCES[key].split(":")
+  return getattr(importlib.import_module(module), cls)
+
+
 def source_key(dataset: str) -> str:
-  """The registry key of a `data.dataset` value (`tfds:NAME` -> `tfds`).
+  """The registry key of a `data.dataset` value: the part before `:` (`tfds:NAME` -> `tfds`).
 
   Raises:
-    DataError: the dataset is not registered (lists those that are).
+    DataError: the dataset is not registered, or is given an argument it does not take (or
+      lacks one it needs); lists the valid forms.
   """
-  key = dataset.split(":", 1)[0] if ":" in dataset else dataset
-  if key not in SOURCES or (key == "tfds") != (":" in dataset):
-    raise DataError(f"data.dataset={dataset!r} is unknown; use one of {', '.join(k for k in SOURCES if k != 'tfds')} "
-                    "or tfds:NAME")
+  key = dataset.split(":", 1)[0]
+  if key not in SOURCES or bool(_source_class(key).argument) != (":" in dataset):
+    forms = [f"{k}:{_source_class(k).argument}" if _source_class(k).argument else k for k in SOURCES]
+    raise DataError(f"data.dataset={dataset!r} is unknown; use one of {', '.join(forms)}")
   return key
 
 
 def make_source(data, kind: str) -> Source:
   """The source of `data.dataset` (a `DataConfig`), yielding `kind` (`PAIRS` or `TEXT`) examples."""
-  module, cls = SOURCES[source_key(data.dataset)].split(":")
-  return getattr(importlib.import_module(module), cls)(data, kind)
+  return _source_class(source_key(data.dataset))(data, kind)
 
 
 __all__ = ["PAIRS", "SOURCES", "SPLITS", "TEXT", "DataError", "Source", "make_source", "source_key"]

@@ -34,9 +34,11 @@ class Source(abc.ABC):
 
   Subclasses are built as `cls(data, kind)` from the run's `DataConfig` and the kind the
   task needs (`PAIRS` or `TEXT`), and implement `splits`, `examples` and `fingerprint`.
-  `name` is a short label used in cache folder names and messages.
+  `name` is a short label used in cache folder names and messages; `argument` names what a
+  source takes after a colon in `data.dataset` (empty: nothing).
   """
   name = "source"
+  argument = ""   # what follows `NAME:` in data.dataset (e.g. tfds:NAME), if the source takes one
 
   def __init__(self, data: Any, kind: str):
     self.data, self.kind = data, kind

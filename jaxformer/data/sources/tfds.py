@@ -29,6 +29,7 @@ def _prepare_hint(name: str, data_dir: str) -> str:
 class Tfds(Source):
   """A prepared TFDS dataset; see the module docstring."""
   name = "tfds"
+  argument = "NAME"
 
   def __init__(self, data, kind: str):
     super().__init__(data, kind)
