@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
                  help="the split to evaluate (default: test for translation, val for language models)")
   e.add_argument("--src", help="source file (one sentence per line) instead of --split")
   e.add_argument("--ref", help="reference file, line-aligned with --src")
-  e.add_argument("--batch-size", type=int, default=64, help="sentences per decoding batch")
+  e.add_argument("--batch-size", type=_positive, default=64, help="sentences per decoding batch")
   e.add_argument("--output", help="hypotheses file (default: WORKDIR/hypotheses.<split>.<greedy|beamK|sampleS>.txt)")
   _add_search_args(e)
   e.add_argument("overrides", nargs="*", help="runtime/mesh overrides, e.g. runtime.num_cpu_devices=4 mesh.data=4")
@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
   tr = sub.add_parser("translate", help="translate stdin lines to stdout")
   tr.add_argument("--workdir", required=True)
   tr.add_argument("--step", type=int, default=None)
-  tr.add_argument("--batch-size", type=int, default=64)
+  tr.add_argument("--batch-size", type=_positive, default=64)
   _add_search_args(tr)
   tr.add_argument("overrides", nargs="*")
 
@@ -79,7 +79,8 @@ def _parser() -> argparse.ArgumentParser:
   b = sub.add_parser("bench", help="time the train step on synthetic batches: compile time, tokens/s, MFU, "
                      "memory; also torch.nn.Transformer when PyTorch is installed")
   b.add_argument("--config", required=True)
-  b.add_argument("--batch-size", type=int, default=None, help="sentence pairs per step (default: train.batch_size)")
+  b.add_argument("--batch-size", type=_positive, default=None,
+                 help="sentence pairs per step (default: train.batch_size)")
   b.add_argument("--src-length", type=int, default=32, help="source tokens per pair")
   b.add_argument("--tgt-length", type=int, default=32, help="target tokens per pair")
   b.add_argument("--steps", type=int, default=10, help="timed steps after warm-up (the median is reported)")
@@ -88,6 +89,17 @@ def _parser() -> argparse.ArgumentParser:
   b.add_argument("--output", help="also write the JSON result to this file")
   b.add_argument("overrides", nargs="*", help="dotted overrides, e.g. precision.policy=compute=bfloat16 runtime.num_cpu_devices=2")
   return p
+
+
+def _positive(text: str) -> int:
+  """argparse type: an int >= 1 (a usage error names the flag otherwise)."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+  return value
 
 
 def _add_distributed_args(p: argparse.ArgumentParser) -> None:
@@ -169,6 +181,11 @@ def cmd_translate(args) -> None:
   from jaxformer import evaluate
   search = _search_options(args)
   config = evaluate.workdir_config(args.workdir, args.overrides)
+  from jaxformer.data import PAIRS
+  from jaxformer.tasks import get_task
+  if get_task(config).data_kind != PAIRS:
+    raise ValueError(f"{args.workdir} holds a language model (model.kind={config.model.kind}); translate needs a "
+                     "translation model, and `jaxformer generate` samples from a causal LM")
   restored = evaluate.restore(args.workdir, config, args.step)
   lines = [line.rstrip("\n") for line in sys.stdin]
   if lines:

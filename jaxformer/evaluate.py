@@ -216,7 +216,13 @@ def batches_loss(restored: Restored, batches) -> dict[str, float]:
 
 
 def score(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any]:
-  """Corpus BLEU and chrF with sacrebleu defaults (cased, 13a tokenizer on detokenised text)."""
+  """Corpus BLEU and chrF with sacrebleu defaults (cased, 13a tokenizer on detokenised text).
+
+  Raises:
+    ValueError: the hypotheses and references differ in number (sacrebleu would truncate).
+  """
+  if len(hypotheses) != len(references):
+    raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references; score aligned lists")
   bleu = sacrebleu.metrics.BLEU()
   chrf = sacrebleu.metrics.CHRF()
   b = bleu.corpus_score(list(hypotheses), [list(references)])

@@ -166,3 +166,13 @@ def test_config_command_lists_and_shows_every_key(tmp_path):
   assert "did you mean train.num_steps?" in _error_line(run_cli("config", "--show", TINY, "train.num_step=5",
                                                                check=False))
   assert "jaxformer config --list" in run_cli("train", "--help").stdout
+
+
+def test_scoring_mismatched_counts_and_zero_batch_sizes_are_refused(tmp_path):
+  from jaxformer import evaluate
+  with pytest.raises(ValueError, match="3 hypotheses but 2 references"):
+    evaluate.score(["a", "b", "c"], ["a", "b"])
+  assert evaluate.score(["a b c d"], ["a b c d"])["bleu"] == 100.0
+  for command in (["eval", "--workdir", str(tmp_path)], ["bench", "--config", TINY]):
+    proc = run_cli(*command, "--batch-size", "0", check=False)
+    assert proc.returncode == 2 and "--batch-size: 0 must be >= 1" in proc.stderr

@@ -132,6 +132,12 @@ def test_language_models_train_on_own_text(corpus, tmp_path, kind, config, file)
   assert result["kind"] == kind and result["step"] == 4 and result["num_tokens"] > 0 and result["split"] == "val"
   if kind == "decoder_only":
     assert "no test split" in run_cli("eval", "--workdir", workdir, "--split", "test", check=False).stderr
+    src = corpus / "test.xx"
+    assert "--src/--ref score translations" in run_cli("eval", "--workdir", workdir, "--src", str(src), "--ref",
+                                                       str(src), check=False).stderr
+    wrong = subprocess.run([sys.executable, "-m", "jaxformer", "translate", "--workdir", workdir], input="cat\n",
+                           capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert wrong.returncode == 2 and "translate needs a translation model" in wrong.stderr
     text = run_cli("generate", "--workdir", workdir, "--prompt", "cat", "--max-new-tokens", "5").stdout
     assert text.startswith("cat")
 

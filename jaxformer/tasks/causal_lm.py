@@ -50,6 +50,8 @@ class CausalLM(Task):
     import jax  # noqa: PLC0415
 
     from jaxformer.evaluate import batches_loss  # noqa: PLC0415
+    if options.src or options.ref:
+      raise ValueError("--src/--ref score translations; a language model's eval scores --split val|test")
     data = self.eval_split(options)
     batches = D.lm_eval_batches(self.config, data, self.shift, jax.process_index(), jax.process_count())
     restored = restore()

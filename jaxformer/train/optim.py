@@ -17,18 +17,17 @@ def rsqrt_schedule(d_model: int, warmup_steps: int, scale: float = 1.0) -> optax
   The paper counts steps from 1; optax counts updates from 0, so update `count` uses
   paper step `count + 1`. The value at count 0 is therefore finite and positive:
   scale * d_model^-0.5 * warmup_steps^-1.5. Linear warmup for counts < warmup_steps,
-  then inverse square-root decay.
+  then inverse square-root decay. Computed from the formula at every step (float32), so
+  the warmup has no interpolation error and jitted and Python values agree.
   """
-  peak = scale * d_model ** -0.5 * warmup_steps ** -0.5
-  warmup = optax.linear_schedule(
-      init_value=peak / warmup_steps, end_value=peak, transition_steps=max(warmup_steps - 1, 1))
+  base = scale * d_model ** -0.5
+  slope = float(warmup_steps) ** -1.5
 
-  def decay(count):  # count is relative to the boundary: paper step = count + warmup_steps
-    return scale * d_model ** -0.5 * jnp.asarray(count + warmup_steps, jnp.float32) ** -0.5
+  def schedule(count):
+    step = jnp.asarray(count, jnp.float32) + 1.0
+    return base * jnp.minimum(jax.lax.rsqrt(step), step * slope)
 
-  if warmup_steps == 1:
-    return lambda count: decay(count)
-  return optax.join_schedules([warmup, decay], boundaries=[warmup_steps - 1])
+  return schedule
 
 
 def cosine_schedule(peak: float, warmup_steps: int, decay_steps: int, min_value: float = 0.0) -> optax.Schedule:
