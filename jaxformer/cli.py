@@ -187,7 +187,13 @@ def cmd_translate(args) -> None:
     raise ValueError(f"{args.workdir} holds a language model (model.kind={config.model.kind}); translate needs a "
                      "translation model, and `jaxformer generate` samples from a causal LM")
   restored = evaluate.restore(args.workdir, config, args.step)
-  lines = [line.rstrip("\n") for line in sys.stdin]
+  lines = []
+  for number, raw in enumerate(sys.stdin.buffer, 1):
+    try:
+      lines.append(raw.decode("utf-8").rstrip("\r\n"))
+    except UnicodeDecodeError as e:
+      raise ValueError(f"stdin line {number} is not valid UTF-8 (byte {raw[e.start]:#04x} at column "
+                       f"{e.start + 1}); translate reads UTF-8 text") from None
   if lines:
     hyps, _ = evaluate.translate(restored, lines, args.batch_size, search)
     sys.stdout.write("".join(h + "\n" for h in hyps))

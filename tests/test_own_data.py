@@ -72,6 +72,9 @@ def test_aligned_files_in_another_pair_train_translate_and_eval(corpus, tmp_path
   translated = subprocess.run([sys.executable, "-m", "jaxformer", "translate", "--workdir", workdir],
                               input="cat dog\nbird\n", capture_output=True, text=True, cwd=ROOT, timeout=600)
   assert translated.returncode == 0 and len(translated.stdout.splitlines()) == 2
+  garbled = subprocess.run([sys.executable, "-m", "jaxformer", "translate", "--workdir", workdir],
+                           input=b"cat\n\xff dog\n", capture_output=True, cwd=ROOT, timeout=600)
+  assert garbled.returncode == 2 and b"stdin line 2 is not valid UTF-8 (byte 0xff at column 1)" in garbled.stderr
 
 
 def test_separate_vocabularies_train_and_translate(corpus, tmp_path):

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jaxformer import data as D
 from jaxformer.config import ConfigError
+from jaxformer.data.sources.base import read_lines
 from jaxformer.models.transformer import PAD_ID, EncoderDecoder
 from jaxformer.tasks.base import EvalOptions, Task, apply_model
 
@@ -24,10 +25,11 @@ PACKED_KEYS = ("inputs_segment_ids", "inputs_positions", "targets_segment_ids", 
 
 
 def _read_lines(path: str, what: str) -> list[str]:
+  """The lines of a `--src`/`--ref` file (UTF-8, `.gz` allowed); one-line errors name the file."""
   file = Path(path)
   if not file.is_file():
     raise FileNotFoundError(f"{what} file {path} does not exist")
-  lines = file.read_text(encoding="utf-8").splitlines()
+  lines = [line for _, line in read_lines(file)]
   if not lines:
     raise ValueError(f"{what} file {path} is empty")
   return lines
