@@ -86,7 +86,8 @@ class Translation(Task):
         raise ValueError(f"--src has {len(src)} lines but --ref has {len(ref)}; they must be line-aligned")
       return "custom", src, ref
     data = self.eval_split(options)
-    return options.split or self.default_split, data.source_texts, data.target_texts
+    sources, references = data.texts(range(len(data)))   # one read of the records
+    return options.split or self.default_split, sources, references
 
   def evaluate(self, restore, options: EvalOptions) -> dict[str, Any]:
     """Decodes and scores; writes the hypotheses to `options.output` (a file, or a folder
