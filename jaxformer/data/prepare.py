@@ -252,13 +252,15 @@ class PreparedPairs:
     """The pairs `[start, stop)` of this view."""
     return PreparedPairs(self.folder, self.start + start, self.start + stop)
 
-  def _read(self, ids) -> list[tuple[np.ndarray, np.ndarray, bytes]]:
-    records = self._records.get([self.start + int(i) for i in ids])
+  def _read(self, ids) -> list[tuple[np.ndarray, np.ndarray, bytes, bytes]]:
+    """(source ids, target ids, UTF-8 source text, UTF-8 target text) of each example in
+    `ids` (one batched read; see the module docstring for the record layout)."""
     out = []
-    for r in records:
-      n_src, n_tgt, _, _ = np.frombuffer(r, np.int32, 4)
+    for r in self._records.get([self.start + int(i) for i in ids]):
+      n_src, n_tgt, src_bytes, _ = (int(x) for x in np.frombuffer(r, np.int32, 4))
       ids_ = np.frombuffer(r, np.int32, n_src + n_tgt, 16)
-      out.append((ids_[:n_src], ids_[n_src:], r[16 + 4 * (n_src + n_tgt):]))
+      text = r[16 + 4 * (n_src + n_tgt):]
+      out.append((ids_[:n_src], ids_[n_src:], text[:src_bytes], text[src_bytes:]))
     return out
 
   def fetch(self, ids) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -268,13 +270,8 @@ class PreparedPairs:
 
   def texts(self, ids) -> tuple[list[str], list[str]]:
     """(source texts, target texts) of example `ids`."""
-    out = ([], [])
-    for r in self._records.get([self.start + int(i) for i in ids]):
-      header = np.frombuffer(r, np.int32, 4)
-      text = r[16 + 4 * int(header[0] + header[1]):]
-      out[0].append(text[:header[2]].decode())
-      out[1].append(text[header[2]:].decode())
-    return out
+    records = self._read(ids)
+    return [r[2].decode() for r in records], [r[3].decode() for r in records]
 
   @property
   def source_texts(self) -> list[str]:

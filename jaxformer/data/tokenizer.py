@@ -117,22 +117,19 @@ class Tokenizer:
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int,
                     model_type: str = "unigram", *,
-                    input_sentence_size: int = 1_000_000,
                     byte_fallback: bool | None = None,
-                    seed: int = 0, num_threads: int = 2) -> Tokenizer:
+                    num_threads: int = 2) -> Tokenizer:
   """Train a SentencePiece model in memory (no files), deterministically.
 
   Args:
-    texts: training sentences (empty ones are skipped).
+    texts: training sentences (empty ones are skipped), all of them used; bound
+      their number upstream (``vocab.reservoir_sample``).
     vocab_size: number of pieces incl. the 4 specials. For ``"char"`` it is an
       upper bound (the vocabulary is the set of seen characters).
     model_type: ``"unigram"``, ``"bpe"`` or ``"char"``.
-    input_sentence_size: if there are more sentences, a seeded random subset
-      of this many is used.
     byte_fallback: encode unseen characters as UTF-8 byte pieces (exact round
       trip for any text; needs 256 extra pieces). Default: on when
       ``vocab_size >= 1024`` and ``model_type != "char"``.
-    seed: seed of the sentence subsampling.
     num_threads: trainer threads.
 
   Returns:
@@ -147,11 +144,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int,
   if not sentences:
     raise ValueError("train_tokenizer got no non-empty texts; check the "
                      "training data.")
-  if len(sentences) > input_sentence_size:
-    rng = np.random.default_rng(seed)
-    keep = np.sort(rng.choice(len(sentences), input_sentence_size,
-                              replace=False))
-    sentences = [sentences[i] for i in keep]
   if byte_fallback is None:
     byte_fallback = (model_type != "char"
                      and vocab_size >= _BYTE_FALLBACK_MIN_VOCAB)
