@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from jaxformer.errors import CheckpointError
+from jaxformer.errors import CheckpointError, NonFiniteError
 from jaxformer.config import ConfigError, load_config, parse_override
 
 
@@ -47,26 +47,27 @@ def _parser() -> argparse.ArgumentParser:
   e = sub.add_parser("eval", help="restore a checkpoint and report BLEU/chrF (translation) or validation "
                      "loss and perplexity (causal LM) or masked-token loss and accuracy (masked LM)")
   e.add_argument("--workdir", required=True)
-  e.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+  _add_checkpoint_args(e)
   e.add_argument("--split", choices=("val", "test"), default=None,
                  help="the split to evaluate (default: test for translation, val for language models)")
   e.add_argument("--src", help="source file (one sentence per line) instead of --split")
   e.add_argument("--ref", help="reference file, line-aligned with --src")
   e.add_argument("--batch-size", type=_positive, default=64, help="sentences per decoding batch")
-  e.add_argument("--output", help="hypotheses file (default: WORKDIR/hypotheses.<split>.<greedy|beamK|sampleS>.txt)")
+  e.add_argument("--output", help="hypotheses file (default: WORKDIR/hypotheses.<split>.<greedy|beamK|sampleS>.txt; "
+                 "a read-only WORKDIR gets them in a new temporary folder, named on stderr)")
   _add_search_args(e)
   e.add_argument("overrides", nargs="*", help="runtime/mesh overrides, e.g. runtime.num_cpu_devices=4 mesh.data=4")
 
   tr = sub.add_parser("translate", help="translate stdin lines to stdout")
   tr.add_argument("--workdir", required=True)
-  tr.add_argument("--step", type=int, default=None)
+  _add_checkpoint_args(tr)
   tr.add_argument("--batch-size", type=_positive, default=64)
   _add_search_args(tr)
   tr.add_argument("overrides", nargs="*")
 
   g = sub.add_parser("generate", help="sample text from a causal LM (decoder_only) with the KV cache")
   g.add_argument("--workdir", required=True)
-  g.add_argument("--step", type=int, default=None)
+  _add_checkpoint_args(g)
   g.add_argument("--prompt", required=True, help="text to continue, e.g. $'\\n' or 'ROMEO:'")
   g.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per sample")
   g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature > 0")
@@ -75,6 +76,13 @@ def _parser() -> argparse.ArgumentParser:
   g.add_argument("--seed", type=int, default=0, help="sampling seed: same seed, same text")
   g.add_argument("--num-samples", type=int, default=1, help="independent samples, separated by a '---' line")
   g.add_argument("overrides", nargs="*")
+
+  a = sub.add_parser("average", help="write the mean params of a run's last N checkpoints (paper section 6.1) "
+                     "as a workdir that eval, translate and generate read")
+  a.add_argument("--workdir", required=True)
+  a.add_argument("--last", type=_positive, required=True, help="how many of the newest checkpoints to average")
+  a.add_argument("--output", default=None, help="the new workdir (default: WORKDIR/average-last-N)")
+  a.add_argument("overrides", nargs="*", help="runtime/mesh overrides, e.g. runtime.num_cpu_devices=4")
 
   b = sub.add_parser("bench", help="time the train step on synthetic batches: compile time, tokens/s, MFU, "
                      "memory; also torch.nn.Transformer when PyTorch is installed")
@@ -100,6 +108,14 @@ def _positive(text: str) -> int:
   if value < 1:
     raise argparse.ArgumentTypeError(f"{value} must be >= 1")
   return value
+
+
+def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+  """`--step N` or `--average-last N`: which params eval/translate/generate restore."""
+  which = p.add_mutually_exclusive_group()
+  which.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+  which.add_argument("--average-last", type=_positive, default=None, metavar="N",
+                     help="the mean params of the newest N checkpoints (paper section 6.1: 5 for base, 20 for big)")
 
 
 def _add_distributed_args(p: argparse.ArgumentParser) -> None:
@@ -149,7 +165,7 @@ def _runtime_from_overrides(overrides: list[str]):
 
 def cmd_train(args) -> None:
   from jaxformer import interrupt
-  interrupt.install()   # before any library starts a thread (they inherit the blocked SIGINT)
+  interrupt.install()   # before any library starts a thread (they inherit the blocked SIGINT/SIGTERM)
   config = load_config(args.config, args.overrides)   # before any JAX import: a typo fails fast
   from jaxformer.runtime import init_runtime
   from jaxformer.distributed import initialize_from_args
@@ -165,14 +181,38 @@ def cmd_eval(args) -> None:
   from jaxformer.runtime import init_runtime
   init_runtime(_runtime_from_overrides(args.overrides))
   from jaxformer import evaluate
+  from jaxformer.data import PAIRS
   from jaxformer.tasks import get_task
   from jaxformer.tasks.base import EvalOptions
   search = _search_options(args)
   config = evaluate.workdir_config(args.workdir, args.overrides)
+  task = get_task(config)
+  output = evaluate.hypotheses_destination(args.output, args.workdir) if task.data_kind == PAIRS else None
   options = EvalOptions(split=args.split, src=args.src, ref=args.ref, batch_size=args.batch_size, search=search,
-                        output=args.output or args.workdir, workdir=args.workdir)
-  result = get_task(config).evaluate(lambda: evaluate.restore(args.workdir, config, args.step), options)
-  print(json.dumps(result), flush=True)
+                        output=output, workdir=args.workdir)
+  restored = []
+
+  def restore():
+    restored.append(evaluate.restore(args.workdir, config, args.step, args.average_last))
+    return restored[-1]
+
+  result = task.evaluate(restore, options)
+  if args.average_last:
+    result["averaged_steps"] = restored[-1].averaged
+  print(evaluate.result_json(result), flush=True)
+
+
+def cmd_average(args) -> None:
+  from jaxformer.runtime import init_runtime
+  init_runtime(_runtime_from_overrides(args.overrides))
+  from jaxformer import average, evaluate
+  output = Path(args.output) if args.output else average.default_output(args.workdir, args.last)
+  if output.exists():   # before reading any checkpoint
+    raise ValueError(f"{output} already exists; remove it or pass another --output")
+  config = evaluate.workdir_config(args.workdir, args.overrides)
+  restored = evaluate.restore(args.workdir, config, average_last=args.last)
+  average.write_averaged(args.workdir, output, restored.averaged, restored.params)
+  print(json.dumps({"workdir": str(output), "averaged_steps": restored.averaged}), flush=True)
 
 
 def cmd_translate(args) -> None:
@@ -186,7 +226,7 @@ def cmd_translate(args) -> None:
   if get_task(config).data_kind != PAIRS:
     raise ValueError(f"{args.workdir} holds a language model (model.kind={config.model.kind}); translate needs a "
                      "translation model, and `jaxformer generate` samples from a causal LM")
-  restored = evaluate.restore(args.workdir, config, args.step)
+  restored = evaluate.restore(args.workdir, config, args.step, args.average_last)
   lines = []
   for number, raw in enumerate(sys.stdin.buffer, 1):
     try:
@@ -204,7 +244,7 @@ def cmd_generate(args) -> None:
   init_runtime(_runtime_from_overrides(args.overrides))
   from jaxformer import evaluate, lm
   config = evaluate.workdir_config(args.workdir, args.overrides)
-  restored = evaluate.restore(args.workdir, config, args.step)
+  restored = evaluate.restore(args.workdir, config, args.step, args.average_last)
   texts = lm.generate(restored, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                       top_p=args.top_p, seed=args.seed, num_samples=args.num_samples)
   sys.stdout.write("\n---\n".join(args.prompt + t for t in texts) + "\n")
@@ -261,15 +301,15 @@ def cmd_config(args) -> None:
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   commands = {"train": cmd_train, "eval": cmd_eval, "translate": cmd_translate, "generate": cmd_generate,
-              "bench": cmd_bench, "config": cmd_config}
+              "average": cmd_average, "bench": cmd_bench, "config": cmd_config}
   try:
     commands[args.command](args)
-  except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
+  except (ConfigError, CheckpointError, NonFiniteError, FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:
     from jaxformer.interrupt import exit_interrupted
-    exit_interrupted()   # status 130, without a teardown that native threads could race
+    exit_interrupted()   # status 130 (SIGINT) or 143 (SIGTERM), without a teardown that native threads could race
   except BrokenPipeError:   # stdout closed early (`| head`): stop quietly
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0

@@ -8,6 +8,8 @@ and raises `ConfigError` (one line: what is wrong and how to fix it) on bad inpu
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import typing
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 MODEL_KINDS = tuple(TASKS)   # the task registry's model kinds
+PLATFORMS = ("cpu", "gpu", "tpu")   # values of runtime.platform (JAX platform names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +196,10 @@ class OptimConfig:
   label_smoothing: float = 0.1  # epsilon_ls of the loss (paper section 5.4: 0.1)
 
   def validate(self) -> None:
+    for name in ("learning_rate", "min_learning_rate", "b1", "b2", "eps", "weight_decay", "clip_grad_norm",
+                 "label_smoothing"):
+      if not math.isfinite(getattr(self, name)):
+        raise ConfigError(f"optim.{name} must be a finite number, got {getattr(self, name)}")
     if self.schedule not in ("rsqrt", "constant", "cosine"):
       raise ConfigError(f"optim.schedule={self.schedule!r} is unknown; use rsqrt, constant or cosine")
     if self.optimizer not in ("adam", "adamw"):
@@ -210,6 +217,34 @@ class OptimConfig:
       raise ConfigError(f"optim.label_smoothing must be in [0, 1), got {self.label_smoothing}")
     if self.learning_rate <= 0:
       raise ConfigError(f"optim.learning_rate must be positive, got {self.learning_rate}")
+    if self.min_learning_rate < 0:
+      raise ConfigError(f"optim.min_learning_rate must be >= 0, got {self.min_learning_rate}")
+    for name in ("b1", "b2"):
+      if not 0.0 <= getattr(self, name) < 1.0:
+        raise ConfigError(f"optim.{name} (an Adam decay rate) must be in [0, 1), got {getattr(self, name)}; "
+                          "the paper uses b1=0.9, b2=0.98")
+    if self.eps <= 0:
+      raise ConfigError(f"optim.eps must be > 0 (it keeps Adam's division finite), got {self.eps}; the paper uses 1e-9")
+    if self.clip_grad_norm < 0:
+      raise ConfigError(f"optim.clip_grad_norm must be >= 0 (0 disables clipping), got {self.clip_grad_norm}")
+
+
+def check_directory(name: str, path: str | Path, writable: bool = False) -> None:
+  """Checks that `path` is a directory, or could be created as one, before anything is
+  written there: the nearest existing path (itself or an ancestor) must be a directory,
+  writable when `writable`.
+
+  Raises:
+    ConfigError: naming `name` (a key or flag), the path and the fix.
+  """
+  path = Path(path).expanduser().absolute()
+  existing = next(p for p in (path, *path.parents) if p.exists())
+  if not existing.is_dir():
+    raise ConfigError(f"{name}={path}: {existing} is a file, not a directory; give a directory path "
+                      "(it is created if missing)")
+  if writable and not os.access(existing, os.W_OK):
+    raise ConfigError(f"{name}={path}: {existing} is not writable (read-only file system or no permission); "
+                      "give a writable directory")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,6 +298,7 @@ class DataConfig:
       raise ConfigError(f"data.input_sentence_size must be >= 1, got {self.input_sentence_size}")
     if self.max_length < 2:
       raise ConfigError(f"data.max_length must be >= 2, got {self.max_length}")
+    check_directory("data.data_dir", self.data_dir)
 
   def validate_buckets(self) -> None:
     """Checks `buckets` against `max_length` (tasks whose batches are length-bucketed call this)."""
@@ -287,14 +323,27 @@ class TrainConfig:
   async_checkpoint: bool = True  # write checkpoints in the background
   z_loss: float = 0.0           # weight of log(Z)^2 per target token (PaLM uses 1e-4); 0 = off
   steps_per_call: int = 1       # optimizer steps per jitted call (one lax.scan); >1 saves per-call cost
+  grad_accum_steps: int = 1     # microbatches per step (a lax.scan, token-weighted); batch_size must divide by it
+  nan_policy: str = "abort"     # non-finite loss/gradients: abort (stop, naming the step) | skip (drop that update)
+  max_consecutive_skips: int = 10  # nan_policy=skip: stop once this many steps in a row were non-finite
+  keep_best: str = ""           # val_loss | val_nll | val_accuracy | val_bleu (translation): keep the best step in WORKDIR/best
+  early_stop_patience: int = 0  # stop after this many evaluations without improving keep_best (or val_loss); 0 = off
 
   def validate(self) -> None:
     if self.z_loss < 0:
       raise ConfigError(f"train.z_loss must be >= 0, got {self.z_loss}")
     for name in ("num_steps", "batch_size", "log_every", "eval_every", "checkpoint_every",
-                 "keep_checkpoints", "steps_per_call"):
+                 "keep_checkpoints", "steps_per_call", "grad_accum_steps", "max_consecutive_skips"):
       if getattr(self, name) < 1:
         raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+    if self.batch_size % self.grad_accum_steps:
+      raise ConfigError(f"train.batch_size={self.batch_size} does not split into train.grad_accum_steps="
+                        f"{self.grad_accum_steps} equal microbatches; use a train.batch_size that is a multiple "
+                        f"of {self.grad_accum_steps}")
+    if self.early_stop_patience < 0:
+      raise ConfigError(f"train.early_stop_patience must be >= 0 (0 = off), got {self.early_stop_patience}")
+    if self.nan_policy not in ("abort", "skip"):
+      raise ConfigError(f"train.nan_policy={self.nan_policy!r} is unknown; use abort or skip")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,10 +352,17 @@ class RuntimeConfig:
   seed: int = 0                 # initialisation, data order and dropout
   num_cpu_devices: int = 0      # >0: simulate this many CPU devices (multi-device runs on a laptop)
   platform: str = ""            # "" picks JAX's default backend; cpu | gpu | tpu forces one
+  deterministic: bool = True    # the same bits under any load or CPU count (see runtime.py); false = fastest
+  cpu_threads: int = 2          # XLA:CPU threads when deterministic (results depend on it); fast mode: all CPUs
 
   def validate(self) -> None:
+    if self.platform not in ("", *PLATFORMS):
+      raise ConfigError(f"runtime.platform={self.platform!r} is unknown; use {' | '.join(PLATFORMS)}, "
+                        "or leave it empty for JAX's default")
     if self.num_cpu_devices < 0:
       raise ConfigError(f"runtime.num_cpu_devices must be >= 0, got {self.num_cpu_devices}")
+    if self.cpu_threads < 1:
+      raise ConfigError(f"runtime.cpu_threads must be >= 1, got {self.cpu_threads}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,7 +391,12 @@ class Config:
       if hasattr(section, "validate"):
         section.validate()
     from jaxformer.tasks import get_task  # noqa: PLC0415  (tasks import the models, which import this module)
-    get_task(self).validate()
+    task = get_task(self)
+    task.validate()
+    metrics = ("val_loss", "val_nll", "val_accuracy", *(f"val_{name}" for name in task.validation_scores))
+    if self.train.keep_best not in ("", *metrics):
+      raise ConfigError(f"train.keep_best={self.train.keep_best!r} is not a validation metric of "
+                        f"model.kind={self.model.kind}; use one of {', '.join(metrics)}, or empty")
     if self.data.max_length > self.model.max_length:
       raise ConfigError(
           f"data.max_length={self.data.max_length} exceeds model.max_length={self.model.max_length}; "

@@ -164,3 +164,20 @@ def main_process_first(fn: Callable[[], T], name: str = "main_process_first") ->
   if jax.process_index() != 0:
     result = fn()
   return result
+
+
+def max_over_processes(value: int) -> int:
+  """The largest of every process's `value`: a collective that every process calls at the
+  same point of its program (the step loop asks it once per call for the preemption signal
+  any process took, so all stop at the same step). One process: `value` itself."""
+  import jax
+  if jax.process_count() == 1:
+    return value
+  import numpy as np
+  from jax.experimental import multihost_utils
+  return int(np.max(multihost_utils.process_allgather(np.int32(value))))
+
+
+def any_process(flag: bool) -> bool:
+  """Whether `flag` is true on any process (a collective, as `max_over_processes`)."""
+  return bool(max_over_processes(int(flag)))

@@ -8,8 +8,12 @@ evaluated on another (the arrays are restored straight into the new shardings).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
+import math
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,11 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 import sacrebleu
 
+from jaxformer import average
 from jaxformer import checkpoint as ckpt
 from jaxformer import sharding as sh
 from jaxformer.config import Config, ConfigError, config_from_dict, load_config, to_dict
 from jaxformer.data import Tokenizer, eval_batches, global_batch, tokenize_split
 from jaxformer.decode import EOS_ID
+from jaxformer.models import layout
 from jaxformer.runtime import build_mesh
 from jaxformer.search import LENGTH_PENALTY, SearchOptions, length_penalty, make_decode_fn
 from jaxformer.tasks import get_task
@@ -50,6 +56,7 @@ class Restored:
   step: int
   rules: sh.Rules  # logical-axis rules the params were placed with (`mesh.rules`)
   source_tokenizer: Any = None
+  averaged: list[int] | None = None   # the steps whose mean `params` is (`--average-last`), else None
 
   def __post_init__(self):
     if self.source_tokenizer is None:
@@ -74,14 +81,17 @@ def workdir_config(workdir: str | Path, overrides: Sequence[str] = ()) -> Config
   return config_from_dict(saved, overrides)
 
 
-def restore(workdir: str | Path, config: Config, step: int | None = None) -> Restored:
-  """Restores the params of `step` (default: latest; not the optimizer state) into the
-  shardings of `config`'s mesh, whatever mesh the checkpoint was written from.
+def restore(workdir: str | Path, config: Config, step: int | None = None, average_last: int | None = None) -> Restored:
+  """Restores the params of `step` (default: the newest intact step, reporting damaged newer
+  ones on stderr; not the optimizer state) into the shardings of `config`'s mesh, whatever
+  mesh the checkpoint was written from; or, with `average_last` N, the mean of the params of
+  the newest N checkpoints (paper section 6.1; `Restored.step` is then the newest, and
+  `Restored.averaged` lists the steps). Writes nothing to the workdir.
 
   Raises:
-    CheckpointError: the workdir has no (such) checkpoint.
+    CheckpointError: the workdir has no (such) checkpoint, `step` is damaged, or none is intact.
   """
-  checkpointer = ckpt.Checkpointer(workdir, async_save=False)
+  checkpointer = ckpt.Checkpointer(workdir, read_only=True)
   if not checkpointer.all_steps():
     raise ckpt.CheckpointError(f"no checkpoint in {checkpointer.directory}; train first or check --workdir")
   ckpt.run_file(workdir, ckpt.TOKENIZER_FILE)   # a one-line error if it is not a workdir
@@ -92,10 +102,15 @@ def restore(workdir: str | Path, config: Config, step: int | None = None) -> Res
     model = get_task(config).make_model()
     tx = make_optimizer(config.optim, config.model.d_model)
     abstract, shardings = state_shardings(model, tx, mesh)
-    restored_step, params = checkpointer.restore_params(
-        ckpt.sharded_target(abstract.params, shardings.params), step)
+    target = ckpt.sharded_target(abstract.params, shardings.params)
+    if average_last:
+      averaged = average.last_steps(checkpointer, average_last)
+      restored_step, params = averaged[-1], average.average_params(checkpointer, target, averaged)
+    else:
+      averaged = None
+      restored_step, params = layout.restore_params(checkpointer, target, model, step)
   checkpointer.close()
-  return Restored(config, vocab.target, model, mesh, params, restored_step, rules, vocab.source)
+  return Restored(config, vocab.target, model, mesh, params, restored_step, rules, vocab.source, averaged)
 
 
 def _round_batch(restored: Restored, batch_size: int) -> int:
@@ -231,10 +246,64 @@ def score(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any
           "bleu_signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature())}
 
 
+def hypotheses_destination(output: str | None, workdir: str | Path) -> str:
+  """Where `eval` writes its hypotheses, checked before any decoding: the file `output`, or
+  the folder `workdir` (the task names the file after the split and the search).
+
+  A read-only workdir (an archived or shared run) still gets its scores: the hypotheses go to
+  a new temporary folder instead, which one stderr line names (as does the result's
+  `hypotheses`).
+
+  Raises:
+    ValueError: `output` is a directory, or its folder is missing or not writable.
+  """
+  if output is None:
+    if os.access(workdir, os.W_OK):
+      return str(workdir)
+    folder = tempfile.mkdtemp(prefix="jaxformer-eval-")
+    print(f"note: {workdir} is not writable, so the hypotheses go to {folder} (--output FILE puts them elsewhere)",
+          file=sys.stderr, flush=True)
+    return folder
+  path = Path(output)
+  if path.is_dir():
+    raise ValueError(f"--output {output} is a directory; give a file path, e.g. --output {path / 'hypotheses.txt'}")
+  folder = path.absolute().parent
+  if not folder.is_dir() or not os.access(folder, os.W_OK):
+    raise ValueError(f"--output {output}: its folder {folder} is {'not writable' if folder.is_dir() else 'missing'}; "
+                     "give a file path in a writable folder")
+  return output
+
+
 def write_lines_atomic(path: str | Path, lines: Sequence[str]) -> None:
-  """Writes `lines` to `path` through a temporary file, so a crash leaves no partial file."""
+  """Writes `lines` (UTF-8) to `path` through a temporary file, so a crash leaves no partial
+  file, and a failed write no temporary one.
+
+  Raises:
+    ValueError: the file cannot be written (one line naming it and the cause).
+  """
   path = Path(path)
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-  with os.fdopen(fd, "w") as f:
-    f.write("".join(line + "\n" for line in lines))
-  os.replace(tmp, path)
+  tmp = None
+  try:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+      f.write("".join(line + "\n" for line in lines))
+    os.replace(tmp, path)
+  except OSError as e:
+    if tmp is not None:
+      with contextlib.suppress(OSError):
+        os.unlink(tmp)
+    raise ValueError(f"cannot write {path}: {e.strerror}") from None
+
+
+def result_json(result: dict[str, Any]) -> str:
+  """`result` as one line of strict JSON: non-finite floats (a diverged model's loss or
+  perplexity) become null, since JSON has no NaN or Infinity."""
+  def finite(x):
+    if isinstance(x, float):
+      return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+      return {k: finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+      return [finite(v) for v in x]
+    return x
+  return json.dumps(finite(result), allow_nan=False)

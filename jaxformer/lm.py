@@ -58,7 +58,8 @@ def generate(restored: Restored, prompt: str, max_new_tokens: int, *, temperatur
   more. The result depends only on the checkpoint, prompt, options and `seed`.
 
   Returns:
-    The generated texts (without the prompt).
+    The generated texts (without the prompt): each sample is decoded together with the
+    prompt and the prompt's decoded text cut off, so word boundaries at the seam are kept.
   Raises:
     ValueError: an empty prompt, a character outside the vocabulary, bad sampling options.
   """
@@ -89,5 +90,7 @@ def generate(restored: Restored, prompt: str, max_new_tokens: int, *, temperatur
     tokens = np.asarray(run(restored.params, jnp.asarray(context), row_keys, window - context.shape[1]))
     seqs = np.concatenate([seqs, tokens], axis=1)
     round_index += 1
-  out = seqs[:, len(ids):len(ids) + max_new_tokens]
-  return [restored.tokenizer.decode(row) for row in out]
+  # Decode each continuation behind the prompt, then cut the prompt's text off: decoded
+  # apart, a SentencePiece continuation would lose its leading space ("Citizen:we").
+  prompt_text = restored.tokenizer.decode(ids)
+  return [restored.tokenizer.decode(row)[len(prompt_text):] for row in seqs[:, :len(ids) + max_new_tokens]]

@@ -1,17 +1,48 @@
-"""Process start-up: simulated CPU devices and the mesh (multi-host start-up: distributed.py)."""
+"""Process start-up: simulated CPU devices, reproducible CPU numerics, and the mesh
+(multi-host start-up: distributed.py)."""
 
 from __future__ import annotations
+
+import os
 
 import jax
 from jax.sharding import Mesh
 
 from jaxformer import sharding as sh
-from jaxformer.config import Config, ConfigError, RuntimeConfig
+from jaxformer.config import PLATFORMS, Config, ConfigError, RuntimeConfig
+
+
+# XLA:CPU choices that change float results from machine to machine (measured: README,
+# "Reproducibility"): the CPU's instruction set (LLVM code for AVX-512 or AVX2; XNNPACK and
+# YNNPACK, which also run the reductions over the batch, pick their kernels by CPUID; the
+# math approximations) and, set by `NPROC` below, the size of the intra-op thread pool, by
+# which Eigen splits the contraction of the weight-gradient matmuls and XNNPACK its reductions.
+DETERMINISTIC_XLA_FLAGS = ("--xla_cpu_max_isa=AVX2", "--xla_cpu_enable_platform_dependent_math=false",
+                           "--xla_cpu_use_xnnpack=false", "--xla_cpu_experimental_ynn_fusion_type=")
+
+
+def pin_cpu_numerics(cpu_threads: int) -> None:
+  """Makes XLA:CPU results depend on nothing but the program and `cpu_threads`: a thread pool
+  of that size (XLA reads `NPROC` when its CPU backend starts) and `DETERMINISTIC_XLA_FLAGS`
+  added to `XLA_FLAGS` (a flag the user set there is kept). Acts only if the backend has not
+  started (the CLI calls it first); child processes inherit it."""
+  os.environ["NPROC"] = str(cpu_threads)
+  flags = os.environ.get("XLA_FLAGS", "")
+  added = [f for f in DETERMINISTIC_XLA_FLAGS if f.split("=")[0] not in flags]
+  os.environ["XLA_FLAGS"] = " ".join([flags, *added]).strip()
 
 
 def init_runtime(runtime: RuntimeConfig) -> None:
-  """Applies `runtime.platform` and `runtime.num_cpu_devices`; must run before any JAX
-  computation, since the device count is fixed when the backend starts."""
+  """Applies `runtime.deterministic` (`pin_cpu_numerics`), `runtime.platform` and
+  `runtime.num_cpu_devices`; must run before any JAX computation, since the flags, thread
+  pool and device count are fixed when the backend starts.
+
+  Raises:
+    ConfigError: the machine has no devices of `runtime.platform` (naming the platforms it
+      has), or the CPU device count cannot be applied.
+  """
+  if runtime.deterministic:
+    pin_cpu_numerics(runtime.cpu_threads)
   if runtime.platform:
     jax.config.update("jax_platforms", runtime.platform)
   if runtime.num_cpu_devices:
@@ -22,6 +53,25 @@ def init_runtime(runtime: RuntimeConfig) -> None:
         raise ConfigError(
             f"runtime.num_cpu_devices={runtime.num_cpu_devices} cannot be applied: JAX already started "
             f"with {len(jax.devices('cpu'))} CPU devices; set it before any JAX computation") from None
+  if runtime.platform:
+    _check_platform(runtime.platform)
+
+
+def _has_platform(platform: str) -> bool:
+  try:
+    return bool(jax.devices(platform))
+  except RuntimeError:
+    return False
+
+
+def _check_platform(platform: str) -> None:
+  """Starts the backend of `platform` (the one `jax_platforms` allows)."""
+  if _has_platform(platform):
+    return
+  jax.config.update("jax_platforms", "")   # let JAX start every backend it can, to list them
+  present = [p for p in PLATFORMS if _has_platform(p)]
+  raise ConfigError(f"runtime.platform={platform}: this machine has no {platform} devices, only "
+                    f"{' and '.join(present)}; set runtime.platform to one of those or leave it empty (JAX's default)")
 
 
 def build_mesh(config: Config) -> Mesh:

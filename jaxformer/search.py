@@ -117,8 +117,9 @@ def beam_search_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, *,
   the best K non-EOS candidates become the live beams, so the beam stays full. A row stops
   (its state frozen) once its best finished score is >= the best any live beam can still
   reach, `max live log-prob / lp(L)` (log-probs only fall and lp grows with alpha >= 0).
-  The loop ends when all rows stop or L tokens are out; live beams of unstopped rows then
-  compete with the finished ones at length L. With K = 1 and alpha = 0 this is greedy search.
+  The loop ends when all rows stop or L tokens are out. A row returns its best finished
+  hypothesis; only a row where none finished returns its best live beam, cut at length L and
+  scored at |Y| = L. With K = 1 and alpha = 0 this is greedy search.
   """
   batch, vocab = init_logits.shape
   k, length = beam_size, max_decode_len
@@ -185,11 +186,13 @@ def beam_search_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, *,
           jnp.broadcast_to(jnp.where(jnp.arange(k) == 0, 0.0, neg_inf), (batch, k)).astype(jnp.float32),
           jnp.zeros((batch, k, length), jnp.int32), jnp.full((batch, k), neg_inf),
           jnp.zeros((batch,), bool))
-  _, _, _, live_seqs, live_logp, fin_seqs, fin_scores, done = jax.lax.while_loop(cond, body, init)
+  _, _, _, live_seqs, live_logp, fin_seqs, fin_scores, _ = jax.lax.while_loop(cond, body, init)
 
-  # Rows that never stopped ran to length L: their live beams compete at |Y| = L.
-  live_scores = jnp.where(done[:, None], neg_inf, live_logp / best_possible_lp)
-  scores = jnp.concatenate([fin_scores, live_scores], axis=1)                 # finished first: wins ties
+  # A hypothesis cut at length L never produced EOS: it is returned (scored at |Y| = L) only
+  # by a row with no finished hypothesis at all.
+  has_finished = fin_scores[:, 0] > neg_inf                                   # top_k: column 0 is the best
+  live_scores = jnp.where(has_finished[:, None], neg_inf, live_logp / best_possible_lp)
+  scores = jnp.concatenate([fin_scores, live_scores], axis=1)
   best = jnp.argmax(scores, axis=1)[:, None]
   tokens = take(jnp.concatenate([fin_seqs, live_seqs], axis=1), best)[:, 0]
   return tokens, take(scores, best)[:, 0]

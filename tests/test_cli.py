@@ -176,3 +176,29 @@ def test_scoring_mismatched_counts_and_zero_batch_sizes_are_refused(tmp_path):
   for command in (["eval", "--workdir", str(tmp_path)], ["bench", "--config", TINY]):
     proc = run_cli(*command, "--batch-size", "0", check=False)
     assert proc.returncode == 2 and "--batch-size: 0 must be >= 1" in proc.stderr
+
+
+@pytest.mark.slow
+def test_averaged_checkpoints_evaluate_on_the_fly_and_as_a_workdir(resumed_run, tmp_path):
+  """Paper section 6.1: `eval --average-last N` and `jaxformer average` give the same params."""
+  workdir, _ = resumed_run
+  src, ref = tmp_path / "src.en", tmp_path / "ref.de"
+  src.write_text(_first_lines("val.en.gz", 20))
+  ref.write_text(_first_lines("val.de.gz", 20))
+  texts = ["--src", str(src), "--ref", str(ref)]
+  fly = json.loads(run_cli("eval", "--workdir", str(workdir), *texts, "--average-last", "3", "--output",
+                           str(tmp_path / "fly.txt")).stdout.splitlines()[-1])
+  assert fly["averaged_steps"] == [10, 20, 30] and fly["step"] == 30
+  out = tmp_path / "avg3"
+  made = json.loads(run_cli("average", "--workdir", str(workdir), "--last", "3", "--output", str(out)).stdout)
+  assert made == {"workdir": str(out), "averaged_steps": [10, 20, 30]}
+  written = json.loads(run_cli("eval", "--workdir", str(out), *texts, "--output",
+                               str(tmp_path / "written.txt")).stdout.splitlines()[-1])
+  assert (written["bleu"], written["loss"], written["step"]) == (fly["bleu"], fly["loss"], 30)
+  assert (tmp_path / "written.txt").read_text() == (tmp_path / "fly.txt").read_text()
+  _error_line(run_cli("average", "--workdir", str(workdir), "--last", "4", "--output", str(tmp_path / "a4"),
+                      check=False))
+  assert not (tmp_path / "a4").exists()
+  both = run_cli("eval", "--workdir", str(workdir), "--step", "10", "--average-last", "2", check=False)
+  assert both.returncode == 2 and "not allowed with argument" in both.stderr
+  _error_line(run_cli("train", "--config", TINY, "--workdir", str(out), check=False))

@@ -64,6 +64,38 @@ def test_bad_overrides_give_one_line_errors(override, message):
   assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("optim.learning_rate=nan", "optim.learning_rate must be a finite number, got nan"),
+    ("optim.learning_rate=inf", "optim.learning_rate must be a finite number, got inf"),
+    ("optim.weight_decay=nan", "optim.weight_decay must be a finite number"),
+    ("optim.b1=1.5", "optim.b1 (an Adam decay rate) must be in [0, 1), got 1.5"),
+    ("optim.b2=1.0", "optim.b2 (an Adam decay rate) must be in [0, 1), got 1.0"),
+    ("optim.b1=-0.1", "optim.b1 (an Adam decay rate) must be in [0, 1)"),
+    ("optim.eps=-1", "optim.eps must be > 0"),
+    ("optim.eps=0", "optim.eps must be > 0"),
+    ("optim.clip_grad_norm=-1", "optim.clip_grad_norm must be >= 0"),
+    ("optim.min_learning_rate=-1e-4", "optim.min_learning_rate must be >= 0"),
+    ("runtime.platform=foo", "runtime.platform='foo' is unknown; use cpu | gpu | tpu"),
+    ("runtime.platform=cuda", "runtime.platform='cuda' is unknown"),
+])
+def test_optimizer_numbers_and_platform_names_are_checked(override, message):
+  """Every optim float is finite and in its range (NaN passed the old `x <= 0` checks), and
+  runtime.platform names a JAX platform."""
+  with pytest.raises(ConfigError) as info:
+    config_from_dict({}, [override])
+  assert message in str(info.value) and "\n" not in str(info.value)
+  config_from_dict({}, ["optim.b1=0", "optim.b2=0.999", "optim.eps=1e-12", "runtime.platform=cpu"])   # in range
+
+
+def test_a_data_dir_that_is_a_file_is_refused(tmp_path):
+  file = tmp_path / "cache"
+  file.write_text("not a folder")
+  for data_dir in (file, file / "below"):
+    with pytest.raises(ConfigError, match=f"data.data_dir={data_dir}: {file} is a file, not a directory"):
+      config_from_dict({}, [f"data.data_dir={data_dir}"])
+  assert config_from_dict({}, [f"data.data_dir={tmp_path / 'new' / 'dir'}"]).data.data_dir.endswith("new/dir")
+
+
 def test_architecture_options_parse():
   config = config_from_dict({}, ["model.position=rope", "model.norm=rmsnorm", "model.ffn=swiglu",
                                  "model.num_kv_heads=2", "model.attn_logit_softcap=30", "model.sliding_window=64",

@@ -241,6 +241,30 @@ def test_generate_is_seeded_and_spans_several_context_windows(uniform_lm):
     lm.generate(uniform_lm, "\u00e9", 5)
 
 
+def test_generate_keeps_the_space_between_prompt_and_sentencepiece_continuation():
+  """A continuation is decoded behind its prompt: the word-initial piece "▁we" after "First
+  Citizen:" reads " we" (decoded alone, SentencePiece drops its leading space: "Citizen:we").
+  shakespeare_bpe's data settings; a zero model whose final LayerNorm bias points at "▁we"'s
+  (tied) embedding, so top-1 sampling always picks it."""
+  from jaxformer import lm
+  from jaxformer import sharding as sh
+  from jaxformer.config import load_config
+  from jaxformer.data.tokenizer import train_tokenizer
+  config = load_config("configs/shakespeare_bpe.yaml", ["model.d_model=8", "model.num_heads=2", "model.d_ff=8",
+                                                         "model.num_decoder_layers=1", "mesh.data=1"])
+  tokenizer = train_tokenizer(split_text(read_text())[0].splitlines()[:8000], config.model.vocab_size,
+                              config.data.tokenizer)
+  [we] = tokenizer.encode("we")
+  model = DecoderOnly(config.model)
+  params = nn.meta.unbox(model.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32))["params"])
+  params = jax.tree.map(jnp.zeros_like, params)
+  params["final_norm"]["bias"] = jnp.ones(8)
+  params["embed"]["embedding"] = params["embed"]["embedding"].at[we].set(1.0)
+  restored = Restored(config, tokenizer, model, sh.make_mesh(config.mesh, jax.devices()[:1]), params, 0,
+                      sh.LOGICAL_RULES)
+  assert lm.generate(restored, "First Citizen:", 3, top_k=1) == [" we we we"]
+
+
 def _tiny_run(layers_key: str, length: int, steps: int) -> list[str]:
   """Overrides for a one-layer d_model 32 run of `steps` steps on `length`-token windows."""
   return ["model.d_model=32", "model.num_heads=2", "model.d_ff=48", f"model.{layers_key}=1",

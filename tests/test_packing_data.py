@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from jaxformer import data as D
+from jaxformer.data.binpack import pack_pairs
 
 
 def _split(rng, n=400, longest=20):
@@ -15,15 +16,37 @@ def _split(rng, n=400, longest=20):
   return D.TokenizedSplit(src, tgt, [""] * n, [""] * n, np.arange(n), longest + 1)
 
 
-def test_first_fit_rows_fit_and_cover_every_pair_once():
+@pytest.mark.parametrize("pack", [D.first_fit, pack_pairs])
+def test_packing_rows_fit_and_cover_every_pair_once(pack):
   rng = np.random.default_rng(0)
   src, tgt = rng.integers(1, 30, 500), rng.integers(1, 30, 500)
-  rows = D.first_fit(src, tgt, 32)
+  rows = pack(src, tgt, 32)
   assert sorted(i for row in rows for i in row) == list(range(500))
   assert all(src[row].sum() <= 32 and tgt[row].sum() <= 32 for row in rows)
   assert len(rows) < (src.sum() + tgt.sum()) / 64 * 1.2   # close to the total length / row length
+  assert pack(src.copy(), tgt.copy(), 32) == rows
+  assert pack(src[:0], tgt[:0], 32) == []
   with pytest.raises(ValueError, match="longer than the packed row length"):
-    D.first_fit(np.array([33]), np.array([1]), 32)
+    pack(np.array([3, 33]), np.array([1, 1]), 32)
+
+
+def test_pack_pairs_finds_the_rows_first_fit_misses():
+  # (source, target) tokens in rows of 10: first fit opens a row with pair 0, pair 3's source
+  # does not fit there, pair 2 fills row 0's targets and pair 1 fits neither row: 3 rows. The
+  # only 2-row packing is {0, 1} (9, 6 tokens) and {2, 3} (10, 7).
+  src, tgt = np.array([5, 4, 2, 8]), np.array([4, 2, 6, 1])
+  assert D.first_fit(src, tgt, 10) == [[0, 2], [3], [1]]
+  assert sorted(sorted(row) for row in pack_pairs(src, tgt, 10)) == [[0, 1], [2, 3]]
+  # Source-heavy and target-heavy pairs a quarter of a row long, as in translation corpora.
+  rng = np.random.default_rng(1)
+  src = rng.integers(4, 30, 3000)
+  tgt = np.clip(src + rng.integers(-6, 8, 3000), 2, 40)
+  ffd, rows = D.first_fit(src, tgt, 64), pack_pairs(src, tgt, 64)
+  assert pack_pairs(src, tgt, 64, rounds=0) == ffd
+  fewest = np.ceil(max(src.sum(), tgt.sum()) / 64)   # the fuller side's tokens / row length
+  assert len(rows) <= 1.01 * fewest < len(ffd)
+  assert sorted(i for row in rows for i in row) == list(range(3000))
+  assert all(src[row].sum() <= 64 and tgt[row].sum() <= 64 for row in rows)
 
 
 def test_pack_rows_values():
@@ -57,6 +80,20 @@ def test_packed_batches_are_pure_in_step_and_shard_by_process():
     np.testing.assert_array_equal(b["inputs"][0][b["inputs_segment_ids"][0] == k], data.inputs[i])
     np.testing.assert_array_equal(b["targets"][0][b["targets_segment_ids"][0] == k], data.targets[i])
   assert D.padding_fraction(b) < 0.25 < D.padding_fraction(D.TrainBatches(data, 8, (32,), seed=3)[0])
+
+
+def test_packed_epochs_hold_every_pair_once_and_depend_on_seed_and_epoch():
+  data = _split(np.random.default_rng(2))
+  batches = D.PackedBatches(data, 8, 32, seed=5)
+  plans = {(seed, epoch): D.PackedBatches(data, 8, 32, seed=seed)._epoch_rows(epoch)
+           for seed in (5, 6) for epoch in (0, 1)}
+  for (seed, epoch), rows in plans.items():
+    assert sorted(i for row in rows for i in row) == list(range(len(data)))
+    assert all(sum(len(data.inputs[i]) for i in row) <= 32 and sum(len(data.targets[i]) for i in row) <= 32
+               for row in rows)
+    if seed == 5:
+      assert batches._epoch_rows(epoch) == rows
+  assert len({str(rows) for rows in plans.values()}) == 4
 
 
 def test_lm_windows_keep_document_boundaries():

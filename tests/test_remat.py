@@ -12,7 +12,8 @@ from jaxformer import checkpoint as ckpt
 from jaxformer import sharding as sh
 from jaxformer.config import ConfigError, MeshConfig, ModelConfig, config_from_dict
 from jaxformer.decode import greedy_decode, init_cache
-from jaxformer.models.transformer import PAD_ID, EncoderDecoder, stack_layer_params
+from jaxformer.models.layout import layer_stacks, stack_layers
+from jaxformer.models.transformer import PAD_ID, EncoderDecoder
 from jaxformer.remat import POLICY_NAMES
 from jaxformer.search import beam_search
 from jaxformer.train.losses import cross_entropy_sums
@@ -57,6 +58,11 @@ def _loss_and_grads(config, params, rng):
   return jax.jit(jax.value_and_grad(_loss_fn(EncoderDecoder(config))))(params, src, tgt, rng)
 
 
+def _stacked(tree):
+  """An unrolled params-shaped tree in the scanned layout of the BASE model."""
+  return stack_layers(tree, layer_stacks(EncoderDecoder(_config())))
+
+
 def _assert_close(a, b, tol=TOL):
   leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
   assert jax.tree.structure(a) == jax.tree.structure(b)
@@ -94,21 +100,21 @@ def test_policy_matches_no_remat_with_dropout(params, reference, policy):
 
 def test_scan_with_remat_matches_unrolled(params, reference):
   config = _config(scan_layers=True, remat="minimal")
-  loss, grads = _loss_and_grads(config, stack_layer_params(params, config), None)
+  loss, grads = _loss_and_grads(config, _stacked(params), None)
   ref_loss, ref_grads = reference[False]
   np.testing.assert_allclose(float(loss), float(ref_loss), atol=TOL, rtol=TOL)
-  _assert_close(grads, stack_layer_params(ref_grads, config))
+  _assert_close(grads, _stacked(ref_grads))
 
 
-def test_scan_remat_keeps_dropout_masks(params):
-  """Under nn.scan the layers draw other dropout bits than unrolled, but remat inside
-  the scan still recomputes with the forward pass's masks."""
-  stacked = stack_layer_params(params, _config(scan_layers=True))
-  (loss, grads), (ref_loss, ref_grads) = [
-      _loss_and_grads(_config(scan_layers=True, remat=policy, **DROPOUT), stacked, jax.random.key(3))
-      for policy in ("full", "none")]
+@pytest.mark.parametrize("policy", ["none", "full"])
+def test_scan_with_dropout_matches_unrolled(params, reference, policy):
+  """The scanned layers draw the unrolled layers' dropout masks, and remat inside the scan
+  recomputes with the forward pass's masks."""
+  loss, grads = _loss_and_grads(_config(scan_layers=True, remat=policy, **DROPOUT), _stacked(params),
+                                jax.random.key(3))
+  ref_loss, ref_grads = reference[True]
   np.testing.assert_allclose(float(loss), float(ref_loss), atol=TOL, rtol=TOL)
-  _assert_close(grads, ref_grads)
+  _assert_close(grads, _stacked(ref_grads))
 
 
 def _temp_bytes(config):
@@ -186,7 +192,7 @@ def decode_params():
 
 def test_scan_decoding_matches_unrolled(decode_params):
   unrolled, scanned = _config(**DECODE), _config(**DECODE, scan_layers=True, remat="full")
-  stacked = stack_layer_params(decode_params, scanned)
+  stacked = _stacked(decode_params)
   src, _ = _batch()
   cache = init_cache(EncoderDecoder(scanned), 3, SRC_LEN)["decoder"]["self_attention"]
   assert cache["cached_key"].shape == (BASE["num_decoder_layers"], 3, 16, 2, 8)

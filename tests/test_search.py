@@ -207,6 +207,23 @@ def test_beam_finds_hypothesis_greedy_misses():
   np.testing.assert_allclose(score, [np.log(0.4 * 0.9) / (7 / 6) ** 0.6], rtol=1e-5)
 
 
+def test_finished_hypothesis_beats_a_truncated_one_with_a_higher_score():
+  """A hypothesis cut at max length (no EOS) is returned only when none finished: here
+  `A A A A <eos>` scores (4 log 0.8 + log 0.15) / (10/6)^2 = -1.004 at alpha = 2 and
+  `A A A A A`, which never ended, would score 5 log 0.8 / (10/6)^2 = -0.402."""
+  #                          PAD   UNK   BOS   EOS   A    B
+  init = jnp.log(jnp.array([[.01, .01, .01, .07, .8, .1]], jnp.float32))
+  fn = _fake_logits_fn(_table({A: [.01, .01, .01, .15, .8, .02]}))   # B's row: uniform
+  tokens, score = beam_search_core(fn, init, _fake_cache(1), beam_size=2, max_decode_len=5, alpha=2.0)
+  np.testing.assert_array_equal(tokens, [[A, A, A, A, EOS_ID]])
+  np.testing.assert_allclose(score, [(4 * np.log(0.8) + np.log(0.15)) / (10 / 6) ** 2], rtol=1e-5)
+  # Beam 1 never puts EOS in its beam (A is always the most probable): nothing finished, so
+  # the truncated hypothesis is the answer, as greedy search gives.
+  tokens, score = beam_search_core(fn, init, _fake_cache(1), beam_size=1, max_decode_len=5, alpha=2.0)
+  np.testing.assert_array_equal(tokens, [[A, A, A, A, A]])
+  np.testing.assert_allclose(score, [5 * np.log(0.8) / (10 / 6) ** 2], rtol=1e-5)
+
+
 def test_eos_stops_one_row_while_the_other_runs_to_max_length():
   cycle = _table({A: [1e-4, 1e-4, 1e-4, 1e-4, 0.01, 0.9], B: [1e-4, 1e-4, 1e-4, 1e-4, 0.9, 0.01]})
   init = np.stack([np.log([1e-4, 1e-4, 1e-4, 0.9, 0.05, 0.05]),     # row 0: EOS at once

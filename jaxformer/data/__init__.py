@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxformer.data.packing import PackedBatches, first_fit, pack_rows
+from jaxformer.data.binpack import first_fit
+from jaxformer.data.packing import PackedBatches, pack_rows
 from jaxformer.data.pipeline import (DEFAULT_BUCKETS, TokenizedSplit, TrainBatches, eval_batches, make_buckets,
                                      padding_fraction, shard_rows, stack_batches, tokenize_split)
 from jaxformer.data.prepare import PreparedPairs, PreparedText, prepare_pairs, prepare_text

@@ -5,8 +5,9 @@ Each row of a packed batch holds several pairs: the sources one after another in
 (1, 2, ... per pair of the row, 0 on padding) and per-segment positions (0 at each pair's
 first token) let the model keep attention within each pair (encoder self-attention,
 decoder causal self-attention and cross-attention), so each pair's loss is what it would be
-unpacked. A row's pairs are chosen by first-fit decreasing on a chunk of the epoch's
-shuffled pairs: a pair goes into the first row where both its source and its target fit.
+unpacked. The rows are packed by `binpack.pack_pairs` (first-fit decreasing, then rounds
+that empty the emptiest rows and place their pairs again) over chunks of `PACK_CHUNK` of
+the epoch's shuffled pairs.
 
 The stream is a pure function of (seed, step): epoch `e` shuffles with
 `np.random.default_rng((seed, e))`, packs, and shuffles the rows; every epoch has the
@@ -20,35 +21,11 @@ import threading
 
 import numpy as np
 
+from jaxformer.data.binpack import pack_pairs
 from jaxformer.data.pipeline import StepBatches, shard_rows
 from jaxformer.data.tokenizer import PAD_ID
 
-PACK_CHUNK = 8192  # pairs packed together; bounds the first-fit search
-
-
-def first_fit(src_lengths: np.ndarray, tgt_lengths: np.ndarray, length: int) -> list[list[int]]:
-  """Rows of pair indices whose sources and targets each fit in `length` tokens.
-
-  Pairs are placed longest first (source + target tokens), each into the first row with
-  room on both sides.
-  Raises ValueError for a pair longer than `length`.
-  """
-  if len(src_lengths) and max(src_lengths.max(), tgt_lengths.max()) > length:
-    raise ValueError(f"a pair is longer than the packed row length {length}; prepare with data.max_length <= it")
-  order = np.argsort(-(src_lengths.astype(np.int64) + tgt_lengths), kind="stable")
-  room = np.empty((len(order), 2), np.int64)   # free tokens of each open row: source, target
-  rows: list[list[int]] = []
-  for i in order:
-    need = (src_lengths[i], tgt_lengths[i])
-    fits = np.flatnonzero((room[:len(rows), 0] >= need[0]) & (room[:len(rows), 1] >= need[1]))
-    if len(fits):
-      r = fits[0]
-      rows[r].append(int(i))
-      room[r] -= need
-    else:
-      room[len(rows)] = (length - need[0], length - need[1])
-      rows.append([int(i)])
-  return rows
+PACK_CHUNK = 8192  # pairs packed together; bounds the packing's work per pair, so an epoch packs in linear time
 
 
 def pack_rows(sources: list[list[np.ndarray]], targets: list[list[np.ndarray]], length: int) -> dict[str, np.ndarray]:
@@ -105,7 +82,7 @@ class PackedBatches(StepBatches):
     rows: list[list[int]] = []
     for start in range(0, len(order), PACK_CHUNK):
       chunk = order[start:start + PACK_CHUNK]
-      rows += [[int(chunk[i]) for i in row] for row in first_fit(self._src[chunk], self._tgt[chunk], self.length)]
+      rows += [[int(chunk[i]) for i in row] for row in pack_pairs(self._src[chunk], self._tgt[chunk], self.length)]
     rows = [rows[i] for i in rng.permutation(len(rows))]
     with self._lock:
       if len(self._plans) >= 2:

@@ -73,7 +73,8 @@ class MultiHeadAttention(nn.Module):
   (self-attention uses `q_segment_ids` for its keys too). Self-attention `positions`,
   int `[batch, q_len]` (restarting at 0 in each segment), drive RoPE, ALiBi and the
   causal / sliding-window masks; None = token indices 0..q_len-1. When decoding the
-  positions are the cache slots and neither argument may be given.
+  positions are the cache slots and neither argument may be given. `dropout_rng` is the
+  key of the attention-weight dropout (None: drawn from the "dropout" stream).
 
   With `decode=True` the module keeps a cache collection:
     * self-attention: `cached_key`/`cached_value` `[batch, max_length, num_kv_heads, head_dim]`
@@ -108,7 +109,7 @@ class MultiHeadAttention(nn.Module):
   def __call__(self, x: jax.Array, kv: jax.Array | None, q_valid: jax.Array | None = None,
                kv_valid: jax.Array | None = None, *, deterministic: bool, decode: bool = False,
                q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
-               positions: jax.Array | None = None) -> jax.Array:
+               positions: jax.Array | None = None, dropout_rng: jax.Array | None = None) -> jax.Array:
     if decode and (q_segment_ids is not None or kv_segment_ids is not None or positions is not None):
       raise ValueError("attention with decode=True takes no segment ids or positions: it uses the cache slots")
     d_model = x.shape[-1]
@@ -154,8 +155,9 @@ class MultiHeadAttention(nn.Module):
                                 alibi_slopes=slopes, softcap=self.softcap, block_size=self.block_size,
                                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     else:
-      dropout_rng = None
-      if not deterministic and self.dropout_rate > 0.0:
+      if deterministic or self.dropout_rate == 0.0:
+        dropout_rng = None
+      elif dropout_rng is None:
         dropout_rng = self.make_rng("dropout")
       mask = attention_mask(q_pos, kv_pos, q_valid, kv_valid, causal, window, q_segment_ids, kv_segment_ids)
       bias = alibi_bias(slopes, q_pos, kv_pos) if alibi else None

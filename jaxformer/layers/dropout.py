@@ -137,14 +137,16 @@ def dropout(x: jax.Array, rate: float, key: jax.Array) -> jax.Array:
 class Dropout(nn.Module):
   """`dropout` as a linen module drawing from the "dropout" RNG stream.
 
-  Deterministic calls, and rate 0, return x unchanged without calling `make_rng`. The key
-  depends only on the module path and call count, so an `nn.remat` recomputation redraws
-  the same mask.
+  Deterministic calls, and rate 0, return x unchanged without calling `make_rng`. A given
+  `rng` key is used instead of the stream (the layer stacks pass per-layer keys, so the
+  masks do not depend on the module path: see `models.layout`). Either way the key depends
+  only on the module path and call count, or on `rng`, so an `nn.remat` recomputation
+  redraws the same mask.
   """
   rate: float
 
   @nn.compact
-  def __call__(self, x: jax.Array, deterministic: bool) -> jax.Array:
+  def __call__(self, x: jax.Array, deterministic: bool, rng: jax.Array | None = None) -> jax.Array:
     if deterministic or self.rate == 0.0:
       return x
-    return dropout(x, self.rate, self.make_rng("dropout"))
+    return dropout(x, self.rate, self.make_rng("dropout") if rng is None else rng)

@@ -8,6 +8,11 @@ masking and the sliding window act in the decoder's self-attention only.
 With `config.scan_layers` a block is the body of `nn.scan` and returns `(output, None)`
 (the scan carry and no per-layer output) instead of the output alone.
 
+Dropout: the last argument, `rng`, is the layer's dropout key (see `models.layout.layer_rngs`);
+each dropout site of the block draws from `fold_in(rng, site)` with a fixed site number, so
+the masks are the same whether the stack is unrolled or scanned. None (deterministic, or a
+block called on its own) draws from the module's "dropout" stream instead.
+
 Packed rows (several examples per row) pass segment ids, int `[batch, length]` (1, 2, ...
 per example, 0 on padding: attention stays inside a segment), and per-segment positions
 for self-attention, int `[batch, length]` (RoPE / ALiBi / causal and window masks). They
@@ -38,13 +43,19 @@ class Residual(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x: jax.Array, fn: Callable[[jax.Array], jax.Array], deterministic: bool) -> jax.Array:
+  def __call__(self, x: jax.Array, fn: Callable[[jax.Array], jax.Array], deterministic: bool,
+               rng: jax.Array | None = None) -> jax.Array:
     dtype = jnp.dtype(self.config.dtype)
     norm = make_norm(self.config.norm, dtype, name="norm")
     drop = Dropout(self.config.dropout_rate)
     if self.config.pre_norm:
-      return x + drop(fn(norm(x)), deterministic=deterministic)
-    return norm(x + drop(fn(x), deterministic=deterministic))
+      return x + drop(fn(norm(x)), deterministic=deterministic, rng=rng)
+    return norm(x + drop(fn(x), deterministic=deterministic, rng=rng))
+
+
+def _site(rng: jax.Array | None, site: int) -> jax.Array | None:
+  """The key of dropout site number `site` of a block whose key is `rng` (None stays None)."""
+  return None if rng is None else jax.random.fold_in(rng, site)
 
 
 def _attention(config: ModelConfig, name: str, is_cross: bool = False, max_length: int = 0,
@@ -70,7 +81,7 @@ def _block_output(config: ModelConfig, x: jax.Array):
 class EncoderBlock(nn.Module):
   """Self-attention + FFN. `[batch, length, d_model]` -> same; `valid` bool `[batch, length]`
   marks real (non-padding) tokens, or None; `segment_ids` and `positions` int
-  `[batch, length]` describe packed rows, or None.
+  `[batch, length]` describe packed rows, or None; `rng` is the layer's dropout key or None.
 
   With `causal=True` this is also the decoder-only (GPT) block: causal self-attention with
   the sliding window, and `decode=True` uses its KV cache (`model.max_length` slots).
@@ -81,14 +92,15 @@ class EncoderBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, valid: jax.Array | None, deterministic: bool, decode: bool = False,
-               segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
+               segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+               rng: jax.Array | None = None) -> jax.Array:
     attn = _attention(self.config, "self_attention", max_length=self.config.max_length if self.causal else 0,
                       causal=self.causal)
     ffn = _ffn(self.config)
     x = Residual(self.config, name="attention_sublayer")(
-        x, lambda h: attn(h, None, valid, deterministic=deterministic, decode=decode,
-                          q_segment_ids=segment_ids, positions=positions), deterministic)
-    x = Residual(self.config, name="ffn_sublayer")(x, ffn, deterministic)
+        x, lambda h: attn(h, None, valid, deterministic=deterministic, decode=decode, q_segment_ids=segment_ids,
+                          positions=positions, dropout_rng=_site(rng, 0)), deterministic, _site(rng, 1))
+    x = Residual(self.config, name="ffn_sublayer")(x, ffn, deterministic, _site(rng, 2))
     return _block_output(self.config, x)
 
 
@@ -100,24 +112,27 @@ class DecoderBlock(nn.Module):
   `[batch, src_len]` mark real tokens (None = all). Self-attention is causal.
   Packed rows: `tgt_segment_ids` int `[batch, tgt_len]` and `src_segment_ids` int
   `[batch, src_len]` (target segment k attends to source segment k only) and the targets'
-  per-segment `positions` int `[batch, tgt_len]`; None = unpacked.
+  per-segment `positions` int `[batch, tgt_len]`; None = unpacked. `rng`: the layer's
+  dropout key or None.
   """
   config: ModelConfig
   STATIC_ARGNUMS = (5, 6)  # `deterministic`, `decode` (self is 0), for nn.remat
 
   @nn.compact
   def __call__(self, y, encoded, tgt_valid, src_valid, deterministic: bool, decode: bool = False,
-               tgt_segment_ids=None, src_segment_ids=None, positions=None):
+               tgt_segment_ids=None, src_segment_ids=None, positions=None, rng=None):
     cfg = self.config
     self_attn = _attention(cfg, "self_attention", max_length=cfg.max_length, causal=True)
     cross_attn = _attention(cfg, "cross_attention", is_cross=True)
     ffn = _ffn(cfg)
     y = Residual(cfg, name="self_attention_sublayer")(
         y, lambda h: self_attn(h, None, tgt_valid, deterministic=deterministic, decode=decode,
-                               q_segment_ids=tgt_segment_ids, positions=positions), deterministic)
+                               q_segment_ids=tgt_segment_ids, positions=positions, dropout_rng=_site(rng, 0)),
+        deterministic, _site(rng, 1))
     y = Residual(cfg, name="cross_attention_sublayer")(
         y, lambda h: cross_attn(h, encoded, tgt_valid, src_valid, deterministic=deterministic, decode=decode,
-                                q_segment_ids=tgt_segment_ids, kv_segment_ids=src_segment_ids),
-        deterministic)
-    y = Residual(cfg, name="ffn_sublayer")(y, ffn, deterministic)
+                                q_segment_ids=tgt_segment_ids, kv_segment_ids=src_segment_ids,
+                                dropout_rng=_site(rng, 2)),
+        deterministic, _site(rng, 3))
+    y = Residual(cfg, name="ffn_sublayer")(y, ffn, deterministic, _site(rng, 4))
     return _block_output(cfg, y)

@@ -24,18 +24,21 @@ from jaxformer.layers.embedding import Embed
 from jaxformer.layers.norm import make_norm
 from jaxformer.layers.positions import LearnedPositions
 from jaxformer.models.blocks import BLOCK_AXES, EncoderBlock
+from jaxformer.models.layout import StackedInit, layer_rngs
 from jaxformer.models.transformer import (PAD_ID, embed_tokens, layer_stack, output_logits, resolve_positions,
                                           run_stack, untied_output_proj)
 
 
-class SelfAttentionStack(nn.Module):
+class SelfAttentionStack(StackedInit, nn.Module):
   """Embedding, self-attention blocks, final norm (pre-LN) and logits.
 
   Shared by `DecoderOnly` (causal, `model.num_decoder_layers`) and `EncoderOnly`
-  (bidirectional, `model.num_encoder_layers`); subclasses set `CAUSAL`.
+  (bidirectional, `model.num_encoder_layers`); subclasses set `CAUSAL` and `STACKS` (the
+  stack `layer` and the config field of its depth).
   """
   config: ModelConfig
   CAUSAL: ClassVar[bool] = False
+  STACKS: ClassVar[tuple]
 
   def setup(self):
     cfg = self.config
@@ -45,8 +48,9 @@ class SelfAttentionStack(nn.Module):
       self.output_proj = untied_output_proj(self, cfg)
     if cfg.position == "learned":
       self.positions = LearnedPositions(cfg.max_length, cfg.d_model, dtype)
-    num_layers = cfg.num_decoder_layers if self.CAUSAL else cfg.num_encoder_layers
-    self.stack = layer_stack(EncoderBlock, cfg, num_layers, "layer", causal=self.CAUSAL)
+    ((name, depth),) = self.STACKS
+    self.num_layers = getattr(cfg, depth)
+    self.stack = layer_stack(EncoderBlock, cfg, self.num_layers, name, causal=self.CAUSAL)
     if cfg.pre_norm:  # pre-LN leaves the residual stream unnormalized: close the stack with a norm
       self.final_norm = make_norm(cfg.norm, dtype)
     self.dropout = Dropout(cfg.dropout_rate)
@@ -59,7 +63,8 @@ class SelfAttentionStack(nn.Module):
     x = embed_tokens(self.config, self.embed, tokens, positions, getattr(self, "positions", None))
     x = sh.constrain(self.dropout(x, deterministic=deterministic), BLOCK_AXES)
     attn_positions = None if decode else attn_positions  # decoding: the cache slots
-    x = run_stack(self.stack, x, valid, deterministic, decode, segment_ids, attn_positions)
+    x = run_stack(self.stack, x, valid, deterministic, decode, segment_ids, attn_positions,
+                  rngs=layer_rngs(self, self.num_layers, deterministic))
     if self.config.pre_norm:
       x = self.final_norm(x)
     return output_logits(self.config, self.embed, getattr(self, "output_proj", None), x)
@@ -69,6 +74,7 @@ class DecoderOnly(SelfAttentionStack):
   """Causal LM over int `[batch, length]` token ids -> float32 logits `[batch, length, vocab_size]`
   (logits at position t predict token t + 1). Layers: `model.num_decoder_layers`."""
   CAUSAL: ClassVar[bool] = True
+  STACKS: ClassVar = (("layer", "num_decoder_layers"),)
 
   def __call__(self, inputs: jax.Array, targets: jax.Array | None = None, *,
                positions: jax.Array | None = None, segment_ids: jax.Array | None = None,

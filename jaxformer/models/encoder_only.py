@@ -4,6 +4,8 @@ predict the original token at every position (the loss keeps the masked ones).""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import jax
 
 from jaxformer.models.decoder_only import SelfAttentionStack
@@ -14,6 +16,7 @@ class EncoderOnly(SelfAttentionStack):
   """Masked LM over int `[batch, length]` ids -> float32 logits `[batch, length, vocab_size]`.
   Layers: `model.num_encoder_layers`. PAD (0) positions are masked as keys, so appending
   padding does not change the logits of real positions."""
+  STACKS: ClassVar = (("layer", "num_encoder_layers"),)
 
   def __call__(self, inputs: jax.Array, targets: jax.Array | None = None, *,
                positions: jax.Array | None = None, segment_ids: jax.Array | None = None,

@@ -9,13 +9,15 @@ to source segment k), so each example's logits equal those of the example alone.
 
 Layer stacks are either unrolled (params `encoder_0`, `encoder_1`, ...) or, with
 `model.scan_layers`, one `nn.scan` per stack (params `encoder`, `decoder`, each leaf with
-a leading `[num_layers]` axis named `layers`, and likewise the decoder's `cache`).
-`stack_layer_params` converts unrolled params to the scanned layout.
+a leading `[num_layers]` axis named `layers`, and likewise the decoder's `cache`). The
+scanned layout is a pure re-layout: the same init, dropout masks and losses
+(`models.layout`, which also converts params and checkpoints between the layouts).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
@@ -28,6 +30,7 @@ from jaxformer.layers.embedding import Embed, sinusoidal_positions
 from jaxformer.layers.norm import make_norm
 from jaxformer.layers.positions import LearnedPositions
 from jaxformer.models.blocks import BLOCK_AXES, DecoderBlock, EncoderBlock
+from jaxformer.models.layout import StackedInit, layer_rngs
 from jaxformer.remat import remat_block
 
 PAD_ID = 0
@@ -84,40 +87,33 @@ def layer_stack(block: type[nn.Module], config: ModelConfig, num_layers: int, na
   modules named `{name}_{i}`, or one `nn.scan` module named `name` (`model.scan_layers`).
   Call it with `run_stack`."""
   scan = config.scan_layers
+  num_args = len(inspect.signature(block.__call__).parameters) - 2   # after self and the carry
   block = remat_block(block, config.remat, block.STATIC_ARGNUMS, prevent_cse=not scan)
   if not scan:
     return [block(config, name=f"{name}_{i}", **block_fields) for i in range(num_layers)]
-  # Every argument after the carry (masks, encoder output, flags) is the same for all layers.
-  scanned = nn.scan(block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True, "dropout": True},
-                    in_axes=nn.broadcast, length=num_layers,
+  # Every argument after the carry (masks, encoder output, flags) is the same for all
+  # layers, except the last: the layers' dropout keys. Params are initialised unrolled
+  # (`StackedInit`), so no rng is split here.
+  scanned = nn.scan(block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
+                    in_axes=(nn.broadcast,) * (num_args - 1) + (0,), length=num_layers,
                     metadata_params={nn.PARTITION_NAME: sh.LAYERS})
   return scanned(config, name=name, **block_fields)
 
 
-def run_stack(stack, x: jax.Array, *args) -> jax.Array:
-  """Applies a `layer_stack` to `x` `[batch, length, d_model]`; `args` follow the carry."""
+def run_stack(stack, x: jax.Array, *args, rngs: jax.Array | None = None) -> jax.Array:
+  """Applies a `layer_stack` to `x` `[batch, length, d_model]`; `args` follow the carry and
+  `rngs` are the layers' dropout keys from `layer_rngs` (layer i gets `rngs[i]`), or None."""
   if isinstance(stack, (list, tuple)):
-    for block in stack:
-      x = block(x, *args)
+    for i, block in enumerate(stack):
+      x = block(x, *args, None if rngs is None else rngs[i])
     return x
-  return stack(x, *args)[0]
+  return stack(x, *args, rngs)[0]
 
 
 def cache_batch_axis(config: ModelConfig) -> int:
   """Axis of the batch in the decoder's `cache` leaves: 1 under `model.scan_layers`
   (`[num_layers, batch, ...]`), else 0."""
   return 1 if config.scan_layers else 0
-
-
-def stack_layer_params(params: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
-  """Unrolled params (`encoder_{i}`, `decoder_{i}`) -> the `model.scan_layers` layout
-  (`encoder`, `decoder`, leaves stacked on a new leading `[num_layers]` axis); other
-  entries are unchanged. Also maps gradients or any tree shaped like the params."""
-  out = dict(params)
-  for name, num_layers in (("encoder", config.num_encoder_layers), ("decoder", config.num_decoder_layers)):
-    layers = [out.pop(f"{name}_{i}") for i in range(num_layers)]
-    out[name] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-  return out
 
 
 def embed_tokens(config: ModelConfig, embed: Embed, tokens: jax.Array, positions: jax.Array,
@@ -154,7 +150,7 @@ def untied_output_proj(module: nn.Module, config: ModelConfig) -> jax.Array:
                       (config.d_model, config.vocab_size))
 
 
-class EncoderDecoder(nn.Module):
+class EncoderDecoder(StackedInit, nn.Module):
   """Encoder-decoder Transformer.
 
   Methods:
@@ -164,6 +160,7 @@ class EncoderDecoder(nn.Module):
   Each takes optional segment ids and per-segment positions for packed rows (module docstring).
   """
   config: ModelConfig
+  STACKS: ClassVar = (("encoder", "num_encoder_layers"), ("decoder", "num_decoder_layers"))
 
   def setup(self):
     cfg = self.config
@@ -202,7 +199,8 @@ class EncoderDecoder(nn.Module):
     positions, attn_positions = resolve_positions(inputs, positions, segment_ids)
     x = self._embed(self.source_embed, inputs, positions, deterministic, getattr(self, "source_positions", None))
     # decode=False is passed positionally: remat needs every static arg.
-    x = run_stack(self.encoder_stack, x, valid, deterministic, False, segment_ids, attn_positions)
+    x = run_stack(self.encoder_stack, x, valid, deterministic, False, segment_ids, attn_positions,
+                  rngs=layer_rngs(self, self.config.num_encoder_layers, deterministic))
     return self.encoder_norm(x) if self.config.pre_norm else x
 
   def decode(self, encoded: jax.Array | None, inputs: jax.Array, decoder_inputs: jax.Array, *,
@@ -236,7 +234,8 @@ class EncoderDecoder(nn.Module):
                     getattr(self, "target_positions", None))
     attn_positions = None if decode else attn_positions  # the cache slots
     y = run_stack(self.decoder_stack, y, encoded, tgt_valid, src_valid, deterministic, decode,
-                  segment_ids, inputs_segment_ids, attn_positions)
+                  segment_ids, inputs_segment_ids, attn_positions,
+                  rngs=layer_rngs(self, self.config.num_decoder_layers, deterministic))
     if self.config.pre_norm:
       y = self.decoder_norm(y)
     return output_logits(self.config, self.target_embed, getattr(self, "output_proj", None), y)

@@ -49,6 +49,8 @@ class Task(abc.ABC):
     needs_rng: whether the train step needs a key even without dropout (MLM masking).
     generates: whether `jaxformer generate` can sample text from the model.
     default_split: what `eval` scores without `--split` (`val` or `test`).
+    validation_scores: metrics `score_validation` adds to the validation loss (`train.keep_best`
+      may name them with a `val_` prefix).
   """
   kind = ""
   data_kind = D.PAIRS
@@ -56,6 +58,7 @@ class Task(abc.ABC):
   needs_rng = False
   generates = False
   default_split = "test"
+  validation_scores: tuple[str, ...] = ()
 
   def __init__(self, config):
     self.config = config
@@ -97,6 +100,12 @@ class Task(abc.ABC):
       raise ValueError(f"the dataset has no {split} split; give data.test_files when training, "
                        "or use --split val" + (" or --src/--ref" if self.data_kind == D.PAIRS else ""))
     return splits[split]
+
+  def score_validation(self, restored: Any, split: Any) -> dict[str, float]:
+    """The `validation_scores` of `restored` (an `evaluate.Restored` of the training params)
+    on the prepared validation `split`; `train` calls it at each evaluation when
+    `train.keep_best` names one of them."""
+    return {}
 
   @abc.abstractmethod
   def evaluate(self, restore: Callable[[], Any], options: EvalOptions) -> dict[str, Any]:

@@ -48,6 +48,7 @@ class Translation(Task):
   """Sentence pairs -> `EncoderDecoder`; see the module docstring."""
   kind = "encoder_decoder"
   data_kind = D.PAIRS
+  validation_scores = ("bleu",)
 
   def validate(self) -> None:
     data = self.config.data
@@ -88,6 +89,14 @@ class Translation(Task):
     data = self.eval_split(options)
     sources, references = data.texts(range(len(data)))   # one read of the records
     return options.split or self.default_split, sources, references
+
+  def score_validation(self, restored, split) -> dict[str, float]:
+    """Greedy-decoding BLEU (sacrebleu) of the validation split against its references."""
+    from jaxformer import evaluate  # noqa: PLC0415  (evaluate imports the task registry)
+    from jaxformer.search import SearchOptions  # noqa: PLC0415
+    sources, references = split.texts(range(len(split)))
+    hyps, _ = evaluate.translate(restored, sources, self.config.train.batch_size, SearchOptions())
+    return {"bleu": evaluate.score(hyps, references)["bleu"]}
 
   def evaluate(self, restore, options: EvalOptions) -> dict[str, Any]:
     """Decodes and scores; writes the hypotheses to `options.output` (a file, or a folder

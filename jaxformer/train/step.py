@@ -17,7 +17,7 @@ import optax
 from jax.sharding import Mesh
 
 from jaxformer import sharding as sh
-from jaxformer.config import Config
+from jaxformer.config import Config, ConfigError
 from jaxformer.precision import all_finite, next_loss_scale, select_tree
 from jaxformer.train.losses import cross_entropy_sums
 from jaxformer.train.optim import make_schedule
@@ -52,18 +52,32 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, config: 
   data axes; `rng` is the run's base key: the step's dropout key is fold_in(rng, step),
   so it continues exactly across restarts. `state` is donated.
 
+  Gradient accumulation (`train.grad_accum_steps` = k > 1): the batch is split into k
+  microbatches of rows j, j + k, j + 2k, ... (each device keeps its own rows, see
+  `_microbatches`), run one after another in a `lax.scan` (activation memory of one
+  microbatch). The gradients of the microbatch loss sums are added and divided by the real
+  target tokens of the whole batch, so the step equals the big-batch step up to float rounding
+  and the metric sums are those of the whole batch. Microbatch j draws its dropout (and MLM
+  masking) from fold_in(step key, j): with dropout on, the step is an equally valid sample, not
+  the big batch's bits. The batch rows must divide by k times the data-parallel size
+  (ConfigError at the first call otherwise).
+
   With dynamic loss scaling (`config.precision.dynamic_loss_scale`, float16 by default) the
   loss is multiplied by `state.loss_scale.scale` before differentiation and the float32
-  gradients divided by it. A step with a non-finite gradient is skipped: params and
-  opt_state stay bit-identical, `step` still advances, and the scale is updated by
-  `precision.next_loss_scale` (backoff on overflow, growth after `growth_interval` finite steps).
+  gradients divided by it. A step whose loss, gradients or updated params and optimizer state
+  are not all finite is skipped: params and opt_state stay bit-identical, `step` still
+  advances, and the scale is updated by `precision.next_loss_scale` (backoff on a skipped
+  step, growth after `growth_interval` applied steps). Such a step is flagged `nonfinite` for
+  `train.nan_policy` unless it is a loss-scale overflow: a finite loss whose scaled gradients
+  overflowed, the normal way dynamic scaling finds its scale.
 
   Metrics: `loss`, `nll`, `correct`, `num_tokens` (sums), `grad_norm` (of the unscaled
   gradients), `learning_rate` (the schedule at `step`; the optimizer's own count lags by the
-  skipped steps), `skipped` (1.0 if the update was skipped, else 0.0) and `loss_scale` (the
+  skipped steps), `skipped` (1.0 if the update was skipped, else 0.0), `nonfinite` (1.0 if it
+  was skipped for non-finite values other than a loss-scale overflow) and `loss_scale` (the
   scale this step used; 1.0 without scaling).
   """
-  step = _step_function(model, tx, config)
+  step = _step_function(model, tx, config, mesh, state_shardings.params)
   jitted = jax.jit(step, in_shardings=(state_shardings, sh.batch_sharding(mesh), sh.replicated(mesh)),
                    out_shardings=(state_shardings, sh.replicated(mesh)), donate_argnums=(0,))
   return _with_mesh(jitted, mesh)
@@ -82,7 +96,7 @@ def make_multi_step(model: nn.Module, tx: optax.GradientTransformation, config: 
   Why: on CPU every call pays a fixed cost (dispatch, and XLA allocating and faulting in
   its temporary buffers afresh), which is a large share of a small model's step.
   """
-  step = _step_function(model, tx, config)
+  step = _step_function(model, tx, config, mesh, state_shardings.params)
 
   def steps(state: TrainState, batches: Batch, rng: jax.Array):
     return jax.lax.scan(lambda s, batch: step(s, batch, rng), state, batches)
@@ -101,7 +115,7 @@ def make_train_call(model: nn.Module, tx: optax.GradientTransformation, config: 
   return factory(model, tx, config, mesh, state_shardings)
 
 
-def _step_function(model: nn.Module, tx: optax.GradientTransformation, config: Config):
+def _step_function(model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh, param_shardings):
   """The unjitted `(state, batch, rng) -> (state, metrics)` that both factories compile."""
   schedule = make_schedule(config.optim, config.model.d_model)
   label_smoothing, z_loss = config.optim.label_smoothing, config.train.z_loss
@@ -109,31 +123,84 @@ def _step_function(model: nn.Module, tx: optax.GradientTransformation, config: C
   use_rng = config.model.dropout_rate > 0 or config.model.attention_dropout_rate > 0 or task.needs_rng
   precision = config.precision
   dynamic = precision.dynamic_loss_scale
+  accum = config.train.grad_accum_steps
 
-  def scaled_loss(params, batch, rng, scale):
+  def scaled_loss(params, batch, rng, factor, per_token=True):
     loss, sums = loss_fn(task, model, params, batch, rng, label_smoothing, z_loss)
-    return loss * scale, sums
+    return (loss if per_token else sums["loss"]) * factor, sums
+
+  grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
+
+  def grads_and_sums(params, batch, rng, scale):
+    """(gradient of `scale` times the loss per real target token of `batch`, metric sums)."""
+    if accum == 1:
+      (_, sums), grads = grad_fn(params, batch, rng, scale)
+      return grads, sums
+    # Microbatches differentiate loss sums over a fixed count, the batch's target positions (at least
+    # its real tokens, so float16 cotangents are no larger than the big batch's); the total is then
+    # rescaled to the real tokens, so each token weighs the same whichever microbatch holds it.
+    positions = batch["targets"].size
+
+    def microstep(total, xs):
+      index, micro = xs
+      micro_rng = None if rng is None else jax.random.fold_in(rng, index)
+      (_, sums), grads = grad_fn(params, micro, micro_rng, scale / positions, False)
+      return jax.tree.map(jnp.add, total, grads), sums
+
+    zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), param_shardings)
+    grads, sums = jax.lax.scan(microstep, zeros, (jnp.arange(accum), _microbatches(batch, accum, mesh)))
+    sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), sums)
+    return jax.tree.map(lambda g: g * (positions / jnp.maximum(sums["num_tokens"], 1.0)), grads), sums
 
   def step(state: TrainState, batch: Batch, rng: jax.Array):
     step_rng = jax.random.fold_in(rng, state.step) if use_rng else None
     scale = state.loss_scale.scale if dynamic else jnp.ones((), jnp.float32)
-    (_, sums), grads = jax.value_and_grad(scaled_loss, has_aux=True)(state.params, batch, step_rng, scale)
+    grads, sums = grads_and_sums(state.params, batch, step_rng, scale)
     if dynamic:
       grads = jax.tree.map(lambda g: g / scale, grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    loss_scale, skipped = state.loss_scale, jnp.zeros((), jnp.float32)
+    loss_finite, grads_finite = jnp.isfinite(sums["loss"]), all_finite(grads)
+    applied = loss_finite & grads_finite & all_finite((params, opt_state))
+    params, opt_state = select_tree(applied, (params, opt_state), (state.params, state.opt_state))
+    loss_scale = state.loss_scale
     if dynamic:
-      finite = all_finite(grads)
-      params, opt_state = select_tree(finite, (params, opt_state), (state.params, state.opt_state))
-      loss_scale = next_loss_scale(state.loss_scale, finite, precision.growth_interval,
+      loss_scale = next_loss_scale(state.loss_scale, applied, precision.growth_interval,
                                    precision.growth_factor, precision.backoff_factor)
-      skipped = 1.0 - finite.astype(jnp.float32)
+    # Under loss scaling, overflowing gradients of a finite loss are the scale's business, not a fault.
+    overflow = loss_finite & ~grads_finite if dynamic else jnp.zeros((), bool)
     metrics = dict(sums, grad_norm=optax.tree.norm(grads), learning_rate=schedule(state.step),
-                   skipped=skipped, loss_scale=scale)
+                   skipped=1.0 - applied.astype(jnp.float32), nonfinite=(~applied & ~overflow).astype(jnp.float32),
+                   loss_scale=scale)
     return TrainState(state.step + 1, params, opt_state, loss_scale), metrics
 
   return step
+
+
+def _microbatches(batch: Batch, k: int, mesh: Mesh) -> Batch:
+  """Each `[rows, ...]` array of `batch` as `[k, rows / k, ...]`: microbatch j holds rows j, j + k, j + 2k, ...
+
+  The data axes shard the rows in contiguous blocks, one per device; a block of a multiple of k
+  rows holds its share of every strided microbatch, so the split moves no data and each
+  microbatch stays sharded over the data axes (a contiguous split would put microbatch 0 on the
+  first devices alone).
+
+  Raises:
+    ConfigError: the rows are not a multiple of k times the data-parallel size.
+  """
+  rows = batch["targets"].shape[0]
+  dp = sh.data_parallel_size(mesh)
+  if rows % (k * dp):
+    raise ConfigError(f"train.grad_accum_steps={k} splits the batch of {rows} rows into microbatches that do not "
+                      f"divide over the {dp} data-parallel devices (mesh.data*mesh.fsdp); use a train.batch_size "
+                      f"that is a multiple of {k * dp}, or fewer train.grad_accum_steps")
+  sharding = sh.batch_sharding(mesh, stacked=True)
+
+  def split(x):
+    x = x.reshape(rows // k, k, *x.shape[1:]).swapaxes(0, 1)  # [k, rows / k, ...]
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+  return jax.tree.map(split, batch)
 
 
 def make_eval_step(model: nn.Module, config: Config, mesh: Mesh,
