@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -45,18 +45,18 @@ def _accumulate(total: Any, params: Any) -> Any:
   return jax.tree.map(lambda t, p: t + p.astype(jnp.float32), total, params)
 
 
-def average_params(checkpointer: ckpt.Checkpointer, target_params: Any, steps: list[int]) -> Any:
-  """Elementwise mean over `steps` of the checkpointed params, each leaf in its own dtype.
+def average_params(read: Callable[[int], Any], steps: list[int]) -> Any:
+  """Elementwise mean over `steps` of the params `read(step)` returns (each leaf in its own
+  dtype and sharding; `evaluate.restore` reads them with `models.layout.restore_params`, so
+  the steps may be of either layer layout).
 
-  `target_params` is the tree `Checkpointer.restore_params` takes (abstract leaves carrying
-  the shardings to restore into). Checkpoints are read one at a time into a float32 running
-  sum, so memory is two copies of the params whatever `len(steps)` is. The N-1 float32
-  additions and the division round to within N * 2^-24 of the mean of the |values| (tested
-  against a float64 mean).
+  Checkpoints are read one at a time into a float32 running sum, so memory is two copies of
+  the params whatever `len(steps)` is. The N-1 float32 additions and the division round to
+  within N * 2^-24 of the mean of the |values| (tested against a float64 mean).
   """
-  total = None
+  total = params = None
   for step in steps:
-    _, params = checkpointer.restore_params(target_params, step)
+    params = read(step)
     total = jax.tree.map(lambda p: p.astype(jnp.float32), params) if total is None else _accumulate(total, params)
   return jax.tree.map(lambda t, p: (t / len(steps)).astype(p.dtype), total, params)
 

@@ -172,8 +172,8 @@ class PrecisionConfig:
       raise ConfigError(f"precision.initial_scale must be in [1, 2**127), got {self.initial_scale}")
     if self.growth_interval < 1:
       raise ConfigError(f"precision.growth_interval must be >= 1, got {self.growth_interval}")
-    if self.growth_factor <= 1.0:
-      raise ConfigError(f"precision.growth_factor must be > 1, got {self.growth_factor}")
+    if not 1.0 < self.growth_factor < math.inf:   # written so that NaN fails too
+      raise ConfigError(f"precision.growth_factor must be a finite number > 1, got {self.growth_factor}")
     if not 0.0 < self.backoff_factor < 1.0:
       raise ConfigError(f"precision.backoff_factor must be in (0, 1), got {self.backoff_factor}")
 
@@ -330,8 +330,8 @@ class TrainConfig:
   early_stop_patience: int = 0  # stop after this many evaluations without improving keep_best (or val_loss); 0 = off
 
   def validate(self) -> None:
-    if self.z_loss < 0:
-      raise ConfigError(f"train.z_loss must be >= 0, got {self.z_loss}")
+    if not 0.0 <= self.z_loss < math.inf:   # written so that NaN fails too
+      raise ConfigError(f"train.z_loss must be a finite number >= 0, got {self.z_loss}")
     for name in ("num_steps", "batch_size", "log_every", "eval_every", "checkpoint_every",
                  "keep_checkpoints", "steps_per_call", "grad_accum_steps", "max_consecutive_skips"):
       if getattr(self, name) < 1:

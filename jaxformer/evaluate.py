@@ -105,7 +105,8 @@ def restore(workdir: str | Path, config: Config, step: int | None = None, averag
     target = ckpt.sharded_target(abstract.params, shardings.params)
     if average_last:
       averaged = average.last_steps(checkpointer, average_last)
-      restored_step, params = averaged[-1], average.average_params(checkpointer, target, averaged)
+      restored_step = averaged[-1]
+      params = average.average_params(lambda s: layout.restore_params(checkpointer, target, model, s)[1], averaged)
     else:
       averaged = None
       restored_step, params = layout.restore_params(checkpointer, target, model, step)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import platform
 
 import jax
 from jax.sharding import Mesh
@@ -12,11 +13,13 @@ from jaxformer import sharding as sh
 from jaxformer.config import PLATFORMS, Config, ConfigError, RuntimeConfig
 
 
-# XLA:CPU choices that change float results from machine to machine (measured: README,
-# "Reproducibility"): the CPU's instruction set (LLVM code for AVX-512 or AVX2; XNNPACK and
-# YNNPACK, which also run the reductions over the batch, pick their kernels by CPUID; the
-# math approximations) and, set by `NPROC` below, the size of the intra-op thread pool, by
-# which Eigen splits the contraction of the weight-gradient matmuls and XNNPACK its reductions.
+# XLA:CPU results are bitwise stable run to run on one machine, under any load, but change
+# with the machine: with the size of the intra-op thread pool (one thread per usable CPU;
+# Eigen splits the contraction of the weight-gradient matmuls, XNNPACK/YNNPACK the
+# reductions over the batch, by it: 1 and 2 CPUs give other params after 3 steps), pinned by
+# `NPROC` below; and with the instruction set (AVX-512 and AVX2 code give other losses;
+# XNNPACK/YNNPACK pick kernels by CPUID; math approximations), pinned by these flags. Not
+# pinned: Eigen sizes its matmul blocks by the CPU's caches, so CPUs with other caches may differ.
 DETERMINISTIC_XLA_FLAGS = ("--xla_cpu_max_isa=AVX2", "--xla_cpu_enable_platform_dependent_math=false",
                            "--xla_cpu_use_xnnpack=false", "--xla_cpu_experimental_ynn_fusion_type=")
 
@@ -28,7 +31,8 @@ def pin_cpu_numerics(cpu_threads: int) -> None:
   started (the CLI calls it first); child processes inherit it."""
   os.environ["NPROC"] = str(cpu_threads)
   flags = os.environ.get("XLA_FLAGS", "")
-  added = [f for f in DETERMINISTIC_XLA_FLAGS if f.split("=")[0] not in flags]
+  pinned = DETERMINISTIC_XLA_FLAGS if platform.machine().lower() in ("x86_64", "amd64") else DETERMINISTIC_XLA_FLAGS[1:]
+  added = [f for f in pinned if f.split("=")[0] not in flags]   # AVX2 names an x86 instruction set only
   os.environ["XLA_FLAGS"] = " ".join([flags, *added]).strip()
 
 

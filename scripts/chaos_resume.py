@@ -132,7 +132,9 @@ def main() -> int:
         if sig == signal.SIGKILL:
           report["replayed_steps"].append(logged - saved)
         elif proc.returncode != 0:   # stopped before finishing: by the signal, at a step boundary
-          report["term_status_ok"] &= proc.returncode == 128 + sig
+          # 143 for SIGTERM; a signal that lands before start-up installs the handler kills the
+          # process instead (Popen says -15; a shell says 143 for both).
+          report["term_status_ok"] &= proc.returncode in (128 + sig, -sig)
           if "stopping after the current step" in err:   # it was in the step loop: no step lost
             report["term_lost_steps"].append(logged - saved)
         continue

@@ -46,7 +46,7 @@ def test_average_is_the_exact_mean_of_the_last_n(run):
   checkpointer = ckpt.Checkpointer(workdir, async_save=False)
   steps = average.last_steps(checkpointer, 3)
   assert steps == [2, 3, 4]
-  mean = average.average_params(checkpointer, target, steps)
+  mean = average.average_params(lambda s: checkpointer.restore_params(target, s)[1], steps)
   for got, *xs in zip(jax.tree.leaves(mean), *[jax.tree.leaves(history[s]) for s in steps]):
     stack = np.stack(xs).astype(np.float64)
     # Float32 summation error bound: N unit roundoffs (2^-24) of the mean of |x|, elementwise.
@@ -58,7 +58,7 @@ def test_average_is_the_exact_mean_of_the_last_n(run):
   for got, abstract in zip(jax.tree.leaves(mean), jax.tree.leaves(target)):
     assert got.sharding.is_equivalent_to(abstract.sharding, got.ndim) and got.dtype == abstract.dtype
   # Averaging one checkpoint is that checkpoint, bit for bit.
-  one = average.average_params(checkpointer, target, [4])
+  one = average.average_params(lambda s: checkpointer.restore_params(target, s)[1], [4])
   for got, want in zip(jax.tree.leaves(one), jax.tree.leaves(history[4])):
     np.testing.assert_array_equal(np.asarray(got), want)
   checkpointer.close()
@@ -79,7 +79,7 @@ def test_written_average_restores_as_a_params_checkpoint(run, tmp_path):
   (workdir / ckpt.CONFIG_FILE).write_text("name: avg\n")
   checkpointer = ckpt.Checkpointer(workdir, async_save=False)
   steps = average.last_steps(checkpointer, 2)
-  mean = average.average_params(checkpointer, target, steps)
+  mean = average.average_params(lambda s: checkpointer.restore_params(target, s)[1], steps)
   checkpointer.close()
   out = average.write_averaged(workdir, tmp_path / "avg2", steps, mean)
   assert (out / ckpt.CONFIG_FILE).read_text() == "name: avg\n"

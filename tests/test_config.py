@@ -54,7 +54,10 @@ def test_overrides_are_typed():
     ("model.num_kv_heads=3", "model.num_kv_heads=3 must divide model.num_heads=4; use one of [1, 2, 4]"),
     ("model.sliding_window=-2", "model.sliding_window must be >= 0"),
     ("model.attn_logit_softcap=-1", "model.attn_logit_softcap must be >= 0"),
-    ("train.z_loss=-0.1", "train.z_loss must be >= 0"),
+    ("train.z_loss=-0.1", "train.z_loss must be a finite number >= 0, got -0.1"),
+    ("train.z_loss=nan", "train.z_loss must be a finite number >= 0, got nan"),
+    ("precision.growth_factor=nan", "precision.growth_factor must be a finite number > 1, got nan"),
+    ("precision.growth_factor=1", "precision.growth_factor must be a finite number > 1, got 1"),
     ("model.share_embeddings=false", "did you mean model.tie_embeddings?"),
 ])
 def test_bad_overrides_give_one_line_errors(override, message):

@@ -1,7 +1,7 @@
 """`runtime.deterministic` (the default): the same bits whatever the number of usable CPUs and
 the load. Without it XLA:CPU sizes its thread pool by the usable CPUs and splits the
 weight-gradient matmuls and batch reductions by that size, so the params of this very test
-differ between 1 and 2 CPUs (measured; README "Reproducibility")."""
+differ between 1 and 2 CPUs (measured with `runtime.deterministic=false`)."""
 
 import json
 import os

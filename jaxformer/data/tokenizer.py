@@ -130,7 +130,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int,
     byte_fallback: encode unseen characters as UTF-8 byte pieces (exact round
       trip for any text; needs 256 extra pieces). Default: on when
       ``vocab_size >= 1024`` and ``model_type != "char"``.
-    num_threads: trainer threads.
+    num_threads: trainer threads. The model depends on their number (SentencePiece
+      splits its sums by thread), not on timing or load: keep it fixed.
 
   Returns:
     The trained :class:`Tokenizer`.
