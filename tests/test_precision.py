@@ -60,7 +60,7 @@ def test_bad_policies_give_one_line_config_errors(policy, message):
     ("precision.loss_scale=static", "precision.loss_scale='static' is unknown; use auto, dynamic or none"),
     ("precision.initial_scale=0.5", "precision.initial_scale must be in [1, 2**127)"),
     ("precision.growth_interval=0", "precision.growth_interval must be >= 1"),
-    ("precision.growth_factor=1", "precision.growth_factor must be > 1"),
+    ("precision.growth_factor=1", "precision.growth_factor must be a finite number > 1"),
     ("precision.backoff_factor=1", "precision.backoff_factor must be in (0, 1)"),
 ])
 def test_bad_precision_keys_give_one_line_errors(override, message):
