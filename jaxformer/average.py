@@ -81,9 +81,7 @@ def write_averaged(workdir: str | Path, output: str | Path, steps: list[int], pa
   tmp = output.with_name(output.name + ".incomplete")
   shutil.rmtree(tmp, ignore_errors=True)
   tmp.mkdir(parents=True)
-  for name in (ckpt.CONFIG_FILE, ckpt.TOKENIZER_FILE, ckpt.SOURCE_TOKENIZER_FILE):
-    if (workdir / name).is_file():
-      shutil.copyfile(workdir / name, tmp / name)
+  ckpt.copy_run_files(workdir, tmp)
   (tmp / AVERAGE_FILE).write_text(json.dumps({"workdir": str(workdir.absolute()), "steps": steps}) + "\n")
   saver = ckpt.Checkpointer(tmp, async_save=False)
   saver.save_params(max(steps), params)

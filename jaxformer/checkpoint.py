@@ -330,6 +330,14 @@ def _write_atomic(path: Path, data: bytes) -> None:
     raise
 
 
+def copy_run_files(workdir: str | Path, destination: str | Path) -> None:
+  """Copies `workdir`'s config and tokenizer files into `destination`, making a folder of
+  derived params (averaged, best) a workdir that eval, translate and generate read."""
+  for name in (CONFIG_FILE, TOKENIZER_FILE, SOURCE_TOKENIZER_FILE):
+    if (Path(workdir) / name).is_file():
+      shutil.copyfile(Path(workdir) / name, Path(destination) / name)
+
+
 def save_run_files(workdir: str | Path, config_yaml: str, tokenizer_bytes: bytes,
                    source_tokenizer_bytes: bytes | None = None) -> None:
   """Writes the resolved config and the tokenizer model (the target's, and the source's

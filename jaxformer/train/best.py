@@ -108,9 +108,7 @@ class BestCheckpoint:
       saver.save_params(step, params)
     saver.close()
     if jax.process_index() == 0:
-      for name in (ckpt.CONFIG_FILE, ckpt.TOKENIZER_FILE, ckpt.SOURCE_TOKENIZER_FILE):
-        if (self.workdir / name).is_file():
-          shutil.copyfile(self.workdir / name, self.directory / name)
+      ckpt.copy_run_files(self.workdir, self.directory)
       print(f"best {self.metric} so far at step {step}: saved to {self.directory}", file=sys.stderr, flush=True)
 
 
