@@ -47,7 +47,7 @@ def _accumulate(total: Any, params: Any) -> Any:
 
 def average_params(read: Callable[[int], Any], steps: list[int]) -> Any:
   """Elementwise mean over `steps` of the params `read(step)` returns (each leaf in its own
-  dtype and sharding; `evaluate.restore` reads them with `models.layout.restore_params`, so
+  dtype and sharding; `inference.restore.restore` reads them with `models.layout.restore_params`, so
   the steps may be of either layer layout).
 
   Checkpoints are read one at a time into a float32 running sum, so memory is two copies of

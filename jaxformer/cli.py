@@ -56,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
   e.add_argument("--output", help="hypotheses file (default: WORKDIR/hypotheses.<split>.<greedy|beamK|sampleS>.txt; "
                  "a read-only WORKDIR gets them in a new temporary folder, named on stderr)")
   _add_search_args(e)
+  _add_draft_args(e)
   e.add_argument("overrides", nargs="*", help="runtime/mesh overrides, e.g. runtime.num_cpu_devices=4 mesh.data=4")
 
   tr = sub.add_parser("translate", help="translate stdin lines to stdout")
@@ -63,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
   _add_checkpoint_args(tr)
   tr.add_argument("--batch-size", type=_positive, default=64)
   _add_search_args(tr)
+  _add_draft_args(tr)
   tr.add_argument("overrides", nargs="*")
 
   g = sub.add_parser("generate", help="sample text from a causal LM (decoder_only) with the KV cache")
@@ -75,7 +77,25 @@ def _parser() -> argparse.ArgumentParser:
   g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = all)")
   g.add_argument("--seed", type=int, default=0, help="sampling seed: same seed, same text")
   g.add_argument("--num-samples", type=int, default=1, help="independent samples, separated by a '---' line")
+  _add_draft_args(g)
   g.add_argument("overrides", nargs="*")
+
+  s = sub.add_parser("serve", help="serve a trained model over HTTP: /v1/translate or /v1/generate with "
+                     "continuous batching, streaming (server-sent events) and /health")
+  s.add_argument("--workdir", required=True)
+  _add_checkpoint_args(s)
+  s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+  s.add_argument("--port", type=int, default=8000)
+  s.add_argument("--max-batch", type=_positive, default=8, help="requests decoded together per step")
+  s.add_argument("--max-queue", type=_positive, default=64, help="waiting requests at most; more get 503")
+  s.add_argument("--page-size", type=_positive, default=16, help="tokens per KV-cache page")
+  s.add_argument("--num-pages", type=_positive, default=None,
+                 help="KV-cache pages per pool (default: enough for --max-batch requests at model.max_length)")
+  s.add_argument("--request-timeout", type=float, default=120.0, help="seconds before a request is cancelled (504)")
+  s.add_argument("--batching", choices=("continuous", "static"), default="continuous",
+                 help="continuous: requests join the running batch at any step; static: a new batch starts only "
+                 "when the running one has finished (for comparison)")
+  s.add_argument("overrides", nargs="*", help="runtime/mesh overrides, e.g. runtime.num_cpu_devices=1")
 
   a = sub.add_parser("average", help="write the mean params of a run's last N checkpoints (paper section 6.1) "
                      "as a workdir that eval, translate and generate read")
@@ -111,11 +131,22 @@ def _positive(text: str) -> int:
 
 
 def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
-  """`--step N` or `--average-last N`: which params eval/translate/generate restore."""
+  """`--step N` or `--average-last N`: which params eval/translate/generate/serve restore;
+  `--quantize int8`: how they are stored for decoding."""
   which = p.add_mutually_exclusive_group()
   which.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   which.add_argument("--average-last", type=_positive, default=None, metavar="N",
                      help="the mean params of the newest N checkpoints (paper section 6.1: 5 for base, 20 for big)")
+  p.add_argument("--quantize", choices=("int8",), default=None,
+                 help="int8 weight-only quantization for decoding (per-channel scales; about 4x smaller weights)")
+
+
+def _add_draft_args(p: argparse.ArgumentParser) -> None:
+  """`--draft-workdir DIR [--draft-tokens K]`: speculative greedy decoding with a small draft model."""
+  p.add_argument("--draft-workdir", default=None, metavar="DIR",
+                 help="a small model with the same tokenizer that proposes tokens the target verifies in one pass "
+                      "(speculative decoding; greedy only; the output equals the target's greedy output)")
+  p.add_argument("--draft-tokens", type=_positive, default=4, metavar="K", help="tokens the draft proposes per round")
 
 
 def _add_distributed_args(p: argparse.ArgumentParser) -> None:
@@ -146,7 +177,7 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
 
 def _search_options(args):
   """SearchOptions from the decoding flags; ValueError (one line) on a bad combination."""
-  from jaxformer.search import SearchOptions
+  from jaxformer.inference.decode import SearchOptions
   sampling = [f for f, v in (("--temperature", args.temperature), ("--top-k", args.top_k), ("--top-p", args.top_p))
               if v is not None]
   if args.beam_size > 1 and sampling:
@@ -182,35 +213,47 @@ def cmd_eval(args) -> None:
   init_runtime(_runtime_from_overrides(args.overrides))
   from jaxformer import evaluate
   from jaxformer.data import PAIRS
+  from jaxformer.inference import restore as inference_restore
   from jaxformer.tasks import get_task
   from jaxformer.tasks.base import EvalOptions
   search = _search_options(args)
-  config = evaluate.workdir_config(args.workdir, args.overrides)
+  config = inference_restore.workdir_config(args.workdir, args.overrides)
   task = get_task(config)
   output = evaluate.hypotheses_destination(args.output, args.workdir) if task.data_kind == PAIRS else None
-  options = EvalOptions(split=args.split, src=args.src, ref=args.ref, batch_size=args.batch_size, search=search,
-                        output=output, workdir=args.workdir)
   restored = []
 
   def restore():
-    restored.append(evaluate.restore(args.workdir, config, args.step, args.average_last))
+    restored.append(inference_restore.restore(args.workdir, config, args.step, args.average_last, args.quantize))
     return restored[-1]
+
+  def draft():
+    return inference_restore.restore_draft(args.draft_workdir, restored[-1], args.overrides, args.draft_tokens,
+                                           args.quantize)
+  if args.draft_workdir and search.strategy != "greedy":
+    raise ValueError(f"speculative decoding (--draft-workdir) is greedy; drop it or the {search.strategy} options")
+  options = EvalOptions(split=args.split, src=args.src, ref=args.ref, batch_size=args.batch_size, search=search,
+                        output=output, workdir=args.workdir, draft=draft if args.draft_workdir else None)
 
   result = task.evaluate(restore, options)
   if args.average_last:
     result["averaged_steps"] = restored[-1].averaged
+  if args.quantize:
+    result["quantize"] = args.quantize
+  if args.draft_workdir:
+    result.update(draft_workdir=args.draft_workdir, draft_tokens=args.draft_tokens)
   print(evaluate.result_json(result), flush=True)
 
 
 def cmd_average(args) -> None:
   from jaxformer.runtime import init_runtime
   init_runtime(_runtime_from_overrides(args.overrides))
-  from jaxformer import average, evaluate
+  from jaxformer import average
+  from jaxformer.inference import restore as inference_restore
   output = Path(args.output) if args.output else average.default_output(args.workdir, args.last)
   if output.exists():   # before reading any checkpoint
     raise ValueError(f"{output} already exists; remove it or pass another --output")
-  config = evaluate.workdir_config(args.workdir, args.overrides)
-  restored = evaluate.restore(args.workdir, config, average_last=args.last)
+  config = inference_restore.workdir_config(args.workdir, args.overrides)
+  restored = inference_restore.restore(args.workdir, config, average_last=args.last)
   average.write_averaged(args.workdir, output, restored.averaged, restored.params)
   print(json.dumps({"workdir": str(output), "averaged_steps": restored.averaged}), flush=True)
 
@@ -219,14 +262,19 @@ def cmd_translate(args) -> None:
   from jaxformer.runtime import init_runtime
   init_runtime(_runtime_from_overrides(args.overrides))
   from jaxformer import evaluate
+  from jaxformer.inference import restore as inference_restore
   search = _search_options(args)
-  config = evaluate.workdir_config(args.workdir, args.overrides)
+  config = inference_restore.workdir_config(args.workdir, args.overrides)
   from jaxformer.data import PAIRS
   from jaxformer.tasks import get_task
   if get_task(config).data_kind != PAIRS:
     raise ValueError(f"{args.workdir} holds a language model (model.kind={config.model.kind}); translate needs a "
                      "translation model, and `jaxformer generate` samples from a causal LM")
-  restored = evaluate.restore(args.workdir, config, args.step, args.average_last)
+  if args.draft_workdir and search.strategy != "greedy":
+    raise ValueError(f"speculative decoding (--draft-workdir) is greedy; drop it or the {search.strategy} options")
+  restored = inference_restore.restore(args.workdir, config, args.step, args.average_last, args.quantize)
+  draft = (inference_restore.restore_draft(args.draft_workdir, restored, args.overrides, args.draft_tokens,
+                                           args.quantize) if args.draft_workdir else None)
   lines = []
   for number, raw in enumerate(sys.stdin.buffer, 1):
     try:
@@ -235,19 +283,36 @@ def cmd_translate(args) -> None:
       raise ValueError(f"stdin line {number} is not valid UTF-8 (byte {raw[e.start]:#04x} at column "
                        f"{e.start + 1}); translate reads UTF-8 text") from None
   if lines:
-    hyps, _ = evaluate.translate(restored, lines, args.batch_size, search)
+    hyps, _ = evaluate.translate(restored, lines, args.batch_size, search, draft)
     sys.stdout.write("".join(h + "\n" for h in hyps))
 
 
 def cmd_generate(args) -> None:
   from jaxformer.runtime import init_runtime
   init_runtime(_runtime_from_overrides(args.overrides))
-  from jaxformer import evaluate, lm
-  config = evaluate.workdir_config(args.workdir, args.overrides)
-  restored = evaluate.restore(args.workdir, config, args.step, args.average_last)
+  from jaxformer.inference import generate as lm
+  from jaxformer.inference import restore as inference_restore
+  config = inference_restore.workdir_config(args.workdir, args.overrides)
+  if args.draft_workdir and args.top_k != 1:
+    raise ValueError("speculative decoding (--draft-workdir) is greedy: pass --top-k 1")
+  restored = inference_restore.restore(args.workdir, config, args.step, args.average_last, args.quantize)
+  draft = (inference_restore.restore_draft(args.draft_workdir, restored, args.overrides, args.draft_tokens,
+                                           args.quantize) if args.draft_workdir else None)
   texts = lm.generate(restored, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                      top_p=args.top_p, seed=args.seed, num_samples=args.num_samples)
+                      top_p=args.top_p, seed=args.seed, num_samples=args.num_samples, draft=draft)
   sys.stdout.write("\n---\n".join(args.prompt + t for t in texts) + "\n")
+
+
+def cmd_serve(args) -> None:
+  from jaxformer.runtime import init_runtime
+  init_runtime(_runtime_from_overrides(args.overrides))
+  from jaxformer import serve
+  from jaxformer.inference import restore as inference_restore
+  config = inference_restore.workdir_config(args.workdir, args.overrides)
+  restored = inference_restore.restore(args.workdir, config, args.step, args.average_last, args.quantize)
+  serve.serve(restored, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
+              page_size=args.page_size, num_pages=args.num_pages, request_timeout=args.request_timeout,
+              batching=args.batching)
 
 
 def cmd_bench(args) -> None:
@@ -300,7 +365,7 @@ def cmd_config(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
-  commands = {"train": cmd_train, "eval": cmd_eval, "translate": cmd_translate, "generate": cmd_generate,
+  commands = {"train": cmd_train, "eval": cmd_eval, "translate": cmd_translate, "generate": cmd_generate, "serve": cmd_serve,
               "average": cmd_average, "bench": cmd_bench, "config": cmd_config}
   try:
     commands[args.command](args)

@@ -5,7 +5,7 @@ beam search finds a better hypothesis than greedy on its own objective.
 
 Speed part (always): the same batch of random sources, `--out-len` (64) tokens generated
 per row by both paths, EOS ignored so both run exactly `--out-len` steps:
-  * cached:    `jaxformer.decode.greedy_decode` (prefill, then one token per step through the
+  * cached:    `jaxformer.inference.decode.greedy_decode` (prefill, then one token per step through the
                KV cache inside `lax.while_loop`);
   * recompute: a jitted `lax.fori_loop` that runs the decoder over the whole padded prefix
                `[batch, out_len]` every step without a cache and reads the logits at the step's
@@ -40,11 +40,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer import evaluate
+from jaxformer.inference import restore as inference_restore
 from jaxformer import sharding as sh
 from jaxformer.config import load_config
-from jaxformer.decode import greedy_decode
+from jaxformer.inference.decode import greedy_decode
 from jaxformer.models.transformer import BOS_ID, EncoderDecoder
-from jaxformer.search import LENGTH_PENALTY, SearchOptions
+from jaxformer.inference.decode import SearchOptions
+from jaxformer.inference.search import LENGTH_PENALTY
 from jaxformer.tasks import get_task
 
 NO_EOS = -1  # an id no argmax can return: decoding runs the full output length
@@ -109,7 +111,7 @@ def speed(model: nn.Module, params: Any, args) -> dict[str, Any]:
           "same_tokens_fraction": float(np.mean(np.asarray(cached_out) == np.asarray(recompute_out)))}
 
 
-def compare_on_split(restored: evaluate.Restored, sources: list[str], args) -> dict[str, Any]:
+def compare_on_split(restored: inference_restore.Restored, sources: list[str], args) -> dict[str, Any]:
   """Greedy and beam search over `sources`: speed, and beam vs greedy on beam's objective."""
   out: dict[str, Any] = {"num_sentences": len(sources), "batch_size": args.eval_batch_size}
   runs = {}
@@ -162,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   result: dict[str, Any] = {"device": str(jax.devices()[0].device_kind), "num_devices": jax.device_count()}
   if args.workdir:
-    config = evaluate.workdir_config(args.workdir)
-    restored = evaluate.restore(args.workdir, config, args.step)
+    config = inference_restore.workdir_config(args.workdir)
+    restored = inference_restore.restore(args.workdir, config, args.step)
     model, params = restored.model, restored.params
     result.update(workdir=args.workdir, step=restored.step)
   else:

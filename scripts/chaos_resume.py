@@ -70,9 +70,9 @@ def _steps(workdir: Path) -> list[int]:
 def _params(workdir: Path):
   import jax  # noqa: PLC0415
 
-  from jaxformer import evaluate  # noqa: PLC0415
-  config = evaluate.workdir_config(workdir, ["runtime.num_cpu_devices=0"])
-  return jax.device_get(evaluate.restore(workdir, config).params)
+  from jaxformer.inference import restore as inference_restore  # noqa: PLC0415
+  config = inference_restore.workdir_config(workdir, ["runtime.num_cpu_devices=0"])
+  return jax.device_get(inference_restore.restore(workdir, config).params)
 
 
 def main() -> int:

@@ -5,18 +5,44 @@ several times faster and changes no values beyond float rounding. A persistent c
 cache, shared by both pytest-xdist workers and the CLI subprocesses (they inherit the
 environment) and removed at exit, compiles each distinct program once per test session:
 many tests build the same step again (a resumed run, the same config on another mesh).
+Likewise one data cache (`multi30k_dir`) prepares Multi30k once per session.
 """
 
 import atexit
+import fcntl
 import os
 import shutil
 import tempfile
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-  _cache_dir = tempfile.mkdtemp(prefix="jaxformer-test-xla-cache-")
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
-  atexit.register(shutil.rmtree, _cache_dir, True)
+for _name, _prefix in (("JAX_COMPILATION_CACHE_DIR", "jaxformer-test-xla-cache-"),
+                       ("JAXFORMER_TEST_DATA_DIR", "jaxformer-test-data-")):
+  if _name not in os.environ:
+    os.environ[_name] = tempfile.mkdtemp(prefix=_prefix)
+    atexit.register(shutil.rmtree, os.environ[_name], True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+TINY = str(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml")
+
+
+@pytest.fixture(scope="session")
+def multi30k_dir() -> str:
+  """A `data.data_dir` holding Multi30k en-de prepared at configs/tiny.yaml's data settings
+  (its 1000-piece tokenizer and three splits; buckets, model size and mesh do not change them).
+
+  Built once per test session (about 10 s of CPU, mostly SentencePiece) and shared by both
+  xdist workers and the CLI runs they launch; a flock makes the other worker wait rather than
+  build it too. Tests of preparation itself use a fresh data_dir of their own.
+  """
+  root = Path(os.environ["JAXFORMER_TEST_DATA_DIR"])
+  with open(root / "prepare.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    from jaxformer.config import load_config  # here: JAX must be imported after the flags above
+    from jaxformer.tasks import get_task
+    get_task(load_config(TINY, [f"data.data_dir={root}"])).load_data()
+  return str(root)

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from jaxformer.config import ConfigError, ModelConfig, config_from_dict
-from jaxformer.decode import init_cache
+from jaxformer.inference import cache as kv
 from jaxformer.layers.attention import MultiHeadAttention, dot_product_attention
 from jaxformer.layers.blockwise import blockwise_attention
 from jaxformer.layers.positions import alibi_bias, alibi_slopes, apply_rope
 from jaxformer.layers.scores import attention_mask, attention_scores
-from jaxformer.models.transformer import PAD_ID, EncoderDecoder
+from jaxformer.models.transformer import BOS_ID, PAD_ID, EncoderDecoder
 from jaxformer.runtime import check_model_fits_mesh
 from test_layers import _normal, _random_params
 
@@ -238,6 +238,7 @@ def _model_batch():
   rng = np.random.default_rng(0)
   src = rng.integers(4, VOCAB, (B, SRC_LEN))
   dec = rng.integers(4, VOCAB, (B, TGT_LEN))
+  dec[:, 0] = BOS_ID                          # decoder inputs: the cached prefill feeds BOS first
   src[1, 5:] = PAD_ID
   dec[1, 5:] = PAD_ID
   later = (np.arange(TGT_LEN)[None] >= CHANGED_FROM) & (dec != PAD_ID)
@@ -259,18 +260,17 @@ def test_option_is_causal_and_cached_decoding_matches(case):
     both = jnp.concatenate([src, src])  # one batch: the original and the perturbed targets
     full = model.apply(params, model.apply(params, both, method="encode"), both,
                        jnp.concatenate([dec, perturbed]), method="decode")
-    encoded = model.apply(params, src, method="encode")
-    variables = dict(params, cache=init_cache(model, B, SRC_LEN))
-    prefill, cache = model.apply(variables, encoded, src, dec[:, :PREFILL], decode=True, mutable=["cache"],
-                                 method="decode")
+    p = params["params"]
+    first, cache = kv.prefill(model, p, kv.contiguous_cache(model, p, B, SRC_LEN), src)   # encodes, feeds BOS
+    chunk, cache = kv.extend(model, p, cache, dec[:, 1:PREFILL])                     # several tokens at once
 
     def step(cache, i):
-      token = jax.lax.dynamic_slice_in_dim(dec, i, 1, axis=1)                  # [B, 1]
-      logits, cache = model.apply(dict(params, **cache), None, src, token, positions=jnp.full((B, 1), i),
-                                  decode=True, mutable=["cache"], method="decode")
-      return cache, logits[:, 0]
+      token = jax.lax.dynamic_index_in_dim(dec, i, axis=1, keepdims=False)        # [B]
+      logits, cache = kv.step(model, p, cache, token)
+      return cache, logits
     cache, steps = jax.lax.scan(step, cache, jnp.arange(PREFILL, TGT_LEN))
-    return full[:B], full[B:], jnp.concatenate([prefill, jnp.moveaxis(steps, 0, 1)], axis=1), cache
+    cached = jnp.concatenate([first[:, None], chunk, jnp.moveaxis(steps, 0, 1)], axis=1)
+    return full[:B], full[B:], cached, cache
 
   full, changed, cached, cache = run(params, src, dec, perturbed)
   full, changed, cached = np.asarray(full), np.asarray(changed), np.asarray(cached)
@@ -278,12 +278,13 @@ def test_option_is_causal_and_cached_decoding_matches(case):
   # Causality: tokens from CHANGED_FROM on never change the logits before them.
   np.testing.assert_array_equal(changed[:, :CHANGED_FROM], full[:, :CHANGED_FROM])
   assert np.abs(changed[:, CHANGED_FROM:] - full[:, CHANGED_FROM:]).max() > 1e-3
-  # Cached decoding (a prefill of several tokens, then one token per step) equals the full
+  # Cached decoding (the prefill feeds BOS, a chunk of several tokens, then one per step) equals the full
   # forward up to float32 rounding; a decoding bug (a wrong slot, mask or position) moves
   # logits by 1e-2 and more, far above the bound (about 4e-4 here).
   real = np.asarray(dec) != PAD_ID
   bound = 2 * np.broadcast_to(_float32_logit_error(config, params), cached.shape)
   excess = np.abs(cached - full)[real] / bound[real]
   assert excess.max() <= 1.0, (excess.max(), np.abs(cached - full)[real].max())
-  self_cache = cache["cache"]["decoder_0"]["self_attention"]
-  assert self_cache["cached_key"].shape == (B, config.max_length, config.kv_heads, config.head_dim)
+  self_cache = cache.layers["decoder_0"]["self_attention"]
+  assert self_cache["key"].shape == (B, config.kv_heads, config.max_length, config.head_dim)
+  np.testing.assert_array_equal(cache.state.lengths, real.sum(axis=1))   # PAD tokens are not cached

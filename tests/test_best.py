@@ -7,10 +7,11 @@ import math
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_cli import TINY, run_cli
+from test_own_data import TINY_MODEL, _reverse, _sentences
 
 from jaxformer import checkpoint as ckpt
 from jaxformer.train.best import BestCheckpoint
-from test_cli import TINY, run_cli
 
 
 def _params(value):
@@ -65,12 +66,17 @@ def test_lower_is_better_for_losses():
 
 def test_training_stops_early_and_the_best_step_evaluates(tmp_path):
   workdir = tmp_path / "run"
+  # Validation BLEU decodes the whole validation split at every evaluation: a corpus of 200
+  # pairs (the last 20 held out) keeps that short.
+  sentences = _sentences(200)
+  (tmp_path / "train.xx").write_text("".join(s + "\n" for s in sentences))
+  (tmp_path / "train.yy").write_text("".join(_reverse(s) + "\n" for s in sentences))
   # A learning rate far below float32's resolution leaves the params as they are: BLEU never improves.
-  args = ["train", "--config", TINY, "--workdir", str(workdir), f"data.data_dir={tmp_path}/data",
-          "data.buckets=[32,64]", "train.batch_size=16", "train.num_steps=40", "train.eval_every=5",
-          "train.log_every=2", "train.checkpoint_every=20", "train.keep_best=val_bleu",
-          "train.early_stop_patience=2", "optim.learning_rate=1e-30", "model.num_encoder_layers=1",
-          "model.num_decoder_layers=1"]
+  args = ["train", "--config", TINY, "--workdir", str(workdir), *TINY_MODEL, "data.dataset=files",
+          f"data.train_files={tmp_path}/train.xx,{tmp_path}/train.yy", "data.source_lang=xx", "data.target_lang=yy",
+          f"data.data_dir={tmp_path}/data", "data.buckets=[64]", "train.batch_size=16", "train.num_steps=40",
+          "train.eval_every=5", "train.log_every=2", "train.checkpoint_every=20", "train.keep_best=val_bleu",
+          "train.early_stop_patience=2", "optim.learning_rate=1e-30"]
   proc = run_cli(*args)
   assert "early stop: val_bleu has not improved for 2 evaluations" in proc.stderr
   rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
@@ -82,4 +88,4 @@ def test_training_stops_early_and_the_best_step_evaluates(tmp_path):
   again = run_cli(*args)
   assert "early stop" in again.stderr and "loss" not in again.stdout
   result = json.loads(run_cli("eval", "--workdir", str(workdir / "best"), "--split", "val").stdout.splitlines()[-1])
-  assert result["step"] == 5 and "bleu" in result
+  assert result["step"] == 5 and result["num_sentences"] == 20 and 0.0 <= result["bleu"] <= 100.0

@@ -5,7 +5,6 @@ file too large, a path that is not a folder) stops training with one line before
 save and leaves nothing that restores as complete."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -14,11 +13,12 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from test_cli import cli_env
 
 from jaxformer import checkpoint as ckpt
-from jaxformer import evaluate
 from jaxformer import sharding as sh
 from jaxformer.config import MeshConfig, load_config
+from jaxformer.inference import restore as inference_restore
 from jaxformer.tasks import get_task
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import state_shardings
@@ -35,14 +35,12 @@ SMALL_FILES = ("import resource, runpy; "
 
 
 def run_cli(*args, stdin=None, launch=("-m", "jaxformer")):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the CLI sets its own device count from runtime.num_cpu_devices
-  return subprocess.run([sys.executable, *launch, *args], capture_output=True, text=True, env=env,
+  return subprocess.run([sys.executable, *launch, *args], capture_output=True, text=True, env=cli_env(),
                         cwd=ROOT, timeout=600, input=stdin)
 
 
 def _train_args(workdir, data_dir, num_steps, *extra):
-  return ["train", "--config", TINY, "--workdir", str(workdir), f"data.data_dir={data_dir}", "data.buckets=[32,64]",
+  return ["train", "--config", TINY, "--workdir", str(workdir), f"data.data_dir={data_dir}", "data.buckets=[64]",
           "model.num_encoder_layers=1", "model.num_decoder_layers=1", "train.batch_size=16", "train.log_every=1",
           "train.eval_every=100", "train.checkpoint_every=2", f"train.num_steps={num_steps}", *extra]
 
@@ -53,9 +51,9 @@ def _losses(workdir):
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, multi30k_dir):
   """A 4-step tiny run with checkpoints at steps 2 and 4, trained once for the module."""
-  workdir, data_dir = tmp_path_factory.mktemp("run"), tmp_path_factory.mktemp("data")
+  workdir, data_dir = tmp_path_factory.mktemp("run"), multi30k_dir
   proc = run_cli(*_train_args(workdir, data_dir, 4))
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert ckpt.Checkpointer(workdir, read_only=True).all_steps() == [2, 4]
@@ -126,7 +124,7 @@ def test_damaged_newest_step_falls_back_in_eval_and_resume(run, targets, tmp_pat
   capfd.readouterr()
 
   # eval/translate/generate: the step-2 params, one line naming step 4 and the damage; nothing moved.
-  restored = evaluate.restore(workdir, evaluate.workdir_config(workdir))
+  restored = inference_restore.restore(workdir, inference_restore.workdir_config(workdir))
   assert restored.step == 2
   _assert_trees_equal(restored.params, params2)
   lines = capfd.readouterr().err.splitlines()
@@ -136,7 +134,7 @@ def test_damaged_newest_step_falls_back_in_eval_and_resume(run, targets, tmp_pat
 
   # An explicit damaged step is a one-line error, with no fallback.
   with pytest.raises(ckpt.CheckpointError, match=r"checkpoint step 4 in .* is damaged \(") as error:
-    evaluate.restore(workdir, evaluate.workdir_config(workdir), step=4)
+    inference_restore.restore(workdir, inference_restore.workdir_config(workdir), step=4)
   assert words in str(error.value) and "\n" not in str(error.value)
 
   # Resume (the writer): step 2, and step 4 moved aside intact for inspection, never deleted.
@@ -241,7 +239,7 @@ def test_an_unfinished_save_is_ignored_then_replaced(run, targets, tmp_path, cap
   tmp = workdir / "checkpoints" / "4.orbax-checkpoint-tmp"   # what a save killed mid-way leaves
   (workdir / "checkpoints" / "4").rename(tmp)
   capfd.readouterr()
-  assert evaluate.restore(workdir, evaluate.workdir_config(workdir)).step == 2
+  assert inference_restore.restore(workdir, inference_restore.workdir_config(workdir)).step == 2
   checkpointer = ckpt.Checkpointer(workdir)
   state = checkpointer.restore(targets[0])
   assert int(state.step) == 2 and capfd.readouterr().err == ""   # not damage: nothing to report

@@ -140,10 +140,12 @@ def test_float16_scaling_and_steps_per_call_work_with_accumulation():
     multi = make_multi_step(model, tx, config, mesh, shardings)
     state, metrics = multi(state, global_batch(batches, mesh), jax.random.key(0))
     runs.append((jax.device_get(state), jax.device_get(metrics)))
-    # Overflow: 2**100 times the loss overflows float16 in the backward pass.
+    # Overflow: 2**100 times the loss overflows float16 in the backward pass. (States go back on
+    # the mesh as the step's own outputs are: host arrays would compile the step once more.)
     host = jax.device_get(state)
     overflowing = host.replace(loss_scale=LossScale(np.float32(2.0 ** 100), np.int32(0)))
-    after, m = jax.device_get(multi(overflowing, global_batch(batches, mesh), jax.random.key(0)))
+    after, m = jax.device_get(multi(jax.device_put(overflowing, shardings), global_batch(batches, mesh),
+                                    jax.random.key(0)))
     np.testing.assert_array_equal(m["skipped"], [1.0, 1.0])
     np.testing.assert_array_equal(m["nonfinite"], [0.0, 0.0])
     assert float(after.loss_scale.scale) == 2.0 ** 98
@@ -152,7 +154,7 @@ def test_float16_scaling_and_steps_per_call_work_with_accumulation():
     # A NaN loss (a target id past the vocabulary in step 1) is a non-finite fault, scaling or not.
     poisoned = dict(batches, targets=batches["targets"].copy())
     poisoned["targets"][0, 0, 0] = 10 ** 6
-    _, m = jax.device_get(multi(host, global_batch(poisoned, mesh), jax.random.key(0)))
+    _, m = jax.device_get(multi(jax.device_put(host, shardings), global_batch(poisoned, mesh), jax.random.key(0)))
     np.testing.assert_array_equal(m["nonfinite"], [1.0, 0.0])
   (ref_state, ref), (state, metrics) = runs
   np.testing.assert_array_equal(metrics["num_tokens"], ref["num_tokens"])

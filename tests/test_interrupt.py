@@ -5,7 +5,6 @@ stops both at the same step, checkpoints it and exits with 143; rerunning resume
 no step."""
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -14,10 +13,10 @@ import time
 
 import pytest
 
-from test_cli import ROOT, TINY
+from test_cli import ROOT, TINY, cli_env
 
 RUN = ["train.batch_size=8", "train.log_every=5", "train.eval_every=1000", "train.checkpoint_every=5",
-       "train.num_steps=100000", "data.buckets=[32,64]", "model.d_model=32", "model.num_heads=2", "model.d_ff=48",
+       "train.num_steps=100000", "data.buckets=[64]", "model.d_model=32", "model.num_heads=2", "model.d_ff=48",
        "model.num_encoder_layers=1", "model.num_decoder_layers=1"]
 
 
@@ -33,10 +32,9 @@ def _checkpoint_steps(workdir):
 
 
 @pytest.mark.slow
-def test_ctrl_c_exits_promptly_with_130(tmp_path):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  data = [f"data.data_dir={tmp_path / 'data'}"]
+def test_ctrl_c_exits_promptly_with_130(tmp_path, multi30k_dir):
+  env = cli_env()
+  data = [f"data.data_dir={multi30k_dir}"]
   workdir = tmp_path / "run"
   # Two moments in start-up (imports, data, compiling) and, last, one in the step loop once a
   # checkpoint exists (however long compiling takes on a loaded machine).
@@ -66,7 +64,7 @@ def test_ctrl_c_exits_promptly_with_130(tmp_path):
   steps = _checkpoint_steps(workdir)
   assert steps, "no checkpoint was written"
   resumed = subprocess.run([sys.executable, "-m", "jaxformer", "train", "--config", TINY, "--workdir", str(workdir),
-                            *data, *RUN[:-6], f"train.num_steps={steps[-1] + 5}", *RUN[-5:]], cwd=ROOT, env=env,
+                            *data, *RUN, f"train.num_steps={steps[-1] + 5}"], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=600)
   assert resumed.returncode == 0, resumed.stderr[-2000:]
   assert f"resuming from the step-{steps[-1]} checkpoint" in resumed.stderr
@@ -79,7 +77,7 @@ def _logged_steps(workdir):
 
 
 @pytest.mark.slow
-def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
+def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path, multi30k_dir):
   from test_multihost import _env
   env = _env(tmp_path)
   with socket.socket() as s:
@@ -88,7 +86,7 @@ def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
   workdir = tmp_path / "run"
   procs = [subprocess.Popen([sys.executable, "-m", "jaxformer", "train", "--coordinator", f"127.0.0.1:{port}",
                              "--num-processes", "2", "--process-id", str(i), "--config", TINY, "--workdir",
-                             str(workdir), f"data.data_dir={tmp_path / 'data'}", *RUN, "train.log_every=1",
+                             str(workdir), f"data.data_dir={multi30k_dir}", *RUN, "train.log_every=1",
                              "train.checkpoint_every=1000", "runtime.num_cpu_devices=2", "mesh.data=2",
                              "mesh.fsdp=2"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True) for i in range(2)]
@@ -110,7 +108,7 @@ def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
   assert "SIGTERM: stopping after the current step" in errs[1]
   # Rerunning (here as one process on the same 4-device mesh) resumes at that step.
   resumed = subprocess.run([sys.executable, "-m", "jaxformer", "train", "--config", TINY, "--workdir", str(workdir),
-                            f"data.data_dir={tmp_path / 'data'}", *RUN, "train.log_every=1",
+                            f"data.data_dir={multi30k_dir}", *RUN, "train.log_every=1",
                             "train.checkpoint_every=1000", "runtime.num_cpu_devices=4", "mesh.data=2", "mesh.fsdp=2",
                             f"train.num_steps={saved[-1] + 2}"], cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=600)

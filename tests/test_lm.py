@@ -14,7 +14,8 @@ import pytest
 from jaxformer.config import ConfigError, ModelConfig, OptimConfig, config_from_dict
 from jaxformer.data import CharTokenizer, WindowBatches, window_eval_batches
 from jaxformer.data.sources.tinyshakespeare import read_text, split_text
-from jaxformer.evaluate import Restored
+from jaxformer.inference import cache as kv
+from jaxformer.inference.restore import Restored
 from jaxformer.models.decoder_only import DecoderOnly
 from jaxformer.models.encoder_only import EncoderOnly
 from jaxformer.train.optim import cosine_schedule, decay_mask, make_optimizer
@@ -42,20 +43,28 @@ def test_decoder_only_is_causal(decoder):
   assert np.abs(np.asarray(a[:, 6:] - b[:, 6:])).max() > 1e-3
 
 
+def _cached_logits(model, params, tokens, first):
+  """Logits `[batch, T, vocab]` of `tokens` fed through the KV cache: `first` tokens as one
+  chunk (`extend` on an empty cache), then one `step` per token; and the prefill's
+  next-token logits `[batch, vocab]` of the first chunk, and the final cache."""
+  empty = kv.contiguous_cache(model, params, tokens.shape[0], first)
+  prefilled, _ = kv.prefill(model, params, empty, tokens[:, :first])
+  logits, cache = kv.extend(model, params, empty, tokens[:, :first])
+  steps = [logits]
+  for t in range(first, tokens.shape[1]):
+    logits, cache = kv.step(model, params, cache, tokens[:, t])
+    steps.append(logits[:, None])
+  return jnp.concatenate(steps, axis=1), prefilled, cache
+
+
 def test_cached_decoding_equals_full_forward(decoder):
   model, params, tokens = decoder
   full = model.apply({"params": params}, tokens)
-  cache = jax.tree.map(jnp.zeros_like, model.init(jax.random.key(0), tokens[:, :1], decode=True)["cache"])
-  logits, mutated = model.apply({"params": params, "cache": cache}, tokens[:, :4], decode=True, mutable=["cache"])
-  steps = [logits]
-  cache = mutated["cache"]
-  for t in range(4, T):
-    positions = jnp.full((tokens.shape[0], 1), t, jnp.int32)
-    logits, mutated = model.apply({"params": params, "cache": cache}, tokens[:, t:t + 1], positions=positions,
-                                  decode=True, mutable=["cache"])
-    steps.append(logits)
-    cache = mutated["cache"]
-  np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, axis=1)), np.asarray(full), atol=1e-5, rtol=0)
+  cached, prefilled, cache = jax.jit(lambda p, x: _cached_logits(model, p, x, 4))(params, tokens)
+  np.testing.assert_allclose(np.asarray(cached), np.asarray(full), atol=1e-5, rtol=0)
+  np.testing.assert_allclose(np.asarray(prefilled), np.asarray(full[:, 3]), atol=1e-5, rtol=0)
+  np.testing.assert_array_equal(cache.state.lengths, [T] * tokens.shape[0])
+  assert cache.layers["layer_0"]["self_attention"]["key"].shape == (3, CFG.kv_heads, CFG.max_length, CFG.head_dim)
 
 
 OPTION_CASES = {
@@ -80,20 +89,9 @@ def test_every_option_is_causal_and_decodes_like_the_full_forward(options):
   changed = forward(params, tokens.at[:, 6:].set((tokens[:, 6:] + 5) % (V - 1) + 1))
   np.testing.assert_allclose(np.asarray(changed[:, :6]), np.asarray(full[:, :6]), atol=1e-6, rtol=0)
 
-  @jax.jit
-  def step(p, cache, x, position):
-    positions = jnp.broadcast_to(position + jnp.arange(x.shape[1]), x.shape)
-    logits, mutated = model.apply({"params": p, "cache": cache}, x, positions=positions, decode=True,
-                                  mutable=["cache"])
-    return logits, mutated["cache"]
-
-  cache = jax.tree.map(jnp.zeros_like, model.init(jax.random.key(0), tokens[:, :1], decode=True)["cache"])
-  logits, cache = step(params, cache, tokens[:, :4], 0)
-  outputs = [logits]
-  for t in range(4, T):
-    logits, cache = step(params, cache, tokens[:, t:t + 1], t)
-    outputs.append(logits)
-  np.testing.assert_allclose(np.asarray(jnp.concatenate(outputs, axis=1)), np.asarray(full), atol=1e-5, rtol=0)
+  cached, prefilled, _ = jax.jit(lambda p, x: _cached_logits(model, p, x, 4))(params, tokens)
+  np.testing.assert_allclose(np.asarray(cached), np.asarray(full), atol=1e-5, rtol=0)
+  np.testing.assert_allclose(np.asarray(prefilled), np.asarray(full[:, 3]), atol=1e-5, rtol=0)
 
 
 def test_encoder_only_ignores_appended_padding():
@@ -232,13 +230,13 @@ def test_perplexity_is_exp_mean_nll_of_uniform_model(uniform_lm):
 
 
 def test_generate_is_seeded_and_spans_several_context_windows(uniform_lm):
-  from jaxformer import lm
+  from jaxformer.inference.generate import generate
   # 40 new characters with a 16-token context: three prefill + sample rounds.
-  a, b = (lm.generate(uniform_lm, "ROMEO:", 40, seed=3, num_samples=2) for _ in range(2))
+  a, b = (generate(uniform_lm, "ROMEO:", 40, seed=3, num_samples=2) for _ in range(2))
   assert a == b and len(a[0]) == len(a[1]) == 40 and a[0] != a[1]
-  assert lm.generate(uniform_lm, "ROMEO:", 40, seed=4, num_samples=2) != a
+  assert generate(uniform_lm, "ROMEO:", 40, seed=4, num_samples=2) != a
   with pytest.raises(ValueError, match="vocabulary"):
-    lm.generate(uniform_lm, "\u00e9", 5)
+    generate(uniform_lm, "\u00e9", 5)
 
 
 def test_generate_keeps_the_space_between_prompt_and_sentencepiece_continuation():
@@ -246,10 +244,10 @@ def test_generate_keeps_the_space_between_prompt_and_sentencepiece_continuation(
   Citizen:" reads " we" (decoded alone, SentencePiece drops its leading space: "Citizen:we").
   shakespeare_bpe's data settings; a zero model whose final LayerNorm bias points at "▁we"'s
   (tied) embedding, so top-1 sampling always picks it."""
-  from jaxformer import lm
   from jaxformer import sharding as sh
   from jaxformer.config import load_config
   from jaxformer.data.tokenizer import train_tokenizer
+  from jaxformer.inference.generate import generate
   config = load_config("configs/shakespeare_bpe.yaml", ["model.d_model=8", "model.num_heads=2", "model.d_ff=8",
                                                          "model.num_decoder_layers=1", "mesh.data=1"])
   tokenizer = train_tokenizer(split_text(read_text())[0].splitlines()[:8000], config.model.vocab_size,
@@ -262,7 +260,7 @@ def test_generate_keeps_the_space_between_prompt_and_sentencepiece_continuation(
   params["embed"]["embedding"] = params["embed"]["embedding"].at[we].set(1.0)
   restored = Restored(config, tokenizer, model, sh.make_mesh(config.mesh, jax.devices()[:1]), params, 0,
                       sh.LOGICAL_RULES)
-  assert lm.generate(restored, "First Citizen:", 3, top_k=1) == [" we we we"]
+  assert generate(restored, "First Citizen:", 3, top_k=1) == [" we we we"]
 
 
 def _tiny_run(layers_key: str, length: int, steps: int) -> list[str]:

@@ -22,13 +22,13 @@ MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2), (4, 1, 2)]
 STEPS = 5
 
 
-def _config(dropout: float):
+def _config(dropout: float, *overrides: str):
   # Adam's paper epsilon (1e-9) turns float rounding noise in gradients that are
   # mathematically zero (e.g. the key projection's softmax shift-invariant direction)
   # into full-size updates whose sign depends on reduction order; eps=1e-4 keeps the
   # comparison well-conditioned while every sharded collective is still exercised.
   return load_config(ROOT / "configs/tiny.yaml",
-                     [f"model.dropout_rate={dropout}", "optim.warmup_steps=10", "optim.eps=1e-4"])
+                     [f"model.dropout_rate={dropout}", "optim.warmup_steps=10", "optim.eps=1e-4", *overrides])
 
 
 def _batches():
@@ -44,7 +44,8 @@ def _batches():
 
 
 def _run(mesh_shape, dropout, rules=""):
-  config = _config(dropout)
+  # One layer per stack: every sharded weight and collective of a layer, at half the compile time.
+  config = _config(dropout, "model.num_encoder_layers=1", "model.num_decoder_layers=1")
   devices = jax.devices()[:int(np.prod(mesh_shape))]
   with sh.axis_rules(sh.parse_rules(rules)):  # what `train` does with mesh.rules
     mesh = sh.make_mesh(MeshConfig(*mesh_shape), devices)
@@ -66,7 +67,9 @@ def references():
   return {dropout: _run((1, 1, 1), dropout) for dropout in (0.0, 0.1)}
 
 
-CASES = [(shape, 0.0) for shape in MESHES[1:]] + [((2, 2, 2), 0.1), ((4, 1, 2), 0.1)]
+# One-axis meshes without dropout; the multi-axis meshes with it (which runs the same sharded
+# computations as without, plus the masks, which must not depend on the sharding either).
+CASES = [(shape, 0.0) for shape in MESHES[1:4]] + [(shape, 0.1) for shape in MESHES[4:]]
 
 
 @pytest.mark.parametrize("mesh_shape, dropout", CASES,

@@ -72,7 +72,9 @@ def _check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 
 def _train_args(data_dir, workdir) -> list[str]:
+  # SentencePiece learns from a sample of 4000 sentences: the data_dir is prepared afresh here.
   return ["--config", TINY, "--workdir", str(workdir), f"data.data_dir={data_dir}", "data.buckets=[64]",
+          "data.input_sentence_size=4000", "model.num_encoder_layers=1", "model.num_decoder_layers=1",
           "train.batch_size=16", f"train.log_every={PER_CALL}", f"train.num_steps={STEPS}", "train.eval_every=1000",
           f"train.steps_per_call={PER_CALL}",
           "train.checkpoint_every=1000", *MESH]

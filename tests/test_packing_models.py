@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxformer.config import config_from_dict
+from jaxformer.inference import cache as kv
 from jaxformer.layers.attention import dot_product_attention
 from jaxformer.layers.blockwise import blockwise_attention
 from jaxformer.layers.scores import attention_mask
@@ -204,27 +205,22 @@ def test_positions_reach_self_attention(position):
 
 
 def test_kv_cache_decoding_matches_full_forward_and_rejects_segments():
-  """The cached path (no segment arguments) is unchanged: prefill + one-token steps give
-  the full forward's logits."""
+  """The cached path (no segment arguments) is unchanged: a chunk of 4 tokens, then
+  one-token steps give the full forward's logits; segment ids or positions are refused."""
   model = DecoderOnly(_config("decoder_only", position="rope", attention="blockwise", sliding_window=4))
   tokens = jnp.asarray(np.random.default_rng(7).integers(4, VOCAB, (2, 9)), jnp.int32)
   params = _random_params(model, tokens)
   full = jax.jit(lambda p, x: model.apply({"params": p}, x))(params, tokens)
-
-  @jax.jit
-  def step(cache, x, start):
-    positions = jnp.broadcast_to(start + jnp.arange(x.shape[1]), x.shape)
-    logits, mutated = model.apply({"params": params, "cache": cache}, x, positions=positions, decode=True,
-                                  mutable=["cache"])
-    return logits, mutated["cache"]
-  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens[:, :1], decode=True)["cache"])
-  cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-  logits, cache = step(cache, tokens[:, :4], 0)
+  extend = jax.jit(lambda cache, x: kv.extend(model, params, cache, x))
+  cache = kv.contiguous_cache(model, params, 2, 4)
+  logits, cache = extend(cache, tokens[:, :4])
   outputs = [logits]
   for i in range(4, tokens.shape[1]):
-    logits, cache = step(cache, tokens[:, i:i + 1], i)
+    logits, cache = extend(cache, tokens[:, i:i + 1])
     outputs.append(logits)
   np.testing.assert_allclose(np.asarray(jnp.concatenate(outputs, axis=1)), np.asarray(full), atol=TOL, rtol=TOL)
-  with pytest.raises(ValueError, match="decode=True"):
-    model.apply({"params": params, "cache": cache}, tokens[:, :1], segment_ids=jnp.ones((2, 1), jnp.int32),
-                decode=True, mutable=["cache"])
+  np.testing.assert_array_equal(cache.state.lengths, [9, 9])
+  for packing in ({"segment_ids": jnp.ones((2, 1), jnp.int32)}, {"positions": jnp.full((2, 1), 9, jnp.int32)}):
+    with pytest.raises(ValueError, match="cache_state"):
+      model.apply({"params": params, "cache": cache.layers}, tokens[:, :1], cache_state=cache.state,
+                  mutable=["cache"], **packing)

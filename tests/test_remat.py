@@ -11,11 +11,11 @@ from jax.sharding import PartitionSpec
 from jaxformer import checkpoint as ckpt
 from jaxformer import sharding as sh
 from jaxformer.config import ConfigError, MeshConfig, ModelConfig, config_from_dict
-from jaxformer.decode import greedy_decode, init_cache
+from jaxformer.inference.cache import contiguous_cache
+from jaxformer.inference.decode import beam_search, greedy_decode
 from jaxformer.models.layout import layer_stacks, stack_layers
 from jaxformer.models.transformer import PAD_ID, EncoderDecoder
 from jaxformer.remat import POLICY_NAMES
-from jaxformer.search import beam_search
 from jaxformer.train.losses import cross_entropy_sums
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import create_state, state_shardings
@@ -194,8 +194,10 @@ def test_scan_decoding_matches_unrolled(decode_params):
   unrolled, scanned = _config(**DECODE), _config(**DECODE, scan_layers=True, remat="full")
   stacked = _stacked(decode_params)
   src, _ = _batch()
-  cache = init_cache(EncoderDecoder(scanned), 3, SRC_LEN)["decoder"]["self_attention"]
-  assert cache["cached_key"].shape == (BASE["num_decoder_layers"], 3, 16, 2, 8)
+  cache = contiguous_cache(EncoderDecoder(scanned), stacked, 3, SRC_LEN)
+  assert cache.layers["decoder"]["self_attention"]["key"].shape == (BASE["num_decoder_layers"], 3, 2, 16, 8)
+  assert cache.layers["decoder"]["cross_attention"]["key"].shape == (BASE["num_decoder_layers"], 3, 2, SRC_LEN, 8)
+  np.testing.assert_array_equal(cache.state.lengths, [0, 0, 0])
   runs = ((unrolled, decode_params), (scanned, stacked))
 
   greedy = [np.asarray(jax.jit(lambda p, s, c=c: greedy_decode(EncoderDecoder(c), p, s, 12, eos_id=-1))(p, src))

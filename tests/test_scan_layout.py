@@ -11,13 +11,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer import evaluate
 from jaxformer import sharding as sh
 from jaxformer.config import ModelConfig, load_config
+from jaxformer.inference import restore as inference_restore
 from jaxformer.models.decoder_only import DecoderOnly
 from jaxformer.models.encoder_only import EncoderOnly
-from jaxformer.models.layout import (is_scanned, layer_stacks, saved_layout_is_scanned, stack_layers,
-                                     unstack_layers)
+from jaxformer.models.layout import (
+  is_scanned,
+  layer_stacks,
+  saved_layout_is_scanned,
+  stack_layers,
+  unstack_layers,
+)
 from jaxformer.models.transformer import PAD_ID, EncoderDecoder
 from jaxformer.train.loop import train
 
@@ -86,14 +91,15 @@ def _lm_run(workdir, num_steps, *overrides):
       "model.d_model=16", "model.num_heads=2", "model.d_ff=32", "model.num_decoder_layers=2",
       "model.max_length=16", "data.max_length=16", "train.batch_size=8", f"train.num_steps={num_steps}",
       "train.log_every=1", "train.eval_every=1000", "train.checkpoint_every=2", "model.dropout_rate=0.1",
-      "optim.warmup_steps=2", "optim.decay_steps=6", "train.async_checkpoint=false", *overrides])
+      "optim.warmup_steps=2", "optim.decay_steps=6", "train.async_checkpoint=false", "train.steps_per_call=1",
+      *overrides])
   train(config, workdir)
   rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   return config, {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 def _restored(workdir, step):
-  return evaluate.restore(workdir, evaluate.workdir_config(workdir), step).params
+  return inference_restore.restore(workdir, inference_restore.workdir_config(workdir), step).params
 
 
 def test_resume_switches_layout(tmp_path):
@@ -106,7 +112,7 @@ def test_resume_switches_layout(tmp_path):
   ref = jax.device_get(_restored(tmp_path / "straight", 4))
   # The switched run's config is scanned now: its step-4 checkpoint is scanned, and `eval`
   # reads its unrolled step-2 checkpoint into the scanned layout too.
-  switched_config = evaluate.workdir_config(tmp_path / "switched")
+  switched_config = inference_restore.workdir_config(tmp_path / "switched")
   assert switched_config.model.scan_layers
   ours = jax.device_get(_restored(tmp_path / "switched", 4))
   assert is_scanned(ours, stacks)

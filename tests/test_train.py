@@ -9,7 +9,8 @@ import pytest
 
 from jaxformer import sharding as sh
 from jaxformer.config import Config, MeshConfig, ModelConfig, OptimConfig
-from jaxformer.decode import EOS_ID, make_greedy_fn
+from jaxformer.inference.decode import SearchOptions, make_decode_fn
+from jaxformer.inference.search import EOS_ID
 from jaxformer.models.transformer import PAD_ID, EncoderDecoder
 from jaxformer.train.losses import cross_entropy_sums
 from jaxformer.train.optim import make_optimizer, make_schedule, rsqrt_schedule
@@ -302,7 +303,7 @@ def test_memorises_small_dataset(memorised):
   assert float(metrics["correct"]) == float(metrics["num_tokens"]) == (tgt != PAD_ID).sum()
 
   model = EncoderDecoder(MEMO_CONFIG.model)
-  decode = make_greedy_fn(model, _mesh(1, 1, 1), MEMO_CONFIG.model.max_length, extra_tokens=0)
+  decode = make_decode_fn(model, _mesh(1, 1, 1), MEMO_CONFIG.model.max_length, SearchOptions(extra_tokens=0))
   out = np.asarray(decode(state.params, jnp.asarray(src)))
   assert out.shape == tgt.shape  # out_len = min(src_len + 0, max_length) = 10
   np.testing.assert_array_equal(out, tgt)

@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxformer import remat
 from jaxformer import sharding as sh
+from jaxformer.layers import kv_cache as kvc
 from jaxformer.layers.blockwise import blockwise_attention
 from jaxformer.layers.dropout import dropout
 from jaxformer.layers.positions import alibi_bias, alibi_slopes, apply_rope
@@ -76,16 +77,16 @@ class MultiHeadAttention(nn.Module):
   positions are the cache slots and neither argument may be given. `dropout_rng` is the
   key of the attention-weight dropout (None: drawn from the "dropout" stream).
 
-  With `decode=True` the module keeps a cache collection:
-    * self-attention: `cached_key`/`cached_value` `[batch, max_length, num_kv_heads, head_dim]`
-      and `cache_index`; each call writes its q_len new keys (RoPE-rotated at their slot)
-      at `cache_index` (a prefill writes several, a decode step one) and attends to the
-      filled slots allowed by the causal / sliding-window mask.
-    * cross-attention (`kv` given once at prefill, None afterwards): the projected
-      encoder keys/values are computed once and reused at every decode step.
+  With `decode=True` the module reads and writes the KV cache (`layers.kv_cache`): the
+  "cache" collection holds this layer's `key`/`value` storage and `cache_state` says which
+  rows hold how many tokens. Self-attention writes the new tokens' keys/values (RoPE-rotated)
+  at positions `cache_state.lengths[b]`, ... (a prefill writes several, a decode step one;
+  padding tokens are not written) and attends to the row's cached keys under the causal /
+  sliding-window mask. Cross-attention (`kv`, the encoder output, given once at prefill,
+  None afterwards) stores the projected encoder keys/values and reuses them at every step.
 
   Raises:
-    ValueError: blockwise attention with dropout; decode without `max_length`; a
+    ValueError: blockwise attention with dropout; decode without `cache_state`; a
       cross-attention decode step before the prefill; decode with segment ids or positions.
   """
   num_heads: int
@@ -93,7 +94,6 @@ class MultiHeadAttention(nn.Module):
   dropout_rate: float = 0.0
   dtype: jnp.dtype = jnp.float32
   is_cross: bool = False
-  max_length: int = 0        # decode cache size for self-attention, tokens
   num_kv_heads: int = 0      # grouped-query key/value heads; 0 = num_heads
   causal: bool = False
   sliding_window: int = 0    # tokens; 0 = unlimited
@@ -109,9 +109,12 @@ class MultiHeadAttention(nn.Module):
   def __call__(self, x: jax.Array, kv: jax.Array | None, q_valid: jax.Array | None = None,
                kv_valid: jax.Array | None = None, *, deterministic: bool, decode: bool = False,
                q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
-               positions: jax.Array | None = None, dropout_rng: jax.Array | None = None) -> jax.Array:
+               positions: jax.Array | None = None, dropout_rng: jax.Array | None = None,
+               cache_state: kvc.CacheState | None = None) -> jax.Array:
     if decode and (q_segment_ids is not None or kv_segment_ids is not None or positions is not None):
       raise ValueError("attention with decode=True takes no segment ids or positions: it uses the cache slots")
+    if decode and cache_state is None:
+      raise ValueError("attention with decode=True needs a cache_state (see jaxformer.inference)")
     d_model = x.shape[-1]
     n, kh, h = self.num_heads, self.num_kv_heads or self.num_heads, self.head_dim
     in_axes = (sh.EMBED, sh.HEADS, sh.KV)
@@ -124,70 +127,82 @@ class MultiHeadAttention(nn.Module):
     x = x.astype(self.dtype)
     q = sh.constrain(_project(x, wq), head_axes)  # [B, T, N, H]
     q = checkpoint_name(q, remat.QUERY)  # tags for the named remat policies
-    q_pos = jnp.arange(x.shape[1])[None]                              # [1, T]
-    causal, window, rope, alibi = False, 0, False, False
-    if self.is_cross:
-      k, v = self._cross_kv(kv, wk, wv, decode)
-      kv_pos = jnp.arange(k.shape[1])[None]                           # [1, S]
+    slopes = jnp.asarray(alibi_slopes(n)) if self.position == "alibi" and not self.is_cross else None
+    if decode:
+      out = self._cached(x, q, kv, q_valid, wk, wv, slopes, cache_state)
     else:
-      causal, window = self.causal, self.sliding_window
-      rope, alibi = self.position == "rope", self.position == "alibi"
-      k, v = _project(x, wk), _project(x, wv)  # [B, S, K, H]
-      if positions is not None:
-        q_pos = positions                                             # [B, T]
-      kv_valid, kv_pos, kv_segment_ids = q_valid, q_pos, q_segment_ids
-      if decode:
-        index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
-        q_pos = kv_pos = q_pos + index.value
-      if rope:
-        q, k = apply_rope(q, q_pos), apply_rope(k, kv_pos)
-      if decode:
-        k, v, kv_pos, kv_valid = self._update_self_cache(k, v, index)
-    k = checkpoint_name(sh.constrain(k, head_axes), remat.KEY)
-    v = checkpoint_name(sh.constrain(v, head_axes), remat.VALUE)
-    slopes = jnp.asarray(alibi_slopes(n)) if alibi else None
-
-    if self.implementation == "blockwise":
-      if not deterministic and self.dropout_rate > 0.0:
-        raise ValueError("blockwise attention has no attention dropout; use dropout_rate=0 or dense attention")
-      out = blockwise_attention(q, k, v, q_positions=q_pos, kv_positions=kv_pos, q_valid=q_valid,
-                                kv_valid=kv_valid, causal=causal, sliding_window=window,
-                                alibi_slopes=slopes, softcap=self.softcap, block_size=self.block_size,
-                                q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
-    else:
-      if deterministic or self.dropout_rate == 0.0:
-        dropout_rng = None
-      elif dropout_rng is None:
-        dropout_rng = self.make_rng("dropout")
-      mask = attention_mask(q_pos, kv_pos, q_valid, kv_valid, causal, window, q_segment_ids, kv_segment_ids)
-      bias = alibi_bias(slopes, q_pos, kv_pos) if alibi else None
-      out = dot_product_attention(q, k, v, mask, dropout_rng, self.dropout_rate, bias=bias, softcap=self.softcap)
+      out = self._uncached(x, q, kv, q_valid, kv_valid, wk, wv, slopes, deterministic, q_segment_ids,
+                           kv_segment_ids, positions, dropout_rng)
     out = checkpoint_name(out, remat.ATTENTION_OUT)
     b, t = out.shape[:2]  # out: [B, T, N, H]
     return jnp.einsum("mnh,nhd->md", out.reshape(b * t, n, h), wo).reshape(b, t, d_model)
 
-  def _cross_kv(self, kv, wk, wv, decode):
-    if decode and kv is None:  # decode step: reuse the keys/values computed at prefill
-      if not self.has_variable("cache", "cross_key"):
-        raise ValueError("cross-attention decode step before prefill: pass the encoder output first")
-      return self.get_variable("cache", "cross_key"), self.get_variable("cache", "cross_value")
-    k, v = _project(kv.astype(self.dtype), wk), _project(kv.astype(self.dtype), wv)
-    if decode:  # prefill: keep them for the decode steps
-      self.put_variable("cache", "cross_key", k)
-      self.put_variable("cache", "cross_value", v)
-    return k, v
+  def _uncached(self, x, q, kv, q_valid, kv_valid, wk, wv, slopes, deterministic, q_segment_ids, kv_segment_ids,
+                positions, dropout_rng):
+    head_axes = (sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_HEADS, sh.ACT_KV)
+    q_pos = jnp.arange(x.shape[1])[None]                              # [1, T]
+    causal, window = False, 0
+    if self.is_cross:
+      k, v = _project(kv.astype(self.dtype), wk), _project(kv.astype(self.dtype), wv)  # [B, S, K, H]
+      kv_pos = jnp.arange(k.shape[1])[None]                           # [1, S]
+    else:
+      causal, window = self.causal, self.sliding_window
+      k, v = _project(x, wk), _project(x, wv)  # [B, S, K, H]
+      if positions is not None:
+        q_pos = positions                                             # [B, T]
+      kv_valid, kv_pos, kv_segment_ids = q_valid, q_pos, q_segment_ids
+      if self.position == "rope":
+        q, k = apply_rope(q, q_pos), apply_rope(k, kv_pos)
+    k = checkpoint_name(sh.constrain(k, head_axes), remat.KEY)
+    v = checkpoint_name(sh.constrain(v, head_axes), remat.VALUE)
+    if self.implementation == "blockwise":
+      if not deterministic and self.dropout_rate > 0.0:
+        raise ValueError("blockwise attention has no attention dropout; use dropout_rate=0 or dense attention")
+      return blockwise_attention(q, k, v, q_positions=q_pos, kv_positions=kv_pos, q_valid=q_valid,
+                                 kv_valid=kv_valid, causal=causal, sliding_window=window,
+                                 alibi_slopes=slopes, softcap=self.softcap, block_size=self.block_size,
+                                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    if deterministic or self.dropout_rate == 0.0:
+      dropout_rng = None
+    elif dropout_rng is None:
+      dropout_rng = self.make_rng("dropout")
+    mask = attention_mask(q_pos, kv_pos, q_valid, kv_valid, causal, window, q_segment_ids, kv_segment_ids)
+    bias = alibi_bias(slopes, q_pos, kv_pos) if slopes is not None else None
+    return dot_product_attention(q, k, v, mask, dropout_rng, self.dropout_rate, bias=bias, softcap=self.softcap)
 
-  def _update_self_cache(self, k, v, index):
-    """Writes the new keys/values at `cache_index`; returns all cache slots with their
-    positions int `[1, max_length]` and validity bool `[1, max_length]` (filled slots)."""
-    batch, q_len, kh, h = k.shape
-    if self.max_length <= 0:
-      raise ValueError("MultiHeadAttention(decode=True) needs max_length > 0 for its cache")
-    cached_k = self.variable("cache", "cached_key", jnp.zeros, (batch, self.max_length, kh, h), k.dtype)
-    cached_v = self.variable("cache", "cached_value", jnp.zeros, (batch, self.max_length, kh, h), v.dtype)
-    start = index.value
-    cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k.astype(cached_k.value.dtype), (0, start, 0, 0))
-    cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v.astype(cached_v.value.dtype), (0, start, 0, 0))
-    index.value = start + q_len
-    slots = jnp.arange(self.max_length)[None]                          # [1, S_max]
-    return cached_k.value, cached_v.value, slots, slots < start + q_len
+  def _storage(self, name: str, shape, dtype):
+    return self.variable("cache", name, jnp.zeros, shape, dtype)
+
+  def _cached(self, x, q, kv, q_valid, wk, wv, slopes, state: kvc.CacheState):
+    """Attention through the KV cache (see the class docstring); dense over the cached keys."""
+    batch, t = x.shape[:2]
+    kh, h = wk.shape[1], wk.shape[2]
+    q_pos = state.lengths[:, None] + jnp.arange(t)[None]                # [B, T]
+    if self.is_cross:
+      if kv is None and not self.has_variable("cache", "key"):
+        raise ValueError("cross-attention decode step before prefill: pass the encoder output first")
+      if kv is not None:  # prefill: project the encoder output once and keep it
+        k, v = _project(kv.astype(self.dtype), wk), _project(kv.astype(self.dtype), wv)  # [B, S, K, H]
+        src_len = k.shape[1]
+        shape = kvc.storage_shape(state, batch, src_len, kh, h)
+        src_pos = jnp.broadcast_to(jnp.arange(src_len)[None], (batch, src_len))
+        src_valid = src_pos < state.source_lengths[:, None]
+        for name, new in (("key", k), ("value", v)):
+          store = self._storage(name, shape, k.dtype)
+          store.value = kvc.write(store.value, new, src_pos, src_valid, state.source_page_table, state.page_size)
+      k_all = kvc.read(self.get_variable("cache", "key"), state.source_page_table)
+      v_all = kvc.read(self.get_variable("cache", "value"), state.source_page_table)
+      return kvc.cached_attention(q, k_all, v_all, q_pos, state.source_lengths, causal=False, softcap=self.softcap)
+    k, v = _project(x, wk), _project(x, wv)                             # [B, T, K, H]
+    if self.position == "rope":
+      q, k = apply_rope(q, q_pos), apply_rope(k, q_pos)
+    valid = jnp.ones((batch, t), bool) if q_valid is None else q_valid
+    shape = kvc.storage_shape(state, batch, state.capacity, kh, h)
+    stored = []
+    for name, new in (("key", k), ("value", v)):
+      store = self._storage(name, shape, k.dtype)
+      store.value = kvc.write(store.value, new, q_pos, valid, state.page_table, state.page_size)
+      stored.append(kvc.read(store.value, state.page_table))
+    kv_lengths = state.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)
+    return kvc.cached_attention(q, *stored, q_pos, kv_lengths, causal=self.causal,
+                                sliding_window=self.sliding_window, alibi_slopes=slopes, softcap=self.softcap)

@@ -33,6 +33,7 @@ from jaxformer.config import ModelConfig
 from jaxformer.layers.attention import MultiHeadAttention
 from jaxformer.layers.dropout import Dropout
 from jaxformer.layers.feed_forward import FeedForward
+from jaxformer.layers.kv_cache import CacheState
 from jaxformer.layers.norm import make_norm
 
 BLOCK_AXES = (sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_EMBED)
@@ -58,11 +59,10 @@ def _site(rng: jax.Array | None, site: int) -> jax.Array | None:
   return None if rng is None else jax.random.fold_in(rng, site)
 
 
-def _attention(config: ModelConfig, name: str, is_cross: bool = False, max_length: int = 0,
-               causal: bool = False):
+def _attention(config: ModelConfig, name: str, is_cross: bool = False, causal: bool = False):
   return MultiHeadAttention(num_heads=config.num_heads, head_dim=config.head_dim,
                             dropout_rate=config.attention_dropout_rate, dtype=jnp.dtype(config.dtype),
-                            is_cross=is_cross, max_length=max_length, num_kv_heads=config.kv_heads,
+                            is_cross=is_cross, num_kv_heads=config.kv_heads,
                             causal=causal, sliding_window=config.sliding_window if causal else 0,
                             position=config.position, softcap=config.attn_logit_softcap,
                             implementation=config.attention, block_size=config.attention_block_size,
@@ -84,7 +84,7 @@ class EncoderBlock(nn.Module):
   `[batch, length]` describe packed rows, or None; `rng` is the layer's dropout key or None.
 
   With `causal=True` this is also the decoder-only (GPT) block: causal self-attention with
-  the sliding window, and `decode=True` uses its KV cache (`model.max_length` slots).
+  the sliding window, and `decode=True` uses its KV cache as `cache_state` describes.
   """
   config: ModelConfig
   causal: bool = False
@@ -93,13 +93,13 @@ class EncoderBlock(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, valid: jax.Array | None, deterministic: bool, decode: bool = False,
                segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-               rng: jax.Array | None = None) -> jax.Array:
-    attn = _attention(self.config, "self_attention", max_length=self.config.max_length if self.causal else 0,
-                      causal=self.causal)
+               cache_state: CacheState | None = None, rng: jax.Array | None = None) -> jax.Array:
+    attn = _attention(self.config, "self_attention", causal=self.causal)
     ffn = _ffn(self.config)
     x = Residual(self.config, name="attention_sublayer")(
         x, lambda h: attn(h, None, valid, deterministic=deterministic, decode=decode, q_segment_ids=segment_ids,
-                          positions=positions, dropout_rng=_site(rng, 0)), deterministic, _site(rng, 1))
+                          positions=positions, dropout_rng=_site(rng, 0), cache_state=cache_state),
+        deterministic, _site(rng, 1))
     x = Residual(self.config, name="ffn_sublayer")(x, ffn, deterministic, _site(rng, 2))
     return _block_output(self.config, x)
 
@@ -112,27 +112,28 @@ class DecoderBlock(nn.Module):
   `[batch, src_len]` mark real tokens (None = all). Self-attention is causal.
   Packed rows: `tgt_segment_ids` int `[batch, tgt_len]` and `src_segment_ids` int
   `[batch, src_len]` (target segment k attends to source segment k only) and the targets'
-  per-segment `positions` int `[batch, tgt_len]`; None = unpacked. `rng`: the layer's
-  dropout key or None.
+  per-segment `positions` int `[batch, tgt_len]`; None = unpacked. `cache_state`: the KV
+  cache's rows when `decode` (`layers.kv_cache.CacheState`). `rng`: the layer's dropout key or None.
   """
   config: ModelConfig
   STATIC_ARGNUMS = (5, 6)  # `deterministic`, `decode` (self is 0), for nn.remat
 
   @nn.compact
   def __call__(self, y, encoded, tgt_valid, src_valid, deterministic: bool, decode: bool = False,
-               tgt_segment_ids=None, src_segment_ids=None, positions=None, rng=None):
+               tgt_segment_ids=None, src_segment_ids=None, positions=None, cache_state=None, rng=None):
     cfg = self.config
-    self_attn = _attention(cfg, "self_attention", max_length=cfg.max_length, causal=True)
+    self_attn = _attention(cfg, "self_attention", causal=True)
     cross_attn = _attention(cfg, "cross_attention", is_cross=True)
     ffn = _ffn(cfg)
     y = Residual(cfg, name="self_attention_sublayer")(
         y, lambda h: self_attn(h, None, tgt_valid, deterministic=deterministic, decode=decode,
-                               q_segment_ids=tgt_segment_ids, positions=positions, dropout_rng=_site(rng, 0)),
+                               q_segment_ids=tgt_segment_ids, positions=positions, dropout_rng=_site(rng, 0),
+                               cache_state=cache_state),
         deterministic, _site(rng, 1))
     y = Residual(cfg, name="cross_attention_sublayer")(
         y, lambda h: cross_attn(h, encoded, tgt_valid, src_valid, deterministic=deterministic, decode=decode,
                                 q_segment_ids=tgt_segment_ids, kv_segment_ids=src_segment_ids,
-                                dropout_rng=_site(rng, 2)),
+                                dropout_rng=_site(rng, 2), cache_state=cache_state),
         deterministic, _site(rng, 3))
     y = Residual(cfg, name="ffn_sublayer")(y, ffn, deterministic, _site(rng, 4))
     return _block_output(cfg, y)

@@ -21,12 +21,13 @@ from jaxformer import sharding as sh
 from jaxformer.config import ModelConfig
 from jaxformer.layers.dropout import Dropout
 from jaxformer.layers.embedding import Embed
+from jaxformer.layers.kv_cache import CacheState
 from jaxformer.layers.norm import make_norm
 from jaxformer.layers.positions import LearnedPositions
 from jaxformer.models.blocks import BLOCK_AXES, EncoderBlock
 from jaxformer.models.layout import StackedInit, layer_rngs
-from jaxformer.models.transformer import (PAD_ID, embed_tokens, layer_stack, output_logits, resolve_positions,
-                                          run_stack, untied_output_proj)
+from jaxformer.models.transformer import (PAD_ID, advance, cache_positions, embed_tokens, layer_stack, output_logits,
+                                          resolve_positions, run_stack, untied_output_proj)
 
 
 class SelfAttentionStack(StackedInit, nn.Module):
@@ -55,15 +56,20 @@ class SelfAttentionStack(StackedInit, nn.Module):
       self.final_norm = make_norm(cfg.norm, dtype)
     self.dropout = Dropout(cfg.dropout_rate)
 
-  def _logits(self, tokens, valid, positions, segment_ids, deterministic: bool, decode: bool) -> jax.Array:
-    """Logits for int `[batch, length]` tokens; `positions` and `segment_ids` as in `__call__`."""
-    if decode and segment_ids is not None:
-      raise ValueError("packed rows (segment_ids) cannot be decoded with the KV cache (decode=True)")
-    positions, attn_positions = resolve_positions(tokens, positions, segment_ids)
+  def _logits(self, tokens, valid, positions, segment_ids, deterministic: bool,
+              cache_state: CacheState | None = None) -> jax.Array:
+    """Logits for int `[batch, length]` tokens; `positions`, `segment_ids` and `cache_state`
+    as in `DecoderOnly.__call__`."""
+    decode = cache_state is not None
+    if decode and (segment_ids is not None or positions is not None):
+      raise ValueError("cached decoding (cache_state) takes no segment ids or positions: rows are unpacked")
+    if decode:  # attention takes the positions from the cache state itself
+      positions, attn_positions = cache_positions(cache_state, tokens), None
+    else:
+      positions, attn_positions = resolve_positions(tokens, positions, segment_ids)
     x = embed_tokens(self.config, self.embed, tokens, positions, getattr(self, "positions", None))
     x = sh.constrain(self.dropout(x, deterministic=deterministic), BLOCK_AXES)
-    attn_positions = None if decode else attn_positions  # decoding: the cache slots
-    x = run_stack(self.stack, x, valid, deterministic, decode, segment_ids, attn_positions,
+    x = run_stack(self.stack, x, valid, deterministic, decode, segment_ids, attn_positions, cache_state,
                   rngs=layer_rngs(self, self.num_layers, deterministic))
     if self.config.pre_norm:
       x = self.final_norm(x)
@@ -75,10 +81,11 @@ class DecoderOnly(SelfAttentionStack):
   (logits at position t predict token t + 1). Layers: `model.num_decoder_layers`."""
   CAUSAL: ClassVar[bool] = True
   STACKS: ClassVar = (("layer", "num_decoder_layers"),)
+  ENCODES_SOURCE: ClassVar[bool] = False   # `prefill` caches the prompt itself
 
   def __call__(self, inputs: jax.Array, targets: jax.Array | None = None, *,
                positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-               deterministic: bool = True, decode: bool = False) -> jax.Array:
+               deterministic: bool = True, cache_state: CacheState | None = None) -> jax.Array:
     """Next-token logits.
 
     Args:
@@ -86,18 +93,31 @@ class DecoderOnly(SelfAttentionStack):
       targets: ignored; accepted so the model has the `(inputs, targets)` call form the
         training state's initialisation uses (the targets are the inputs shifted by one).
       positions: int `[batch, length]` positions, restarting at 0 in each segment when
-        packed; None = derived from `segment_ids`, or 0..length-1. Cached decoding passes
-        the index of each fed token (attention then uses the cache slot, which equals it).
+        packed; None = derived from `segment_ids`, or 0..length-1.
       segment_ids: int `[batch, length]` packed-example ids (1, 2, ... per example of a
         row, 0 on padding): attention stays inside a segment. None = one example per row.
-      decode: use and update the self-attention KV cache (`model.max_length` slots):
-        a prefill feeds the prompt, each later call one token. No padding mask is
-        applied then, so cached rows must not contain PAD; no segment ids.
+      cache_state: decode with the KV cache (`jaxformer.inference`; the "cache" collection
+        mutable): row b's tokens go to positions `cache_state.lengths[b]`, ...; a prefill
+        feeds the prompt (PAD-padded at the end), each later call one token. PAD tokens are
+        not cached. No segment ids or positions then.
     Returns:
       float32 `[batch, length, vocab_size]`.
     Raises:
-      ValueError: `segment_ids` with `decode=True`.
+      ValueError: `segment_ids` or `positions` with `cache_state`.
     """
     del targets
-    valid = None if decode else inputs != PAD_ID
-    return self._logits(inputs, valid, positions, segment_ids, deterministic, decode)
+    return self._logits(inputs, inputs != PAD_ID, positions, segment_ids, deterministic, cache_state)
+
+  def prefill(self, prompt: jax.Array, cache_state: CacheState) -> tuple[jax.Array, CacheState]:
+    """Starts cached decoding of int `[batch, T]` prompts (PAD padded at the end, at least
+    one token each). Returns float32 logits `[batch, vocab_size]` of the token after each
+    prompt and the state with the prompts cached."""
+    logits = self(prompt, cache_state=cache_state)
+    last = jnp.sum(prompt != PAD_ID, axis=1) - 1                       # [B]
+    return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0], advance(cache_state, prompt)
+
+  def extend(self, tokens: jax.Array, cache_state: CacheState) -> tuple[jax.Array, CacheState]:
+    """Feeds int `[batch, T]` tokens after each row's cached ones (PAD: not fed). Returns
+    float32 logits `[batch, T, vocab_size]` and the advanced state."""
+    return self(tokens, cache_state=cache_state), advance(cache_state, tokens)
+

@@ -35,4 +35,4 @@ class EncoderOnly(SelfAttentionStack):
       float32 `[batch, length, vocab_size]`.
     """
     del targets
-    return self._logits(inputs, inputs != PAD_ID, positions, segment_ids, deterministic, False)
+    return self._logits(inputs, inputs != PAD_ID, positions, segment_ids, deterministic)

@@ -27,6 +27,7 @@ from jaxformer import sharding as sh
 from jaxformer.config import ModelConfig
 from jaxformer.layers.dropout import Dropout
 from jaxformer.layers.embedding import Embed, sinusoidal_positions
+from jaxformer.layers.kv_cache import CacheState
 from jaxformer.layers.norm import make_norm
 from jaxformer.layers.positions import LearnedPositions
 from jaxformer.models.blocks import BLOCK_AXES, DecoderBlock, EncoderBlock
@@ -110,10 +111,15 @@ def run_stack(stack, x: jax.Array, *args, rngs: jax.Array | None = None) -> jax.
   return stack(x, *args, rngs)[0]
 
 
-def cache_batch_axis(config: ModelConfig) -> int:
-  """Axis of the batch in the decoder's `cache` leaves: 1 under `model.scan_layers`
-  (`[num_layers, batch, ...]`), else 0."""
-  return 1 if config.scan_layers else 0
+def advance(state: CacheState, tokens: jax.Array) -> CacheState:
+  """`state` after caching int `[batch, T]` tokens: each row's length grows by its non-PAD tokens."""
+  return state.replace(lengths=state.lengths + jnp.sum(tokens != PAD_ID, axis=1, dtype=jnp.int32))
+
+
+def cache_positions(state: CacheState, tokens: jax.Array) -> jax.Array:
+  """int32 `[batch, length]` positions of `tokens` fed to a cached model: row b's continue
+  from the `state.lengths[b]` tokens already cached."""
+  return state.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
 
 
 def embed_tokens(config: ModelConfig, embed: Embed, tokens: jax.Array, positions: jax.Array,
@@ -161,6 +167,7 @@ class EncoderDecoder(StackedInit, nn.Module):
   """
   config: ModelConfig
   STACKS: ClassVar = (("encoder", "num_encoder_layers"), ("decoder", "num_decoder_layers"))
+  ENCODES_SOURCE: ClassVar[bool] = True   # `prefill` caches the encoded source, then BOS
 
   def setup(self):
     cfg = self.config
@@ -199,42 +206,47 @@ class EncoderDecoder(StackedInit, nn.Module):
     positions, attn_positions = resolve_positions(inputs, positions, segment_ids)
     x = self._embed(self.source_embed, inputs, positions, deterministic, getattr(self, "source_positions", None))
     # decode=False is passed positionally: remat needs every static arg.
-    x = run_stack(self.encoder_stack, x, valid, deterministic, False, segment_ids, attn_positions,
+    x = run_stack(self.encoder_stack, x, valid, deterministic, False, segment_ids, attn_positions, None,
                   rngs=layer_rngs(self, self.config.num_encoder_layers, deterministic))
     return self.encoder_norm(x) if self.config.pre_norm else x
 
-  def decode(self, encoded: jax.Array | None, inputs: jax.Array, decoder_inputs: jax.Array, *,
-             positions: jax.Array | None = None, deterministic: bool = True, decode: bool = False,
-             segment_ids: jax.Array | None = None, inputs_segment_ids: jax.Array | None = None) -> jax.Array:
+  def decode(self, encoded: jax.Array | None, inputs: jax.Array | None, decoder_inputs: jax.Array, *,
+             positions: jax.Array | None = None, deterministic: bool = True,
+             segment_ids: jax.Array | None = None, inputs_segment_ids: jax.Array | None = None,
+             cache_state: CacheState | None = None) -> jax.Array:
     """Decoder stack -> float32 logits `[batch, tgt_len, vocab_size]`.
 
     Args:
-      encoded: encoder output `[batch, src_len, d_model]`; at cached decode steps after
-        the prefill it may be None (cross-attention keys/values are cached).
-      inputs: int `[batch, src_len]` source ids, for the cross-attention padding mask.
+      encoded: encoder output `[batch, src_len, d_model]`; None at cached decode steps
+        after the prefill (cross-attention keys/values are then in the cache).
+      inputs: int `[batch, src_len]` source ids, for the cross-attention padding mask; None
+        when decoding with the cache (the mask comes from `cache_state.source_lengths`).
       decoder_inputs: int `[batch, tgt_len]`, starting with BOS.
       positions: int `[batch, tgt_len]` positions of `decoder_inputs` (restarting at 0 in
         each segment when packed); None = derived from `segment_ids`, or 0..tgt_len-1.
-        Decoding passes the absolute step index for the embeddings; RoPE and ALiBi then use
-        the cache slot, which equals it.
-      decode: use and update the KV cache (prefill or one decode step); no segment ids then.
       segment_ids: int `[batch, tgt_len]` packed-example ids of `decoder_inputs` (1, 2, ...,
         0 on padding), or None.
       inputs_segment_ids: int `[batch, src_len]` segment ids of `inputs`: target segment k
         attends to source segment k only. Both or neither of the segment ids.
+      cache_state: decode with the KV cache (`jaxformer.inference`): the "cache" collection
+        must be mutable; row b's tokens sit at positions `cache_state.lengths[b]`, ... and
+        PAD tokens are not cached. No segment ids or positions then.
     Raises:
-      ValueError: segment ids with `decode=True`.
+      ValueError: segment ids or positions with `cache_state`.
     """
-    if decode and (segment_ids is not None or inputs_segment_ids is not None):
-      raise ValueError("packed rows (segment ids) cannot be decoded with the KV cache (decode=True)")
-    positions, attn_positions = resolve_positions(decoder_inputs, positions, segment_ids)
+    decode = cache_state is not None
+    if decode and (segment_ids is not None or inputs_segment_ids is not None or positions is not None):
+      raise ValueError("cached decoding (cache_state) takes no segment ids or positions: rows are unpacked")
     tgt_valid = decoder_inputs != PAD_ID
-    src_valid = inputs != PAD_ID
+    if decode:  # attention takes the positions from the cache state itself
+      positions, attn_positions, src_valid = cache_positions(cache_state, decoder_inputs), None, None
+    else:
+      positions, attn_positions = resolve_positions(decoder_inputs, positions, segment_ids)
+      src_valid = inputs != PAD_ID
     y = self._embed(self.target_embed, decoder_inputs, positions, deterministic,
                     getattr(self, "target_positions", None))
-    attn_positions = None if decode else attn_positions  # the cache slots
     y = run_stack(self.decoder_stack, y, encoded, tgt_valid, src_valid, deterministic, decode,
-                  segment_ids, inputs_segment_ids, attn_positions,
+                  segment_ids, inputs_segment_ids, attn_positions, cache_state,
                   rngs=layer_rngs(self, self.config.num_decoder_layers, deterministic))
     if self.config.pre_norm:
       y = self.decoder_norm(y)
@@ -254,3 +266,20 @@ class EncoderDecoder(StackedInit, nn.Module):
     decoder_inputs = shift_right(targets, segment_ids=targets_segment_ids)
     return self.decode(encoded, inputs, decoder_inputs, positions=targets_positions, deterministic=deterministic,
                        segment_ids=targets_segment_ids, inputs_segment_ids=inputs_segment_ids)
+
+  def prefill(self, inputs: jax.Array, cache_state: CacheState) -> tuple[jax.Array, CacheState]:
+    """Starts cached decoding of int `[batch, src_len]` sources (PAD padded at the end):
+    encodes them once, stores the cross-attention keys/values, and feeds BOS.
+
+    Returns float32 logits `[batch, vocab_size]` of the first target token and the state
+    with `source_lengths` set and one token (BOS) cached per row."""
+    state = cache_state.replace(source_lengths=jnp.sum(inputs != PAD_ID, axis=1, dtype=jnp.int32))
+    bos = jnp.full((inputs.shape[0], 1), BOS_ID, jnp.int32)
+    logits = self.decode(self.encode(inputs), None, bos, cache_state=state)
+    return logits[:, 0], advance(state, bos)
+
+  def extend(self, tokens: jax.Array, cache_state: CacheState) -> tuple[jax.Array, CacheState]:
+    """Feeds int `[batch, T]` target tokens after each row's cached ones (PAD: not fed).
+    Returns float32 logits `[batch, T, vocab_size]` and the advanced state."""
+    return self.decode(None, None, tokens, cache_state=cache_state), advance(cache_state, tokens)
+

@@ -25,9 +25,10 @@ class EvalOptions:
 
   split: `val`, `test` or None (the task's `default_split`); src / ref: files to score
   instead of a split (translation);
-  batch_size: sentences per decoding batch; search: `search.SearchOptions`; output: the
+  batch_size: sentences per decoding batch; search: `inference.decode.SearchOptions`; output: the
   hypotheses file, or a folder (the workdir) where it is named after the split and the
-  search; workdir: the run's folder, whose tokenizers encode the evaluation data.
+  search; workdir: the run's folder, whose tokenizers encode the evaluation data; draft: None,
+  or a function restoring the draft model of speculative greedy decoding.
   """
   split: str | None = None
   src: str | None = None
@@ -36,6 +37,7 @@ class EvalOptions:
   search: Any = None
   output: str | None = None
   workdir: str | None = None
+  draft: Any = None   # () -> `inference.decode.Draft` (speculative decoding), restored after the model
 
 
 class Task(abc.ABC):
@@ -102,14 +104,14 @@ class Task(abc.ABC):
     return splits[split]
 
   def score_validation(self, restored: Any, split: Any) -> dict[str, float]:
-    """The `validation_scores` of `restored` (an `evaluate.Restored` of the training params)
+    """The `validation_scores` of `restored` (an `inference.restore.Restored` of the training params)
     on the prepared validation `split`; `train` calls it at each evaluation when
     `train.keep_best` names one of them."""
     return {}
 
   @abc.abstractmethod
   def evaluate(self, restore: Callable[[], Any], options: EvalOptions) -> dict[str, Any]:
-    """The `eval` command's JSON result. `restore()` returns the `evaluate.Restored`
+    """The `eval` command's JSON result. `restore()` returns the `inference.restore.Restored`
     checkpoint; tasks check their inputs first, so a user mistake fails before the restore."""
 
 

@@ -93,7 +93,7 @@ class Translation(Task):
   def score_validation(self, restored, split) -> dict[str, float]:
     """Greedy-decoding BLEU (sacrebleu) of the validation split against its references."""
     from jaxformer import evaluate  # noqa: PLC0415  (evaluate imports the task registry)
-    from jaxformer.search import SearchOptions  # noqa: PLC0415
+    from jaxformer.inference.decode import SearchOptions  # noqa: PLC0415
     sources, references = split.texts(range(len(split)))
     hyps, _ = evaluate.translate(restored, sources, self.config.train.batch_size, SearchOptions())
     return {"bleu": evaluate.score(hyps, references)["bleu"]}
@@ -104,7 +104,8 @@ class Translation(Task):
     from jaxformer import evaluate  # noqa: PLC0415  (evaluate imports the task registry)
     name, sources, references = self.eval_texts(options)
     restored = restore()
-    hyps, speed = evaluate.translate(restored, sources, options.batch_size, options.search)
+    draft = options.draft() if options.draft else None
+    hyps, speed = evaluate.translate(restored, sources, options.batch_size, options.search, draft)
     losses = evaluate.reference_loss(restored, sources, references, options.batch_size)
     output = Path(options.output)
     if output.is_dir():

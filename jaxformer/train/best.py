@@ -115,7 +115,7 @@ class BestCheckpoint:
 def task_scores(task, vocab, model, mesh, params, step: int, split) -> dict[str, float]:
   """`task.score_validation` of the training `params` on the validation `split`, as
   `val_<name>` scores (`vocab` is the run's `data.Vocabulary`)."""
-  from jaxformer import evaluate  # noqa: PLC0415  (evaluate imports the train loop)
+  from jaxformer.inference.restore import Restored  # noqa: PLC0415  (restore imports the train state)
   from jaxformer import sharding as sh  # noqa: PLC0415
-  restored = evaluate.Restored(task.config, vocab.target, model, mesh, params, step, sh.current_rules(), vocab.source)
+  restored = Restored(task.config, vocab.target, model, mesh, params, step, sh.current_rules(), vocab.source)
   return {f"val_{name}": value for name, value in task.score_validation(restored, split).items()}

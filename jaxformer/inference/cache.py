@@ -1,0 +1,130 @@
+"""The KV cache as an explicit pytree, and the one logits function decoding runs on.
+
+A `KVCache` is the model's "cache" collection (each attention layer's key/value storage,
+see `layers.kv_cache`) together with a `CacheState` (per-row lengths, and page tables when
+paged). Nothing is shared between rows: there is no global cache index, so rows may hold
+different numbers of tokens and any subset of rows can advance.
+
+Every model kind that decodes has two methods (`models.transformer.EncoderDecoder`,
+`models.decoder_only.DecoderOnly`): `prefill(inputs, state)` (the source, or the prompt)
+and `extend(tokens, state)`; `prefill` and `extend` here call them, so nothing in the
+inference package depends on the model kind.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxformer.layers.kv_cache import CacheState
+from jaxformer.models.transformer import PAD_ID
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Keys/values of every attention layer (`layers`, the linen "cache" collection) and the
+  rows' bookkeeping (`state`). Contiguous self-attention leaves are `[batch, num_kv_heads,
+  capacity, head_dim]`, cross-attention leaves `[batch, num_kv_heads, src_len, head_dim]`,
+  paged ones `[num_pages, num_kv_heads, page_size, head_dim]`; under `model.scan_layers`
+  every leaf has a leading `[num_layers]` axis."""
+  layers: Any
+  state: CacheState
+
+
+def _zeros(model: nn.Module, params: Any, inputs_shape: tuple[int, int], state: CacheState) -> KVCache:
+  def run(params):
+    return model.apply({"params": params}, jnp.ones(inputs_shape, jnp.int32), state, method="prefill",
+                       mutable=["cache"])[1]["cache"]
+  shapes = jax.eval_shape(run, params)
+  return KVCache(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), state)
+
+
+def contiguous_cache(model: nn.Module, params: Any, batch_size: int, input_len: int,
+                     capacity: int | None = None) -> KVCache:
+  """An empty contiguous cache for `batch_size` rows whose prefill inputs (sources, or
+  prompts) are `input_len` tokens; each row holds up to `capacity` tokens (default
+  `model.config.max_length`; writes past it are dropped)."""
+  state = CacheState(lengths=jnp.zeros((batch_size,), jnp.int32), source_lengths=jnp.zeros((batch_size,), jnp.int32),
+                     capacity=capacity or model.config.max_length)
+  return _zeros(model, params, (batch_size, input_len), state)
+
+
+def paged_cache(model: nn.Module, params: Any, batch_size: int, num_pages: int, page_size: int,
+                pages_per_row: int, source_pages_per_row: int) -> KVCache:
+  """An empty paged cache: pools of `num_pages` pages of `page_size` tokens per layer (page 0
+  is the null page), page tables `[batch_size, pages_per_row]` (self-attention) and
+  `[batch_size, source_pages_per_row]` (cross-attention) all pointing at page 0."""
+  state = CacheState(lengths=jnp.zeros((batch_size,), jnp.int32), source_lengths=jnp.zeros((batch_size,), jnp.int32),
+                     page_table=jnp.zeros((batch_size, pages_per_row), jnp.int32),
+                     source_page_table=jnp.zeros((batch_size, source_pages_per_row), jnp.int32),
+                     num_pages=num_pages, page_size=page_size)
+  return _zeros(model, params, (batch_size, max(source_pages_per_row, 1) * page_size), state)
+
+
+def prefill(model: nn.Module, params: Any, cache: KVCache, inputs: jax.Array) -> tuple[jax.Array, KVCache]:
+  """Caches int `[batch, len]` inputs (sources for an encoder-decoder, prompts for a
+  decoder-only model; PAD padded at the end) for the rows of `cache`. Returns float32
+  logits `[batch, vocab_size]` of each row's next token and the updated cache."""
+  (logits, state), mutated = model.apply({"params": params, "cache": cache.layers}, inputs, cache.state,
+                                         method="prefill", mutable=["cache"])
+  return logits, KVCache(mutated["cache"], state)
+
+
+def extend(model: nn.Module, params: Any, cache: KVCache, tokens: jax.Array) -> tuple[jax.Array, KVCache]:
+  """Feeds int `[batch, T]` tokens after each row's cached ones (PAD is not fed: idle and
+  finished rows pass PAD). Returns float32 logits `[batch, T, vocab_size]` and the cache."""
+  (logits, state), mutated = model.apply({"params": params, "cache": cache.layers}, tokens, cache.state,
+                                         method="extend", mutable=["cache"])
+  return logits, KVCache(mutated["cache"], state)
+
+
+def step(model: nn.Module, params: Any, cache: KVCache, tokens: jax.Array) -> tuple[jax.Array, KVCache]:
+  """One decode step: int `[batch]` tokens in, float32 next-token logits `[batch, vocab_size]` out."""
+  logits, cache = extend(model, params, cache, tokens[:, None])
+  return logits[:, 0], cache
+
+
+def no_pad(logits: jax.Array) -> jax.Array:
+  """Next-token logits `[..., vocab]` with PAD at -inf: PAD is never a target, and feeding it
+  means "no token" to the cache, so decoding never emits it."""
+  return logits.at[..., PAD_ID].set(-jnp.inf)
+
+
+def repeat_rows(cache: Any, times: int, batch_axis: int = 0) -> Any:
+  """Each row of `cache` repeated `times` times in place (row b -> rows b*times .. b*times +
+  times - 1), e.g. one copy per beam. A `KVCache`'s layer leaves have the batch on
+  `batch_axis`; any other pytree's leaves on axis 0 (scalars are shared by all rows)."""
+  if isinstance(cache, KVCache):
+    return KVCache(jax.tree.map(lambda x: jnp.repeat(x, times, axis=batch_axis), cache.layers),
+                   jax.tree.map(lambda x: jnp.repeat(x, times, axis=0), cache.state))
+  return jax.tree.map(lambda x: jnp.repeat(x, times, axis=0) if x.ndim else x, cache)
+
+
+def reorder_beams(cache: Any, parent: jax.Array, batch_axis: int = 0) -> Any:
+  """The cache whose beam k of sentence b is beam `parent[b, k]` (int `[batch, beam]`) of
+  the same sentence, for a cache of `batch * beam` rows (row b * beam + k). Gathers inside
+  each sentence, so with the batch sharded by whole sentences it stays on its device.
+
+  A `KVCache` keeps its cross-attention keys/values as they are: the beams of a sentence
+  share its source, so they are equal already. Other pytrees: leaves on axis 0 (scalars shared).
+  """
+  batch, beam = parent.shape
+
+  def gather(x, axis):
+    x = x.reshape(x.shape[:axis] + (batch, beam) + x.shape[axis + 1:])
+    idx = parent.reshape((1,) * axis + (batch, beam) + (1,) * (x.ndim - axis - 2))
+    x = jnp.take_along_axis(x, idx, axis=axis + 1)
+    return x.reshape(x.shape[:axis] + (batch * beam,) + x.shape[axis + 2:])
+
+  if not isinstance(cache, KVCache):
+    return jax.tree.map(lambda x: gather(x, 0) if x.ndim else x, cache)
+
+  def layer(path, x):
+    if any(getattr(p, "key", None) == "cross_attention" for p in path):
+      return x
+    return gather(x, batch_axis)
+  return KVCache(jax.tree_util.tree_map_with_path(layer, cache.layers), jax.tree.map(lambda x: gather(x, 0), cache.state))

@@ -1,0 +1,250 @@
+"""Fixed-batch decoding of a model: prefill once, then the strategy's loop over the KV
+cache, all inside one jit; and `SearchOptions`, the one description of how to decode that
+evaluation, the CLI and the server share.
+
+Works for any model kind with `prefill` / `extend` methods (the inputs are sources for an
+encoder-decoder, prompts for a decoder-only model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxformer import sharding as sh
+from jaxformer.inference import cache as kv
+from jaxformer.inference.quantize import dequantize_params
+from jaxformer.inference.search import (BEAM_SIZE, EOS_ID, EXTRA_TOKENS, LENGTH_PENALTY, beam_search_core,
+                                        check_sampling, check_seed, greedy_core, sample_core,
+                                        sampling_values, source_row_keys)
+from jaxformer.inference.speculative import speculative_greedy
+
+
+def _check_inputs(inputs: jax.Array) -> None:
+  if inputs.ndim != 2 or not jnp.issubdtype(inputs.dtype, jnp.integer):
+    raise ValueError(f"inputs must be integer ids of shape [batch, src_len], got {inputs.dtype} {inputs.shape}")
+  if inputs.shape[0] < 1 or inputs.shape[1] < 1:
+    raise ValueError(f"inputs must have at least one row and one column, got shape {inputs.shape}")
+
+
+def default_decode_len(src_len: int, max_length: int, extra_tokens: int = EXTRA_TOKENS) -> int:
+  """min(src_len + extra_tokens, max_length): the paper's input length + 50, capped by the
+  decoder cache size (model `max_length`)."""
+  return min(src_len + extra_tokens, max_length)
+
+
+def _resolve_decode_len(model: nn.Module, inputs: jax.Array, max_decode_len: int | None) -> int:
+  cache_size = model.config.max_length
+  if max_decode_len is None:
+    return default_decode_len(inputs.shape[1], cache_size)
+  if not 1 <= max_decode_len <= cache_size:
+    raise ValueError(f"max_decode_len must be in [1, model max_length={cache_size}], got {max_decode_len}")
+  return int(max_decode_len)
+
+
+def start(model: nn.Module, params: Any, inputs: jax.Array, max_decode_len: int):
+  """Prefills a contiguous cache with int `[batch, len]` inputs; returns (first-token logits
+  `[batch, vocab]`, cache, `LogitsFn` of one cached step), PAD excluded (`cache.no_pad`).
+
+  The cache holds just what `max_decode_len` generated tokens need (the last one is never
+  read), so attention and beam reordering touch no unused slots. int8 params
+  (`inference.quantize`) are dequantized here, inside the caller's jit."""
+  params = dequantize_params(params)
+  capacity = max_decode_len + (0 if model.ENCODES_SOURCE else inputs.shape[1])   # + BOS, - the unread last token
+  cache = kv.contiguous_cache(model, params, inputs.shape[0], inputs.shape[1], min(capacity, model.config.max_length))
+  logits, cache = kv.prefill(model, params, cache, inputs)
+
+  def logits_fn(tokens, cache, position):
+    logits, cache = kv.step(model, params, cache, tokens)
+    return kv.no_pad(logits), cache
+  return kv.no_pad(logits), cache, logits_fn
+
+
+def cache_batch_axis(model: nn.Module) -> int:
+  """Axis of the batch in the cache's layer leaves: 1 under `model.scan_layers`
+  (`[num_layers, batch, ...]`), else 0."""
+  return 1 if model.config.scan_layers else 0
+
+
+def greedy_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_len: int,
+                  eos_id: int = EOS_ID) -> jax.Array:
+  """Greedy search: int32 `[batch, max_decode_len]` tokens through EOS, then PAD, for int
+  `[batch, len]` inputs (PAD padded). Rows stop independently; the loop ends when every row
+  has emitted EOS. `max_decode_len` must not exceed the model's `max_length`."""
+  logits, cache, step = start(model, params, inputs, max_decode_len)
+  return greedy_core(step, logits, cache, max_decode_len=max_decode_len, eos_id=eos_id)
+
+
+def beam_search(model: nn.Module, params: Any, inputs: jax.Array, beam_size: int = BEAM_SIZE,
+                max_decode_len: int | None = None, alpha: float = LENGTH_PENALTY,
+                eos_id: int = EOS_ID) -> tuple[jax.Array, jax.Array]:
+  """Beam search with the KV cache (see `search.beam_strategy`). Jittable (`beam_size`,
+  `max_decode_len`, `alpha`, `eos_id` static).
+
+  Args:
+    inputs: int `[batch, src_len]` source ids, PAD (0) padded.
+    beam_size: K >= 1 (paper: 4).
+    max_decode_len: tokens per hypothesis at most, EOS included; None gives
+      min(src_len + 50, model max_length) (paper section 6.1); must not exceed max_length.
+    alpha: GNMT length-penalty exponent (paper: 0.6), >= 0.
+  Returns:
+    (int32 `[batch, max_decode_len]` best hypothesis per row, float32 `[batch]` its
+    length-normalised log-probability).
+  Raises:
+    ValueError: malformed inputs or options (one line).
+  """
+  _check_inputs(inputs)
+  length = _resolve_decode_len(model, inputs, max_decode_len)
+  if not isinstance(beam_size, int) or beam_size < 1:
+    raise ValueError(f"beam_size must be an integer >= 1, got {beam_size!r}")
+  logits, cache, step = start(model, params, inputs, length)
+  return beam_search_core(step, logits, cache, beam_size=beam_size, max_decode_len=length, alpha=alpha,
+                          eos_id=eos_id, cache_batch_axis=cache_batch_axis(model))
+
+
+def sample_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_len: int | None,
+                  rng: jax.Array, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                  eos_id: int = EOS_ID) -> jax.Array:
+  """Samples one output per row with the KV cache (temperature, top-k, nucleus).
+
+  Reproducible: the output is a function of (params, rng, the row's input tokens, options)
+  only. Each row's key is `source_row_keys(rng, inputs)`, so an input gets the same sample
+  alone or in any batch; identical inputs in one call get identical samples. top_k = 1 is
+  greedy. Returns int32 `[batch, max_decode_len]`: tokens through EOS, then PAD.
+
+  Raises:
+    ValueError: malformed inputs or sampling options (one line).
+  """
+  _check_inputs(inputs)
+  check_sampling(temperature, top_k, top_p)
+  length = _resolve_decode_len(model, inputs, max_decode_len)
+  logits, cache, step = start(model, params, inputs, length)
+  return sample_core(step, logits, cache, source_row_keys(rng, inputs), max_decode_len=length,
+                     temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchOptions:
+  """How to decode. The strategy follows from the fields:
+
+    * `beam_size` > 1: beam search (with `length_penalty`);
+    * else any of `temperature`, `top_k`, `top_p` set (not None): sampling with `seed`
+      (unset ones default to 1.0, 0 = off, 1.0 = off);
+    * else greedy search.
+
+  Beam search combined with sampling options is rejected by `validate`. Output length is
+  min(source length + `extra_tokens`, model max_length) (paper: + 50).
+  """
+  beam_size: int = 1
+  length_penalty: float = LENGTH_PENALTY
+  extra_tokens: int = EXTRA_TOKENS
+  temperature: float | None = None
+  top_k: int | None = None
+  top_p: float | None = None
+  seed: int = 0
+  eos_id: int = EOS_ID
+
+  @property
+  def sampling(self) -> bool:
+    return self.temperature is not None or self.top_k is not None or self.top_p is not None
+
+  @property
+  def strategy(self) -> str:
+    """"beam", "sample" or "greedy"."""
+    if self.beam_size > 1:
+      return "beam"
+    return "sample" if self.sampling else "greedy"
+
+  def validate(self) -> "SearchOptions":
+    """Returns self; raises ValueError (one line) for inconsistent or out-of-range options."""
+    if not isinstance(self.beam_size, int) or self.beam_size < 1:
+      raise ValueError(f"beam size must be an integer >= 1 (1 = greedy), got {self.beam_size!r}")
+    if self.beam_size > 1 and self.sampling:
+      raise ValueError(f"beam size {self.beam_size} cannot be combined with sampling "
+                       "(temperature/top-k/top-p); use beam size 1 to sample")
+    if not self.length_penalty >= 0.0:
+      raise ValueError(f"length penalty must be >= 0, got {self.length_penalty}")
+    if not isinstance(self.extra_tokens, int) or self.extra_tokens < 0:
+      raise ValueError(f"max length (extra tokens over the source length) must be >= 0, got {self.extra_tokens!r}")
+    if self.sampling:
+      check_sampling(*self.sampling_args())
+      check_seed(self.seed)
+    return self
+
+  def sampling_args(self) -> tuple[float, int, float]:
+    """(temperature, top_k, top_p) with the unset ones at their 'off' values."""
+    return sampling_values(self.temperature, self.top_k, self.top_p)
+
+  def summary(self) -> dict[str, Any]:
+    """The options that matter for the chosen strategy (for logs / JSON results)."""
+    out: dict[str, Any] = {"strategy": self.strategy, "extra_tokens": self.extra_tokens}
+    if self.strategy == "beam":
+      out.update(beam_size=self.beam_size, length_penalty=self.length_penalty)
+    elif self.strategy == "sample":
+      t, k, p = self.sampling_args()
+      out.update(temperature=t, top_k=k, top_p=p, seed=self.seed)
+    return out
+
+
+def decode_with(model: nn.Module, params: Any, inputs: jax.Array, out_len: int, options: SearchOptions) -> jax.Array:
+  """int32 `[batch, out_len]` tokens for `inputs` by the strategy of `options` (traceable)."""
+  if options.strategy == "beam":
+    return beam_search(model, params, inputs, options.beam_size, out_len, options.length_penalty, options.eos_id)[0]
+  if options.strategy == "sample":
+    t, k, p = options.sampling_args()
+    return sample_decode(model, params, inputs, out_len, jax.random.key(options.seed), t, k, p, options.eos_id)
+  return greedy_decode(model, params, inputs, out_len, options.eos_id)
+
+
+@dataclasses.dataclass
+class Draft:
+  """A draft model for speculative greedy decoding (`inference.speculative`): its module,
+  params (on the same devices as the target's) and the tokens it proposes per round."""
+  model: nn.Module
+  params: Any
+  num_tokens: int = 4
+
+
+def make_decode_fn(model: nn.Module, mesh: Mesh, max_length: int, options: SearchOptions | None = None,
+                   draft: Draft | None = None) -> Callable[[Any, jax.Array], jax.Array]:
+  """Jitted `(params, inputs [batch, src_len]) -> int32 tokens [batch, out_len]` for the
+  strategy of `options` (default: greedy), out_len = min(src_len + extra_tokens, max_length).
+
+  The batch is sharded over the data axes (beams stay with their sentence); recompiles
+  once per source length. Sampling uses `jax.random.key(options.seed)` for every batch;
+  per-row keys come from the source tokens (`sample_decode`), so results do not depend
+  on batching. With a `draft`, greedy search runs speculatively (same tokens); the
+  function's `speculation` list then gets `(accepted draft tokens, proposed)` per call.
+
+  Raises:
+    ValueError: bad options, or a draft with beam search or sampling (one line).
+  """
+  options = (options or SearchOptions()).validate()
+  if draft is not None and options.strategy != "greedy":
+    raise ValueError(f"speculative decoding (--draft-workdir) is greedy; it cannot run {options.strategy} search")
+
+  @functools.partial(jax.jit, static_argnums=(2,))
+  def run(params, inputs, out_len, draft_params=None):
+    inputs = jax.lax.with_sharding_constraint(inputs, sh.batch_sharding(mesh))
+    if draft is None:
+      return decode_with(model, params, inputs, out_len, options)
+    tokens, accepted, rounds = speculative_greedy(model, params, draft.model, draft_params, inputs, out_len,
+                                                  draft.num_tokens, options.eos_id)
+    return tokens, jnp.sum(accepted), jnp.sum(rounds) * draft.num_tokens
+
+  def decode_fn(params, inputs):
+    out_len = default_decode_len(inputs.shape[1], max_length, options.extra_tokens)
+    with jax.set_mesh(mesh), sh.axis_rules():
+      if draft is None:
+        return run(params, inputs, out_len)
+      tokens, accepted, proposed = run(params, inputs, out_len, draft.params)
+    decode_fn.speculation.append((int(accepted), int(proposed)))
+    return tokens
+  decode_fn.speculation = []
+  return decode_fn

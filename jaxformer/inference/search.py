@@ -1,0 +1,309 @@
+"""Greedy search, sampling and beam search as strategies of one decode loop.
+
+The loop (`decode_loop`) is model-free: it drives a `logits_fn(tokens, cache, position) ->
+(logits, cache)` closure inside `jax.lax.while_loop`, so tests can give it a hand-written
+next-token distribution. A strategy turns each step's logits into the tokens to feed (and,
+for beam search, the rows whose cache each new row continues).
+
+Token conventions: the first token (0-based index 0) comes from the prefill's logits; the
+i-th generated token is fed at loop position i + 1. Outputs are int32 `[batch,
+max_decode_len]` holding each row's tokens up to and including EOS, then PAD.
+
+Defaults follow the paper (Vaswani et al. 2017, section 6.1): beam size 4, length penalty
+alpha = 0.6, maximum output length = input length + 50.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.inference.cache import reorder_beams, repeat_rows
+from jaxformer.models.transformer import PAD_ID
+
+EOS_ID = 3
+BEAM_SIZE = 4          # paper section 6.1
+LENGTH_PENALTY = 0.6   # paper section 6.1 (alpha of Wu et al. 2016)
+EXTRA_TOKENS = 50      # paper section 6.1: maximum output length = input length + 50
+
+# logits_fn(tokens int32 [rows], cache, position int32 scalar) -> (float logits [rows, vocab], cache)
+LogitsFn = Callable[[jax.Array, Any, jax.Array], "tuple[jax.Array, Any]"]
+
+
+def length_penalty(length: jax.Array | int, alpha: float) -> jax.Array:
+  """GNMT length penalty lp(Y) = ((5 + |Y|) / 6) ** alpha (Wu et al. 2016, eq. 14).
+
+  `length` counts generated tokens, EOS included (BOS excluded); float32 result with
+  length's shape. A hypothesis scores `sum log p(y_t) / lp(Y)`; alpha = 0 gives raw log-prob.
+  """
+  return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+  """Raises ValueError (one line) unless temperature > 0, top_k is an int >= 0 and top_p is in (0, 1]."""
+  if not temperature > 0.0:
+    raise ValueError(f"temperature must be > 0 (for temperature -> 0 use greedy search), got {temperature}")
+  if not isinstance(top_k, int) or top_k < 0:
+    raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
+  if not 0.0 < top_p <= 1.0:
+    raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {top_p}")
+
+
+def sampling_values(temperature: float | None, top_k: int | None, top_p: float | None) -> tuple[float, int, float]:
+  """(temperature, top_k, top_p) with the unset (None) ones at their 'off' values 1.0, 0, 1.0."""
+  return (1.0 if temperature is None else temperature, 0 if top_k is None else top_k,
+          1.0 if top_p is None else top_p)
+
+
+def check_seed(seed: int) -> None:
+  """Raises ValueError (one line) unless `seed` is an integer in [0, 2**32) (a JAX key's range)."""
+  if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 32:
+    raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+
+
+def filter_logits(logits: jax.Array, temperature: jax.Array | float = 1.0, top_k: jax.Array | int = 0,
+                  top_p: jax.Array | float = 1.0) -> jax.Array:
+  """float32 `[vocab]` logits / temperature, with tokens outside the top k (k > 0) and then
+  outside the nucleus (the smallest set of most probable tokens whose probability reaches
+  top_p; Holtzman et al. 2019) set to -inf. The most probable token is always kept; ties
+  keep the lower ids. The options may be traced scalars (a different one per row under vmap)."""
+  vocab = logits.shape[-1]
+  logits = logits.astype(jnp.float32) / temperature
+
+  def nucleus(logits):
+    order = jnp.argsort(-logits, stable=True)                       # most probable first, lower ids on ties
+    rank_ok = jnp.arange(vocab) < jnp.where(top_k > 0, top_k, vocab)
+    sorted_logits = jnp.where(rank_ok, logits[order], -jnp.inf)
+    probs = jax.nn.softmax(sorted_logits)
+    keep_sorted = rank_ok & (jnp.cumsum(probs) - probs < top_p)    # mass strictly before the token
+    return jnp.where(jnp.zeros((vocab,), bool).at[order].set(keep_sorted), logits, -jnp.inf)
+  return jax.lax.cond(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0), nucleus, lambda x: x, logits)
+
+
+def source_row_keys(rng: jax.Array, inputs: jax.Array) -> jax.Array:
+  """One key per row, `rng` folded in with the row's non-PAD input ids in order.
+
+  A row's key depends only on `rng` and its own tokens, not on its position in the batch,
+  its neighbours or how much padding the batch adds; identical inputs share a key.
+  Returns keys `[batch]` of `rng`'s kind (typed or raw uint32 `[batch, 2]`).
+  """
+  def fold(key, token):
+    return jnp.where(token != PAD_ID, jax.random.fold_in(key, token), key), None
+
+  def row(tokens):
+    return jax.lax.scan(fold, rng, tokens)[0]
+  return jax.vmap(row)(inputs.astype(jnp.int32))
+
+
+def sample_tokens(logits: jax.Array, row_keys: jax.Array, index: jax.Array, temperature, top_k, top_p) -> jax.Array:
+  """Token `index` of each row drawn from `filter_logits` of float `[rows, vocab]` logits
+  with key `fold_in(row_keys[r], index)` (int32 `[rows]`); `index` and the options are
+  scalars or `[rows]` arrays, so a row's draw depends only on its own key and options."""
+  def draw(key, logits, i, t, k, p):
+    return jax.random.categorical(jax.random.fold_in(key, i), filter_logits(logits, t, k, p))
+  rows = logits.shape[0]
+  per_row = [jnp.broadcast_to(jnp.asarray(a), (rows,)) for a in (index, temperature, top_k, top_p)]
+  return jax.vmap(draw)(row_keys, logits, *per_row).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- the one loop
+
+class Strategy(NamedTuple):
+  """How a decode loop turns logits into tokens.
+
+  init(logits [batch, vocab]) -> search state; step(state, logits, i) -> (state, tokens
+  [rows], parent int [batch, beam] or None: the rows whose cache each new row continues);
+  done(state) -> bool scalar (every row finished); `rows_per_input` rows decode each input
+  row (the beam size, else 1).
+  """
+  init: Callable
+  step: Callable
+  done: Callable
+  rows_per_input: int = 1
+
+
+def decode_loop(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, strategy: Strategy,
+                max_decode_len: int, cache_batch_axis: int = 0) -> Any:
+  """Runs `strategy` for at most `max_decode_len` steps or until it is done; returns its final state.
+
+  The cache is repeated per beam first and, when a step returns parents, reordered
+  (`cache.reorder_beams`) before the chosen tokens are fed.
+  """
+  k = strategy.rows_per_input
+  if k > 1:
+    cache = repeat_rows(cache, k, cache_batch_axis)
+
+  def cond(carry):
+    i, _, _, state = carry
+    return (i < max_decode_len) & ~strategy.done(state)
+
+  def body(carry):
+    i, cache, logits, state = carry
+    state, tokens, parent = strategy.step(state, logits, i)
+    if parent is not None:
+      cache = reorder_beams(cache, parent, cache_batch_axis)
+    logits, cache = logits_fn(tokens, cache, i + 1)
+    return i + 1, cache, logits.astype(jnp.float32), state
+
+  init_logits = init_logits.astype(jnp.float32)
+  rows_logits = jnp.repeat(init_logits, k, axis=0) if k > 1 else init_logits
+  init = (jnp.array(0, jnp.int32), cache, rows_logits, strategy.init(init_logits))
+  return jax.lax.while_loop(cond, body, init)[3]
+
+
+def token_strategy(choose: Callable[[jax.Array, jax.Array], jax.Array], max_decode_len: int,
+                   eos_id: int = EOS_ID) -> Strategy:
+  """One token per row per step, `choose(logits [batch, vocab], i) -> tokens [batch]`
+  (argmax: greedy; a draw: sampling). State: (out int32 `[batch, L]`, finished `[batch]`);
+  a row that emitted EOS is fed PAD from then on."""
+  def init(logits):
+    batch = logits.shape[0]
+    return jnp.zeros((batch, max_decode_len), jnp.int32), jnp.zeros((batch,), bool)
+
+  def step(state, logits, i):
+    out, finished = state
+    token = jnp.where(finished, PAD_ID, choose(logits, i).astype(jnp.int32))
+    return (out.at[:, i].set(token), finished | (token == eos_id)), token, None
+  return Strategy(init, step, lambda state: jnp.all(state[1]))
+
+
+def greedy_strategy(max_decode_len: int, eos_id: int = EOS_ID) -> Strategy:
+  """Greedy search: the highest-scoring token at every step."""
+  return token_strategy(lambda logits, i: jnp.argmax(logits, axis=-1), max_decode_len, eos_id)
+
+
+def sample_strategy(row_keys: jax.Array, max_decode_len: int, temperature: float = 1.0, top_k: int = 0,
+                    top_p: float = 1.0, eos_id: int = EOS_ID) -> Strategy:
+  """Ancestral sampling: token i of row b from `filter_logits` with key `fold_in(row_keys[b], i)`."""
+  return token_strategy(lambda logits, i: sample_tokens(logits, row_keys, i, temperature, top_k, top_p),
+                        max_decode_len, eos_id)
+
+
+class BeamState(NamedTuple):
+  live_seqs: jax.Array    # int32 [batch, beam, L]
+  live_logp: jax.Array    # float32 [batch, beam]
+  fin_seqs: jax.Array     # int32 [batch, beam, L]
+  fin_scores: jax.Array   # float32 [batch, beam]
+  done: jax.Array         # bool [batch]
+
+
+def _take(x, idx):  # x [B, M, ...] gathered at idx [B, K'] along axis 1
+  return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def beam_strategy(beam_size: int, max_decode_len: int, alpha: float = LENGTH_PENALTY,
+                  eos_id: int = EOS_ID) -> Strategy:
+  """Beam search with a separate finished set and per-row early stopping.
+
+  Each step scores the K*vocab extensions of the live beams and keeps the top 2K. EOS
+  candidates among the top K leave the beam into the finished set (its best K by score
+  `sum log p / lp(|Y|)`); the best K non-EOS candidates become the live beams, so the beam
+  stays full. A row stops (its state frozen) once its best finished score is >= the best any
+  live beam can still reach, `max live log-prob / lp(L)` (log-probs only fall and lp grows
+  with alpha >= 0). With K = 1 and alpha = 0 this is greedy search.
+
+  Raises:
+    ValueError: beam_size or max_decode_len < 1, alpha < 0.
+  """
+  k, length = beam_size, max_decode_len
+  if not isinstance(k, int) or k < 1:
+    raise ValueError(f"beam_size must be an integer >= 1, got {beam_size!r}")
+  if not isinstance(length, int) or length < 1:
+    raise ValueError(f"max_decode_len must be an integer >= 1, got {max_decode_len!r}")
+  if not alpha >= 0.0:
+    raise ValueError(f"length penalty alpha must be >= 0, got {alpha}")
+  neg_inf = jnp.float32(-jnp.inf)
+  best_possible_lp = length_penalty(length, alpha)
+
+  def init(logits):
+    batch, vocab = logits.shape
+    if vocab < 2:
+      raise ValueError(f"beam search needs a vocabulary of at least 2 tokens, got {vocab}")
+    seqs = jnp.zeros((batch, k, length), jnp.int32)
+    first = jnp.broadcast_to(jnp.where(jnp.arange(k) == 0, 0.0, neg_inf), (batch, k)).astype(jnp.float32)
+    return BeamState(seqs, first, seqs, jnp.full((batch, k), neg_inf), jnp.zeros((batch,), bool))
+
+  def step(s: BeamState, logits, i):
+    batch, vocab = s.live_logp.shape[0], logits.shape[-1]
+    # The best 2K extensions of a sentence are among the best 2K of each of its beams: take
+    # those first, so no [batch, K * vocab] array of log-probs is built.
+    per_beam = min(2 * k, vocab)
+    logits = logits.astype(jnp.float32)
+    top_logit, top_tok = jax.lax.top_k(logits, per_beam)                      # [B*K, P]
+    top_logp = top_logit - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    flat = (s.live_logp.reshape(-1, 1) + top_logp).reshape(batch, k * per_beam)
+    cand_logp, cand_idx = jax.lax.top_k(flat, 2 * k)                         # [B, 2K]
+    cand_beam = cand_idx // per_beam
+    cand_tok = jnp.take_along_axis(top_tok.reshape(batch, k * per_beam), cand_idx, axis=1).astype(jnp.int32)
+    cand_seqs = _take(s.live_seqs, cand_beam).at[:, :, i].set(cand_tok)      # [B, 2K, L]
+    is_eos = cand_tok == eos_id
+
+    # Finished set: old finished + EOS candidates within the top K, best K by score.
+    in_beam = jnp.arange(2 * k) < k
+    new_fin = jnp.where(is_eos & in_beam, cand_logp / length_penalty(i + 1, alpha), neg_inf)
+    fin_scores, fin_idx = jax.lax.top_k(jnp.concatenate([s.fin_scores, new_fin], axis=1), k)
+    fin_seqs = _take(jnp.concatenate([s.fin_seqs, cand_seqs], axis=1), fin_idx)
+
+    # Live beams: best K non-EOS candidates.
+    live_logp, live_idx = jax.lax.top_k(jnp.where(is_eos, neg_inf, cand_logp), k)
+    parent, tokens = _take(cand_beam, live_idx), _take(cand_tok, live_idx)   # [B, K]
+
+    # Stopped rows keep their state (so a row's result never depends on its neighbours).
+    keep = s.done[:, None]
+    new = BeamState(jnp.where(keep[..., None], s.live_seqs, _take(cand_seqs, live_idx)),
+                    jnp.where(keep, s.live_logp, live_logp),
+                    jnp.where(keep[..., None], s.fin_seqs, fin_seqs),
+                    jnp.where(keep, s.fin_scores, fin_scores), s.done)
+    parent = jnp.where(keep, jnp.arange(k, dtype=parent.dtype), parent)
+    tokens = jnp.where(keep, PAD_ID, tokens)
+    done = new.done | (new.fin_scores.max(axis=1) >= new.live_logp.max(axis=1) / best_possible_lp)
+    return new._replace(done=done), tokens.reshape(-1), parent
+
+  return Strategy(init, step, lambda s: jnp.all(s.done), rows_per_input=k)
+
+
+def best_hypothesis(s: BeamState, max_decode_len: int, alpha: float) -> tuple[jax.Array, jax.Array]:
+  """(int32 `[batch, L]` tokens, float32 `[batch]` score) of each row's best hypothesis: its
+  best finished one; only a row where none finished returns its best live beam, cut at L and
+  scored at |Y| = L."""
+  neg_inf = jnp.float32(-jnp.inf)
+  has_finished = s.fin_scores[:, 0] > neg_inf                                 # top_k: column 0 is the best
+  live_scores = jnp.where(has_finished[:, None], neg_inf, s.live_logp / length_penalty(max_decode_len, alpha))
+  scores = jnp.concatenate([s.fin_scores, live_scores], axis=1)
+  best = jnp.argmax(scores, axis=1)[:, None]
+  return _take(jnp.concatenate([s.fin_seqs, s.live_seqs], axis=1), best)[:, 0], _take(scores, best)[:, 0]
+
+
+def beam_search_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, *, beam_size: int,
+                     max_decode_len: int, alpha: float = LENGTH_PENALTY, eos_id: int = EOS_ID,
+                     cache_batch_axis: int = 0) -> tuple[jax.Array, jax.Array]:
+  """Beam search (`beam_strategy`) over `logits_fn` for `batch * beam_size` rows (row
+  b * beam_size + k is beam k of sentence b), from float `[batch, vocab]` first-token logits
+  and a cache of `batch` rows. Returns `best_hypothesis`: int32 `[batch, L]`, float32 `[batch]`."""
+  strategy = beam_strategy(beam_size, max_decode_len, alpha, eos_id)
+  state = decode_loop(logits_fn, init_logits, cache, strategy, max_decode_len, cache_batch_axis)
+  return best_hypothesis(state, max_decode_len, alpha)
+
+
+def sample_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, row_keys: jax.Array, *,
+                max_decode_len: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                eos_id: int = EOS_ID) -> jax.Array:
+  """Sampling (`sample_strategy`) over `logits_fn`; int32 `[batch, max_decode_len]` tokens
+  through EOS, then PAD.
+
+  Raises:
+    ValueError: bad sampling options or max_decode_len < 1.
+  """
+  check_sampling(temperature, top_k, top_p)
+  if not isinstance(max_decode_len, int) or max_decode_len < 1:
+    raise ValueError(f"max_decode_len must be an integer >= 1, got {max_decode_len!r}")
+  strategy = sample_strategy(row_keys, max_decode_len, temperature, top_k, top_p, eos_id)
+  return decode_loop(logits_fn, init_logits, cache, strategy, max_decode_len)[0]
+
+
+def greedy_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, *, max_decode_len: int,
+                eos_id: int = EOS_ID) -> jax.Array:
+  """Greedy search over `logits_fn`; int32 `[batch, max_decode_len]` tokens through EOS, then PAD."""
+  return decode_loop(logits_fn, init_logits, cache, greedy_strategy(max_decode_len, eos_id), max_decode_len)[0]
