@@ -15,9 +15,10 @@ import pytest
 
 from test_cli import ROOT, TINY, cli_env
 
-RUN = ["train.batch_size=8", "train.log_every=5", "train.eval_every=1000", "train.checkpoint_every=5",
-       "train.num_steps=100000", "data.buckets=[64]", "model.d_model=32", "model.num_heads=2", "model.d_ff=48",
-       "model.num_encoder_layers=1", "model.num_decoder_layers=1"]
+# The tiny model with one layer per stack, as in test_cli and test_checkpoint_damage: the same
+# programs, compiled once per session (the compilation cache).
+RUN = ["train.batch_size=16", "train.log_every=5", "train.eval_every=1000", "train.checkpoint_every=5",
+       "train.num_steps=100000", "data.buckets=[64]", "model.num_encoder_layers=1", "model.num_decoder_layers=1"]
 
 
 # A child of a background job inherits SIGINT ignored, which `jaxformer train` respects; a
