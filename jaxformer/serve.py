@@ -55,10 +55,12 @@ class EngineWorker:
           self.cond.wait()
         if self.stopping and not self.engine.busy:
           return
-        try:
-          self.engine.step()
-        except Exception as e:  # noqa: BLE001  (fail the requests, keep serving)
-          self.engine.fail_all(f"decoding failed: {type(e).__name__}: {e}")
+      # The step runs without the lock, so the event loop's `submit` never waits for a step.
+      # The engine's queue is a deque (thread-safe appends) that only this thread pops.
+      try:
+        self.engine.step()
+      except Exception as e:  # noqa: BLE001  (fail the requests, keep serving)
+        self.engine.fail_all(f"decoding failed: {type(e).__name__}: {e}")
 
   def submit(self, requests: list[Request]) -> None:
     """Queues `requests`; raises QueueFull when the waiting queue has no room for them."""
