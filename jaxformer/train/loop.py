@@ -18,7 +18,6 @@ from typing import Any
 import jax
 import numpy as np
 import tqdm
-from tensorboardX import SummaryWriter
 
 from jaxformer import checkpoint as ckpt
 from jaxformer import interrupt
@@ -113,6 +112,21 @@ def evaluate_loss(eval_step, params, batches, mesh) -> dict[str, float]:
           "num_tokens": totals["num_tokens"]}
 
 
+def _summary_writer(folder: Path):
+  """A tensorboardX SummaryWriter writing to `folder`, imported without PyTorch: tensorboardX
+  imports torch when it can (only to accept torch tensors; we log floats), which costs a
+  train run seconds of start-up wherever torch is installed."""
+  blocked = "torch" not in sys.modules
+  if blocked:
+    sys.modules["torch"] = None   # makes `import torch` raise ImportError inside tensorboardX
+  try:
+    from tensorboardX import SummaryWriter  # noqa: PLC0415
+  finally:
+    if blocked:
+      del sys.modules["torch"]
+  return SummaryWriter(str(folder))
+
+
 class _Logger:
   """Appends JSON lines to metrics.jsonl and mirrors scalars to TensorBoard (process 0 only).
 
@@ -126,7 +140,7 @@ class _Logger:
     if self.enabled:
       _drop_rows_after(workdir / "metrics.jsonl", start)
       self._file = open(workdir / "metrics.jsonl", "a")
-      self._tb = SummaryWriter(str(workdir / "tensorboard"))
+      self._tb = _summary_writer(workdir / "tensorboard")
 
   def write(self, record: dict[str, Any], prefix: str = "train") -> None:
     if not self.enabled:
