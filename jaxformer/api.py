@@ -11,6 +11,7 @@ from jaxformer import evaluate
 from jaxformer.config import Config, runtime_from_overrides
 from jaxformer.inference import restore as inference_restore
 from jaxformer.inference.decode import SearchOptions
+from jaxformer.inference.restore import Restored
 from jaxformer.runtime import init_runtime
 from jaxformer.tasks import get_task
 from jaxformer.tasks.base import EvalOptions
@@ -35,7 +36,7 @@ def fit(config: Config, workdir: str | Path) -> dict[str, Any]:
 
 
 def restore(workdir: str | Path, *, step: int | None = None, average_last: int | None = None,
-            quantize: str | None = None, overrides: Sequence[str] = ()) -> inference_restore.Restored:
+            quantize: str | None = None, overrides: Sequence[str] = ()) -> Restored:
   """A trained model ready for `translate`, `generate` and `score` (`inference.restore.Restored`:
   config, tokenizers, model, mesh, params and `step`), read from `workdir`.
 
@@ -54,7 +55,7 @@ def restore(workdir: str | Path, *, step: int | None = None, average_last: int |
   return inference_restore.restore(workdir, config, step, average_last, quantize)
 
 
-def translate(model: inference_restore.Restored, sentences: Sequence[str], *, batch_size: int = 64, **search: Any) -> list[str]:
+def translate(model: Restored, sentences: Sequence[str], *, batch_size: int = 64, **search: Any) -> list[str]:
   """Translations of `sentences` (`jaxformer translate`) by a restored encoder-decoder `model`,
   in input order. `search` holds `inference.decode.SearchOptions` fields: greedy by default;
   `beam_size=4, length_penalty=0.6` is the paper's beam search; `temperature`, `top_k`,
@@ -68,7 +69,7 @@ def translate(model: inference_restore.Restored, sentences: Sequence[str], *, ba
   return evaluate.translate(model, list(sentences), batch_size, SearchOptions(**search).validate())[0]
 
 
-def score(model: inference_restore.Restored, *, split: str | None = None, src: str | None = None, ref: str | None = None,
+def score(model: Restored, *, split: str | None = None, src: str | None = None, ref: str | None = None,
           batch_size: int = 64, output: str | None = None, **search: Any) -> dict[str, Any]:
   """Evaluates a restored `model` (`jaxformer eval`): a translation model's BLEU, chrF and
   reference loss on `split` ("val" or "test"; default "test") or on the line-aligned files

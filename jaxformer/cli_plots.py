@@ -42,13 +42,9 @@ def cmd_attention(args: argparse.Namespace) -> None:
   from jaxformer.inference.attention_maps import attention_maps
   config = inference_restore.workdir_config(args.workdir, args.overrides)
   restored = inference_restore.restore(args.workdir, config, args.step)
-  target = args.target
-  if target is None and config.model.kind == "encoder_decoder":
-    from jaxformer.evaluate import translate
-    target = translate(restored, [args.text])[0][0]   # greedy
-  maps = attention_maps(restored, args.text, target)
-  plots.plot_attention(maps, args.out, title=f"{Path(args.workdir).name} (step {restored.step})")
-  print(json.dumps({"out": args.out, "step": restored.step, "text": args.text, "target": target}), flush=True)
+  result = attention_maps(restored, args.text, args.target)
+  plots.plot_attention(result.maps, args.out, title=f"{Path(args.workdir).name} (step {restored.step})")
+  print(json.dumps({"out": args.out, "step": restored.step, "text": args.text, "target": result.target}), flush=True)
 
 
 COMMANDS = {"plot": cmd_plot, "attention": cmd_attention}

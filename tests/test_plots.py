@@ -94,7 +94,9 @@ def test_attention_maps_of_a_hand_set_translation_model_are_exact(tmp_path):
   small = ["model.num_heads=2", "model.num_encoder_layers=2", "model.num_decoder_layers=1", "model.d_model=16",
            "model.d_ff=16", "model.vocab_size=37", "model.scan_layers=true"]
   restored = _hand_set(str(ROOT / "configs" / "tiny.yaml"), small)
-  maps = attention_maps(restored, "abc", target="de")
+  result = attention_maps(restored, "abc", target="de")
+  maps = result.maps
+  assert result.target == "de"
   assert [m.title for m in maps] == ["encoder self-attention", "decoder self-attention", "encoder-decoder attention"]
   assert [m.weights.shape for m in maps] == [(2, 2, 4, 4), (1, 2, 3, 3), (1, 2, 3, 4)]
   assert maps[0].queries == maps[0].keys == maps[2].keys == ["a", "b", "c", "</s>"]
@@ -113,11 +115,13 @@ def test_attention_maps_of_a_hand_set_translation_model_are_exact(tmp_path):
 def test_attention_maps_of_a_language_model_have_only_its_self_attention():
   restored = _hand_set(str(ROOT / "configs" / "shakespeare_char.yaml"),
                        ["model.num_decoder_layers=1", "model.num_heads=2", "model.d_model=16", "model.d_ff=16"])
-  (self_attention,) = attention_maps(restored, "ab0")
+  result = attention_maps(restored, "ab0")
+  (self_attention,) = result.maps
+  assert result.target is None
   causal = np.tril(np.ones((3, 3), np.float32))
   np.testing.assert_array_equal(self_attention.weights[0, 1], causal / causal.sum(1, keepdims=True))
   assert self_attention.title == "decoder self-attention" and self_attention.queries == ["a", "b", "0"]
   with pytest.raises(ValueError, match="--target is for translation models"):
     attention_maps(restored, "ab", target="ba")
-  with pytest.raises(ValueError, match="but the model reads at most 64"):
+  with pytest.raises(ValueError, match="--text is 65 tokens but the model reads at most 64"):
     attention_maps(restored, "a" * 65)

@@ -14,8 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxformer.data.tokenizer import BOS_ID, EOS_ID
-from jaxformer.evaluate import translate
+from jaxformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from jaxformer.evaluate import decode_sources
 from jaxformer.inference.quantize import dequantize_params
 from jaxformer.inference.restore import Restored
 from jaxformer.models import layout
@@ -40,6 +40,14 @@ class AttentionMap:
   weights: np.ndarray
   queries: list[str]
   keys: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMaps:
+  """The maps of one input, encoder side first, and the target text they were computed for
+  (encoder-decoder; None for a language model)."""
+  maps: list[AttentionMap]
+  target: str | None
 
 
 def token_labels(tokenizer: Any, ids) -> list[str]:
@@ -74,35 +82,45 @@ def _encode(tokenizer: Any, text: str, what: str, limit: int, eos: bool) -> np.n
   return np.asarray([ids], np.int32)
 
 
-def attention_maps(restored: Restored, text: str, target: str | None = None) -> list[AttentionMap]:
+def _greedy(restored: Restored, text: str) -> np.ndarray:
+  """int32 `[1, length]`: the greedy translation's tokens (through EOS, or as many as
+  `model.max_length` allows), as decoded rather than re-encoded from their text."""
+  batch = decode_sources(restored, [text], batch_size=1)[0][0]
+  row = batch["tokens"][list(batch["index"]).index(0)]
+  return row[row != PAD_ID][None].astype(np.int32)
+
+
+def attention_maps(restored: Restored, text: str, target: str | None = None) -> AttentionMaps:
   """The attention weights of every layer and head for one input.
 
   Encoder-decoder: `text` is the source and `target` its translation (default: the
   model's greedy translation of `text`); three maps: encoder self-attention (source x
   source), decoder self-attention (target x target, causal) and encoder-decoder attention
   (target x source). Decoder positions are labelled with the decoder's input tokens
-  (`<s>` y1 ... yT: row t predicts y_{t+1}); sources and targets end with `</s>`.
+  (`<s>` y1 ... yT: row t predicts y_{t+1}); sources and given targets end with `</s>`.
   Decoder-only: the self-attention over `text`; encoder-only: likewise, bidirectional.
 
   Raises:
-    ValueError: empty or too long `text`/`target` (more than `data.max_length` tokens), or a
-      `target` for a model without a decoder reading a source.
+    ValueError: an empty `text`/`target`, a `text` longer than the model reads
+      (min(data.max_length, model.max_length) tokens) or a `target` longer than
+      model.max_length, or a `target` for a model without a decoder reading a source.
   """
   cfg = restored.config
   kind = cfg.model.kind
   if target is not None and kind != "encoder_decoder":
     raise ValueError(f"--target is for translation models; this workdir holds model.kind={kind}: drop --target")
-  limit = min(cfg.data.max_length, cfg.model.max_length)
   model, params = _plain_model(restored)
-  source = _encode(restored.source_tokenizer, text, "--text", limit, eos=kind == "encoder_decoder")
+  source = _encode(restored.source_tokenizer, text, "--text", min(cfg.data.max_length, cfg.model.max_length),
+                   eos=kind == "encoder_decoder")
   if kind == "encoder_decoder":
     if target is None:
-      target = translate(restored, [text])[0][0]
-    targets = _encode(restored.tokenizer, target, "--target", limit, eos=True)
+      targets = _greedy(restored, text)
+      target = restored.tokenizer.decode(targets[0])
+    else:
+      targets = _encode(restored.tokenizer, target, "--target", cfg.model.max_length, eos=True)
     args = (source, targets)
-    decoder_inputs = np.asarray(shift_right(targets))[0]
     labels = {"encoder": token_labels(restored.source_tokenizer, source[0]),
-              "decoder": token_labels(restored.tokenizer, decoder_inputs)}
+              "decoder": token_labels(restored.tokenizer, np.asarray(shift_right(targets))[0])}
   else:
     args = (source,)
     labels = {"layer": token_labels(restored.tokenizer, source[0])}
@@ -114,4 +132,4 @@ def attention_maps(restored: Restored, text: str, target: str | None = None) -> 
     weights = np.stack([np.asarray(sown[f"{stack}_{i}"][module]["attention_weights"][0][0]) for i in range(depth)])
     keys = labels["encoder"] if module == "cross_attention" else labels[stack]
     maps.append(AttentionMap(title, weights, labels[stack], keys))
-  return maps
+  return AttentionMaps(maps, target)
