@@ -34,10 +34,11 @@ def cmd_plot(args: argparse.Namespace) -> None:
 
 
 def cmd_attention(args: argparse.Namespace) -> None:
+  from jaxformer import plots
   from jaxformer.config import runtime_from_overrides
   from jaxformer.runtime import init_runtime
+  plots.check_out(args.out)   # before the minute a restore and a decode may take
   init_runtime(runtime_from_overrides(args.overrides))
-  from jaxformer import plots
   from jaxformer.inference import restore as inference_restore
   from jaxformer.inference.attention_maps import attention_maps
   config = inference_restore.workdir_config(args.workdir, args.overrides)

@@ -99,8 +99,8 @@ def plot_attention(maps: Sequence[AttentionMap], out: str | Path, title: str = "
     grid = sub.subplots(m.weights.shape[0], num_heads, squeeze=False)
     for (layer, head), ax in zip(((i, j) for i in range(len(grid)) for j in range(num_heads)), grid.flat):
       ax.imshow(m.weights[layer, head], cmap="Greys", vmin=0.0, vmax=1.0, interpolation="nearest", aspect="auto")
-      ax.set_xticks(range(len(m.keys)), m.keys if layer == len(grid) - 1 else [], rotation=90, fontsize=5)
-      ax.set_yticks(range(len(m.queries)), m.queries if head == 0 else [], fontsize=5)
+      ax.set_xticks(range(len(m.keys)), m.keys if layer == len(grid) - 1 else [], rotation=90, fontsize=6)
+      ax.set_yticks(range(len(m.queries)), m.queries if head == 0 else [], fontsize=6)
       ax.tick_params(length=0, pad=1)
       if layer == 0:
         ax.set_title(f"head {head + 1}", fontsize="small")
@@ -110,16 +110,14 @@ def plot_attention(maps: Sequence[AttentionMap], out: str | Path, title: str = "
   return fig
 
 
-def save_figure(fig: Figure, out: str | Path, dpi: int = 72) -> Path:
+def save_figure(fig: Figure, out: str | Path, dpi: int = 100) -> Path:
   """Writes `fig` as a PNG through a temporary file in `out`'s folder, renamed into place,
   so a crash leaves no partial image.
 
   Raises:
     ValueError: the folder is missing or the file cannot be written (one line).
   """
-  out = Path(out)
-  if not out.absolute().parent.is_dir():
-    raise ValueError(f"--out {out}: its folder {out.absolute().parent} is missing; create it or give another path")
+  out = check_out(out)
   FigureCanvasAgg(fig)   # render with Agg whatever backend matplotlib would pick
   tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")   # opened normally: the umask sets its mode
   try:
@@ -130,4 +128,18 @@ def save_figure(fig: Figure, out: str | Path, dpi: int = 72) -> Path:
     with contextlib.suppress(OSError):
       tmp.unlink()
     raise ValueError(f"cannot write {out}: {e.strerror}") from None
+  return out
+
+
+def check_out(out: str | Path) -> Path:
+  """`out` as a Path, once its folder is known to exist (commands check before any work).
+
+  Raises:
+    ValueError: the folder is missing, or `out` is a directory.
+  """
+  out = Path(out)
+  if out.is_dir():
+    raise ValueError(f"--out {out} is a directory; give a file path, e.g. --out {out / 'plot.png'}")
+  if not out.absolute().parent.is_dir():
+    raise ValueError(f"--out {out}: its folder {out.absolute().parent} is missing; create it or give another path")
   return out

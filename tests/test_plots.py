@@ -56,6 +56,10 @@ def test_training_plot_overlays_runs_from_their_metrics(tmp_path, capsys):
   err = capsys.readouterr().err.strip()
   assert err == f"error: {empty} has no metrics.jsonl; give a workdir that `jaxformer train` has logged to"
   assert not (tmp_path / "no.png").exists()
+  missing = tmp_path / "nowhere" / "attn.png"
+  assert main(["attention", "--workdir", str(a), "--text", "x", "--out", str(missing)]) == 2
+  assert capsys.readouterr().err.strip() == (f"error: --out {missing}: its folder {missing.parent} is missing; "
+                                             "create it or give another path")
   assert plots.run_names([tmp_path / "x" / "run", tmp_path / "y" / "run", a]) == [
       str(tmp_path / "x" / "run"), str(tmp_path / "y" / "run"), "run_a"]
 
