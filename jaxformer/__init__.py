@@ -19,7 +19,8 @@ import importlib
 
 __version__ = "0.1.0"
 
-# Public name -> "module:attribute"; one line per name.
+# Public name -> "module:attribute"; one line per name (the Hugging Face `export` of
+# jaxformer/interop is one more such line).
 _PUBLIC = {
     "load_config": "jaxformer.config:load_config",
     "fit": "jaxformer.api:fit",

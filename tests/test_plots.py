@@ -116,16 +116,19 @@ def test_attention_maps_of_a_hand_set_translation_model_are_exact(tmp_path):
   assert (tmp_path / "attn.png").read_bytes().startswith(PNG)
 
 
-def test_attention_maps_of_a_language_model_have_only_its_self_attention():
-  restored = _hand_set(str(ROOT / "configs" / "shakespeare_char.yaml"),
-                       ["model.num_decoder_layers=1", "model.num_heads=2", "model.d_model=16", "model.d_ff=16"])
+@pytest.mark.parametrize("name, title, causal", [("shakespeare_char", "decoder self-attention", True),
+                                                 ("shakespeare_mlm", "encoder self-attention", False)])
+def test_attention_maps_of_a_language_model_have_only_its_self_attention(name, title, causal):
+  restored = _hand_set(str(ROOT / "configs" / f"{name}.yaml"), [
+      "model.num_encoder_layers=1", "model.num_decoder_layers=1", "model.num_heads=2", "model.d_model=16",
+      "model.d_ff=16"])
   result = attention_maps(restored, "ab0")
   (self_attention,) = result.maps
-  assert result.target is None
-  causal = np.tril(np.ones((3, 3), np.float32))
-  np.testing.assert_array_equal(self_attention.weights[0, 1], causal / causal.sum(1, keepdims=True))
-  assert self_attention.title == "decoder self-attention" and self_attention.queries == ["a", "b", "0"]
+  assert result.target is None and self_attention.title == title and self_attention.queries == ["a", "b", "0"]
+  seen = np.tril(np.ones((3, 3), np.float32)) if causal else np.ones((3, 3), np.float32)
+  np.testing.assert_array_equal(self_attention.weights[0, 1], seen / seen.sum(1, keepdims=True))
   with pytest.raises(ValueError, match="--target is for translation models"):
     attention_maps(restored, "ab", target="ba")
-  with pytest.raises(ValueError, match="--text is 65 tokens but the model reads at most 64"):
-    attention_maps(restored, "a" * 65)
+  limit = min(restored.config.data.max_length, restored.config.model.max_length)
+  with pytest.raises(ValueError, match=f"--text is {limit + 1} tokens but the model reads at most {limit}"):
+    attention_maps(restored, "a" * (limit + 1))
