@@ -1,4 +1,5 @@
 """`jaxformer train | eval | translate | generate | bench | config`: thin wiring of config, runtime and the library.
+`jaxformer plot | attention` live in cli_plots.py.
 
 User mistakes (bad config, mesh, paths, missing checkpoints) print one `error:` line and
 exit with status 2; results are JSON lines on stdout (the last line of `eval` is one
@@ -13,8 +14,9 @@ import os
 import sys
 from pathlib import Path
 
+from jaxformer import cli_plots
 from jaxformer.errors import CheckpointError, NonFiniteError
-from jaxformer.config import ConfigError, load_config, parse_override
+from jaxformer.config import ConfigError, load_config, parse_override, runtime_from_overrides
 
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -116,6 +118,7 @@ def _parser() -> argparse.ArgumentParser:
   b.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
   b.add_argument("--output", help="also write the JSON result to this file")
   b.add_argument("overrides", nargs="*", help="dotted overrides, e.g. precision.policy=compute=bfloat16 runtime.num_cpu_devices=2")
+  cli_plots.add_parsers(sub)
   return p
 
 
@@ -187,13 +190,6 @@ def _search_options(args):
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed).validate()
 
 
-def _runtime_from_overrides(overrides: list[str]):
-  """The RuntimeConfig implied by overrides alone (for eval/translate before loading)."""
-  from jaxformer.config import config_from_dict
-  runtime_overrides = [o for o in overrides if o.startswith("runtime.")]
-  return config_from_dict({}, runtime_overrides).runtime
-
-
 def cmd_train(args) -> None:
   from jaxformer import interrupt
   interrupt.install()   # before any library starts a thread (they inherit the blocked SIGINT/SIGTERM)
@@ -210,7 +206,7 @@ def cmd_eval(args) -> None:
   for o in args.overrides:
     parse_override(o)
   from jaxformer.runtime import init_runtime
-  init_runtime(_runtime_from_overrides(args.overrides))
+  init_runtime(runtime_from_overrides(args.overrides))
   from jaxformer import evaluate
   from jaxformer.data import PAIRS
   from jaxformer.inference import restore as inference_restore
@@ -246,7 +242,7 @@ def cmd_eval(args) -> None:
 
 def cmd_average(args) -> None:
   from jaxformer.runtime import init_runtime
-  init_runtime(_runtime_from_overrides(args.overrides))
+  init_runtime(runtime_from_overrides(args.overrides))
   from jaxformer import average
   from jaxformer.inference import restore as inference_restore
   output = Path(args.output) if args.output else average.default_output(args.workdir, args.last)
@@ -260,7 +256,7 @@ def cmd_average(args) -> None:
 
 def cmd_translate(args) -> None:
   from jaxformer.runtime import init_runtime
-  init_runtime(_runtime_from_overrides(args.overrides))
+  init_runtime(runtime_from_overrides(args.overrides))
   from jaxformer import evaluate
   from jaxformer.inference import restore as inference_restore
   search = _search_options(args)
@@ -289,7 +285,7 @@ def cmd_translate(args) -> None:
 
 def cmd_generate(args) -> None:
   from jaxformer.runtime import init_runtime
-  init_runtime(_runtime_from_overrides(args.overrides))
+  init_runtime(runtime_from_overrides(args.overrides))
   from jaxformer.inference import generate as lm
   from jaxformer.inference import restore as inference_restore
   config = inference_restore.workdir_config(args.workdir, args.overrides)
@@ -305,7 +301,7 @@ def cmd_generate(args) -> None:
 
 def cmd_serve(args) -> None:
   from jaxformer.runtime import init_runtime
-  init_runtime(_runtime_from_overrides(args.overrides))
+  init_runtime(runtime_from_overrides(args.overrides))
   from jaxformer import serve
   from jaxformer.inference import restore as inference_restore
   config = inference_restore.workdir_config(args.workdir, args.overrides)
@@ -366,7 +362,7 @@ def cmd_config(args) -> None:
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   commands = {"train": cmd_train, "eval": cmd_eval, "translate": cmd_translate, "generate": cmd_generate, "serve": cmd_serve,
-              "average": cmd_average, "bench": cmd_bench, "config": cmd_config}
+              "average": cmd_average, "bench": cmd_bench, "config": cmd_config, **cli_plots.COMMANDS}
   try:
     commands[args.command](args)
   except (ConfigError, CheckpointError, NonFiniteError, FileNotFoundError, ValueError) as e:

@@ -410,6 +410,13 @@ def config_from_dict(tree: dict[str, Any], overrides: typing.Sequence[str] = ())
   return config
 
 
+def runtime_from_overrides(overrides: typing.Sequence[str]) -> RuntimeConfig:
+  """The RuntimeConfig that `overrides`' runtime.* entries alone give (the rest are ignored):
+  what eval-time commands apply before a workdir's config is read (its training run's
+  runtime settings describe another machine)."""
+  return config_from_dict({}, [o for o in overrides if o.startswith("runtime.")]).runtime
+
+
 def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Config:
   """Reads a YAML config file and applies overrides.
 
@@ -443,5 +450,5 @@ def dump_config(config: Config) -> str:
 __all__ = [
     "Config", "ConfigError", "DataConfig", "MeshConfig", "ModelConfig", "OptimConfig",
     "PrecisionConfig", "RuntimeConfig", "TrainConfig", "config_from_dict", "dump_config", "load_config",
-    "parse_override", "to_dict",
+    "parse_override", "runtime_from_overrides", "to_dict",
 ]

@@ -37,10 +37,24 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
   Returns:
     `[batch, q_len, num_heads, head_dim]` in q's dtype.
   """
-  weights = jax.nn.softmax(attention_scores(q, k, bias, mask, softcap), axis=-1)
+  return attend(attention_weights(q, k, mask, bias=bias, softcap=softcap), v, dropout_rng, dropout_rate)
+
+
+def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array | None, *, bias: jax.Array | None = None,
+                      softcap: float = 0.0) -> jax.Array:
+  """softmax(q k^T / sqrt(head_dim) + bias) over the keys: float32 `[batch, num_heads, q_len, kv_len]`,
+  each row summing to 1 (shapes and arguments as in `dot_product_attention`)."""
+  return jax.nn.softmax(attention_scores(q, k, bias, mask, softcap), axis=-1)
+
+
+def attend(weights: jax.Array, v: jax.Array, dropout_rng: jax.Array | None = None,
+           dropout_rate: float = 0.0) -> jax.Array:
+  """The weighted sum of values: `weights` `[batch, num_heads, q_len, kv_len]` (dropped out when
+  `dropout_rng` is a key) times `v` `[batch, kv_len, num_kv_heads, head_dim]` ->
+  `[batch, q_len, num_heads, head_dim]` in v's dtype."""
   if dropout_rng is not None and dropout_rate > 0.0:
     weights = dropout(weights, dropout_rate, dropout_rng)  # rows (b, n, t), columns s
-  return jnp.einsum("bnts,bsnh->btnh", weights.astype(v.dtype), repeat_kv(v, q.shape[2]))
+  return jnp.einsum("bnts,bsnh->btnh", weights.astype(v.dtype), repeat_kv(v, weights.shape[1]))
 
 
 def _project(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -75,7 +89,9 @@ class MultiHeadAttention(nn.Module):
   int `[batch, q_len]` (restarting at 0 in each segment), drive RoPE, ALiBi and the
   causal / sliding-window masks; None = token indices 0..q_len-1. When decoding the
   positions are the cache slots and neither argument may be given. `dropout_rng` is the
-  key of the attention-weight dropout (None: drawn from the "dropout" stream).
+  key of the attention-weight dropout (None: drawn from the "dropout" stream). Dense attention
+  without the cache sows its weights, float32 `[batch, num_heads, q_len, kv_len]`, as
+  `intermediates/attention_weights` when that collection is mutable (for plots).
 
   With `decode=True` the module reads and writes the KV cache (`layers.kv_cache`): the
   "cache" collection holds this layer's `key`/`value` storage and `cache_state` says which
@@ -168,7 +184,10 @@ class MultiHeadAttention(nn.Module):
       dropout_rng = self.make_rng("dropout")
     mask = attention_mask(q_pos, kv_pos, q_valid, kv_valid, causal, window, q_segment_ids, kv_segment_ids)
     bias = alibi_bias(slopes, q_pos, kv_pos) if slopes is not None else None
-    return dot_product_attention(q, k, v, mask, dropout_rng, self.dropout_rate, bias=bias, softcap=self.softcap)
+    weights = attention_weights(q, k, mask, bias=bias, softcap=self.softcap)   # [B, N, T, S]
+    # Kept only when the caller makes "intermediates" mutable (`inference.attention_maps`); else a no-op.
+    self.sow("intermediates", "attention_weights", weights)
+    return attend(weights, v, dropout_rng, self.dropout_rate)
 
   def _storage(self, name: str, shape, dtype):
     return self.variable("cache", name, jnp.zeros, shape, dtype)

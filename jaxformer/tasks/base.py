@@ -27,7 +27,7 @@ class EvalOptions:
   instead of a split (translation);
   batch_size: sentences per decoding batch; search: `inference.decode.SearchOptions`; output: the
   hypotheses file, or a folder (the workdir) where it is named after the split and the
-  search; workdir: the run's folder, whose tokenizers encode the evaluation data; draft: None,
+  search, or None (not written: the Python API's `score`); workdir: the run's folder, whose tokenizers encode the evaluation data; draft: None,
   or a function restoring the draft model of speculative greedy decoding.
   """
   split: str | None = None

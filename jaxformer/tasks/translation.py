@@ -100,17 +100,19 @@ class Translation(Task):
 
   def evaluate(self, restore, options: EvalOptions) -> dict[str, Any]:
     """Decodes and scores; writes the hypotheses to `options.output` (a file, or a folder
-    that gets `hypotheses_name`), atomically."""
+    that gets `hypotheses_name`), atomically, unless it is None."""
     from jaxformer import evaluate  # noqa: PLC0415  (evaluate imports the task registry)
     name, sources, references = self.eval_texts(options)
     restored = restore()
     draft = options.draft() if options.draft else None
     hyps, speed = evaluate.translate(restored, sources, options.batch_size, options.search, draft)
     losses = evaluate.reference_loss(restored, sources, references, options.batch_size)
-    output = Path(options.output)
-    if output.is_dir():
-      output = output / hypotheses_name(name, options.search)
-    evaluate.write_lines_atomic(output, hyps)
+    output = None
+    if options.output is not None:
+      output = Path(options.output)
+      if output.is_dir():
+        output = output / hypotheses_name(name, options.search)
+      evaluate.write_lines_atomic(output, hyps)
     return {"step": restored.step, "split": name, "num_sentences": len(sources),
             **evaluate.score(hyps, references), **losses, **{k: round(v, 3) for k, v in speed.items()},
-            "search": options.search.summary(), "hypotheses": str(output)}
+            "search": options.search.summary(), "hypotheses": None if output is None else str(output)}

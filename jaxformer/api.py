@@ -1,0 +1,90 @@
+"""The public Python API's functions that are more than a re-export (see `jaxformer/__init__.py`):
+each does what its `jaxformer` command does, on Python values instead of flags and files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from jaxformer import evaluate
+from jaxformer.config import Config, runtime_from_overrides
+from jaxformer.inference import restore as inference_restore
+from jaxformer.inference.decode import SearchOptions
+from jaxformer.inference.restore import Restored
+from jaxformer.runtime import init_runtime
+from jaxformer.tasks import get_task
+from jaxformer.tasks.base import EvalOptions
+from jaxformer.train.loop import train
+
+
+def fit(config: Config, workdir: str | Path) -> dict[str, Any]:
+  """Trains `config` in `workdir`, or resumes the run there (`jaxformer train`): applies
+  `config.runtime` first (simulated CPU devices, platform, deterministic CPU numerics; these
+  act only before JAX's first computation), then writes checkpoints, `config.yaml`, the
+  tokenizer and `metrics.jsonl` to `workdir`.
+
+  Returns:
+    The last logged training metrics (`loss`, `learning_rate`, ... at the final `step`);
+    empty when the run was already complete.
+  Raises:
+    ConfigError: a mesh or batch that does not fit the devices, or a workdir that holds
+      another model's run.
+  """
+  init_runtime(config.runtime)
+  return train(config, workdir)
+
+
+def restore(workdir: str | Path, *, step: int | None = None, average_last: int | None = None,
+            quantize: str | None = None, overrides: Sequence[str] = ()) -> Restored:
+  """A trained model ready for `translate`, `generate` and `score` (`inference.restore.Restored`:
+  config, tokenizers, model, mesh, params and `step`), read from `workdir`.
+
+  Args:
+    step: the checkpoint (default: the newest intact one).
+    average_last: the mean params of the newest N checkpoints instead (paper section 6.1).
+    quantize: "int8" stores the weights as int8 with per-channel scales for decoding.
+    overrides: runtime.* and mesh.* settings for this machine, e.g. ["mesh.data=1"]; the
+      runtime ones are applied first (as the CLI does), the run's own are not.
+  Raises:
+    ConfigError: an override of anything else (the model must match the checkpoint).
+    CheckpointError: no (such) checkpoint, or none intact.
+  """
+  init_runtime(runtime_from_overrides(overrides))
+  config = inference_restore.workdir_config(workdir, overrides)
+  return inference_restore.restore(workdir, config, step, average_last, quantize)
+
+
+def translate(model: Restored, sentences: Sequence[str], *, batch_size: int = 64, **search: Any) -> list[str]:
+  """Translations of `sentences` (`jaxformer translate`) by a restored encoder-decoder `model`,
+  in input order. `search` holds `inference.decode.SearchOptions` fields: greedy by default;
+  `beam_size=4, length_penalty=0.6` is the paper's beam search; `temperature`, `top_k`,
+  `top_p`, `seed` sample.
+
+  Raises:
+    ValueError: invalid search options, or a model that is not an encoder-decoder.
+  """
+  if model.config.model.kind != "encoder_decoder":
+    raise ValueError(f"translate needs an encoder_decoder model; this one is model.kind={model.config.model.kind}")
+  return evaluate.translate(model, list(sentences), batch_size, SearchOptions(**search).validate())[0]
+
+
+def score(model: Restored, *, split: str | None = None, src: str | None = None, ref: str | None = None,
+          batch_size: int = 64, output: str | None = None, **search: Any) -> dict[str, Any]:
+  """Evaluates a restored `model` (`jaxformer eval`): a translation model's BLEU, chrF and
+  reference loss on `split` ("val" or "test"; default "test") or on the line-aligned files
+  `src`/`ref`, decoding with `search` (as in `translate`) and writing the hypotheses to the
+  file `output` when given; a language model's loss, perplexity and accuracy on `split`
+  (default "val").
+
+  Returns:
+    The result dict `jaxformer eval` prints as JSON (`step`, `split`, the scores, ...).
+  Raises:
+    ValueError: a split other than val/test or one the dataset lacks, src without ref, invalid
+      search options.
+  """
+  if split not in (None, "val", "test"):
+    raise ValueError(f"split={split!r}; use 'val' or 'test'")
+  options = EvalOptions(split=split, src=src, ref=ref, batch_size=batch_size, search=SearchOptions(**search).validate(),
+                        output=output, workdir=model.config_workdir)
+  return get_task(model.config).evaluate(lambda: model, options)
