@@ -1,4 +1,4 @@
-"""`jaxformer train | eval | translate | generate | bench | config`: thin wiring of config, runtime and the library.
+"""`jaxformer train | eval | translate | generate | bench | config | export | import`: thin wiring of config, runtime and the library.
 
 User mistakes (bad config, mesh, paths, missing checkpoints) print one `error:` line and
 exit with status 2; results are JSON lines on stdout (the last line of `eval` is one
@@ -103,6 +103,23 @@ def _parser() -> argparse.ArgumentParser:
   a.add_argument("--last", type=_positive, required=True, help="how many of the newest checkpoints to average")
   a.add_argument("--output", default=None, help="the new workdir (default: WORKDIR/average-last-N)")
   a.add_argument("overrides", nargs="*", help="runtime/mesh overrides, e.g. runtime.num_cpu_devices=4")
+
+  x = sub.add_parser("export", help="write a workdir's model as a Hugging Face Transformers directory (config, "
+                     "safetensors weights, tokenizer): MarianMTModel, LlamaForCausalLM, GPT2LMHeadModel or "
+                     "XLMRobertaXLForMaskedLM, whichever its options map to")
+  x.add_argument("--workdir", required=True)
+  x.add_argument("--format", choices=("hf",), required=True, help="hf: Hugging Face Transformers")
+  x.add_argument("--out", required=True, help="the new directory (must not exist)")
+  which = x.add_mutually_exclusive_group()
+  which.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+  which.add_argument("--average-last", type=_positive, default=None, metavar="N",
+                     help="the mean params of the newest N checkpoints (paper section 6.1)")
+  x.add_argument("overrides", nargs="*", help="runtime/mesh overrides, e.g. runtime.num_cpu_devices=1")
+
+  im = sub.add_parser("import", help="build a workdir from a local Hugging Face directory of a supported "
+                      "architecture (see export), to evaluate or fine-tune it; nothing downloads")
+  im.add_argument("--from-hf", required=True, metavar="DIR", help="a local Hugging Face model directory")
+  im.add_argument("--workdir", required=True, help="the new workdir (must not exist)")
 
   b = sub.add_parser("bench", help="time the train step on synthetic batches: compile time, tokens/s, MFU, "
                      "memory; also torch.nn.Transformer when PyTorch is installed")
@@ -258,6 +275,20 @@ def cmd_average(args) -> None:
   print(json.dumps({"workdir": str(output), "averaged_steps": restored.averaged}), flush=True)
 
 
+def cmd_export(args) -> None:
+  from jaxformer.runtime import init_runtime
+  init_runtime(_runtime_from_overrides(args.overrides))
+  from jaxformer.interop.hf_export import export_workdir
+  print(json.dumps(export_workdir(args.workdir, args.out, args.step, args.average_last, args.overrides)), flush=True)
+
+
+def cmd_import(args) -> None:
+  from jaxformer.runtime import init_runtime
+  init_runtime(_runtime_from_overrides([]))
+  from jaxformer.interop.hf_import import import_hf
+  print(json.dumps(import_hf(args.from_hf, args.workdir)), flush=True)
+
+
 def cmd_translate(args) -> None:
   from jaxformer.runtime import init_runtime
   init_runtime(_runtime_from_overrides(args.overrides))
@@ -366,7 +397,8 @@ def cmd_config(args) -> None:
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   commands = {"train": cmd_train, "eval": cmd_eval, "translate": cmd_translate, "generate": cmd_generate, "serve": cmd_serve,
-              "average": cmd_average, "bench": cmd_bench, "config": cmd_config}
+              "average": cmd_average, "bench": cmd_bench, "config": cmd_config, "export": cmd_export,
+              "import": cmd_import}
   try:
     commands[args.command](args)
   except (ConfigError, CheckpointError, NonFiniteError, FileNotFoundError, ValueError) as e:

@@ -33,6 +33,7 @@ from jaxformer.interop.hf_tokenizer import save_tokenizer
 
 MAPPINGS: tuple[ModuleType, ...] = (hf_marian, hf_llama, hf_gpt2, hf_bert)
 CONFIG_KEY = "jaxformer"   # our run config inside config.json
+EXPORT_FILE = "jaxformer_export.json"   # which workdir and step(s) an export holds
 
 
 def select_mapping(config: Config) -> ModuleType:
@@ -91,13 +92,14 @@ def hf_model(config: Config, params: Any):
   return model
 
 
-def export_params(config: Config, params: Any, tokenizer, out: str | Path) -> dict[str, Any]:
+def export_params(config: Config, params: Any, tokenizer, out: str | Path, origin: dict | None = None) -> dict[str, Any]:
   """Writes our model as a Hugging Face directory `out` (config, safetensors weights,
   generation config, tokenizer), under a temporary name renamed when complete.
 
   Args:
     config: the run config; params: its params (float32 pytree, either layer layout);
     tokenizer: the run's (shared) SentencePiece tokenizer.
+    origin: written as `jaxformer_export.json` (which workdir and step), if given.
   Returns:
     `{"out", "architecture", "files"}`: what was written.
   Raises:
@@ -112,6 +114,8 @@ def export_params(config: Config, params: Any, tokenizer, out: str | Path) -> di
   shutil.rmtree(tmp, ignore_errors=True)
   model.save_pretrained(str(tmp))
   save_tokenizer(tokenizer, tmp, config.model.vocab_size, **mapping.TOKENIZER)
+  if origin is not None:
+    (tmp / EXPORT_FILE).write_text(json.dumps(origin) + "\n")
   tmp.rename(out)
   return {"out": str(out), "architecture": mapping.ARCHITECTURE, "files": sorted(p.name for p in out.iterdir())}
 
@@ -135,9 +139,6 @@ def export_workdir(workdir: str | Path, out: str | Path, step: int | None = None
                       "export needs one shared tokenizer")
   select_mapping(config)
   restored = inference_restore.restore(workdir, config, step, average_last)
-  result = export_params(config, jax.device_get(restored.params), restored.tokenizer, out)
-  result.update(step=restored.step, averaged_steps=restored.averaged)
-  (Path(out) / "jaxformer_export.json").write_text(json.dumps({"workdir": str(Path(workdir).absolute()),
-                                                              "step": restored.step,
-                                                              "averaged_steps": restored.averaged}) + "\n")
-  return result
+  origin = {"workdir": str(Path(workdir).absolute()), "step": restored.step, "averaged_steps": restored.averaged}
+  result = export_params(config, jax.device_get(restored.params), restored.tokenizer, out, origin)
+  return {**result, **origin}
