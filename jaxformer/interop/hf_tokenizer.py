@@ -63,6 +63,9 @@ def fast_tokenizer(tokenizer: Tokenizer, *, add_eos: bool, extra_pad: str | None
   if extra_pad is not None:
     specials.append(extra_pad)
   if mask_id is not None:
+    if mask_id < len(pieces):
+      raise ValueError(f"[MASK] id {mask_id} is a piece of the tokenizer ({len(pieces)} pieces); a masked LM "
+                       "keeps [MASK] after the tokenizer's pieces")
     specials += [f"<unused_{i}>" for i in range(len(pieces), mask_id)] + ["<mask>"]
   fast.add_special_tokens([tokenizers.AddedToken(s, special=True, normalized=False) for s in specials])
   eos = pieces[EOS_ID]

@@ -1,0 +1,208 @@
+"""jaxformer.interop: Hugging Face export and import, and CTranslate2 conversion.
+
+Tiny random models of each supported option mix (params perturbed away from their init, so
+every norm and bias carries values) are exported with `export_params`, loaded back with
+`AutoModel*`/`AutoTokenizer` from the written directory, and checked on real Multi30k
+sentences: logits within 1e-4 of ours, `generate()` greedy equal to our greedy decoding, the
+tokenizer equal to ours, and import giving back identical params. One imported workdir is
+fine-tuned by `train` for two steps. torch/transformers are imported inside the tests.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import TINY
+from jaxformer.config import ConfigError, load_config
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+RAW = Path(__file__).resolve().parents[1] / "jaxformer" / "data" / "raw" / "multi30k"
+SHAPE = ["model.num_encoder_layers=1", "model.num_decoder_layers=1", "model.dropout_rate=0"]
+MIXES = {   # our option mixes -> the architecture each exports to
+    "MarianMTModel": [],
+    "LlamaForCausalLM": ["model.kind=decoder_only", "model.pre_norm=true", "model.position=rope", "model.norm=rmsnorm",
+                         "model.ffn=swiglu", "model.num_kv_heads=2", "model.tie_embeddings=false"],
+    "GPT2LMHeadModel": ["model.kind=decoder_only", "model.pre_norm=true", "model.position=learned", "model.ffn=gelu"],
+    "XLMRobertaXLForMaskedLM": ["model.kind=encoder_only", "model.pre_norm=true", "model.position=learned",
+                                "model.ffn=gelu", "model.vocab_size=1001"],   # [MASK] after the 1000 pieces
+}
+NEW_TOKENS = 6
+
+
+def _sentences(lang: str, n: int = 4) -> list[str]:
+  with gzip.open(RAW / f"test_2016_flickr.{lang}.gz", "rt", encoding="utf-8") as f:
+    return [next(f).rstrip("\n") for _ in range(n)]
+
+
+def _random_params(config, seed: int = 0):
+  """A random init of `config`'s model with every leaf perturbed (float32 numpy tree)."""
+  import flax.linen as nn
+  from jaxformer import sharding as sh
+  from jaxformer.tasks import get_task
+  model = get_task(config).make_model()
+  ids = jnp.ones((1, 4), jnp.int32)
+  with sh.axis_rules(sh.parse_rules("")):
+    params = nn.meta.unbox(model.init(jax.random.key(seed), ids, ids)["params"])
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+  return model, jax.device_get(tree.unflatten([x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
+
+
+@pytest.fixture(scope="module")
+def exported(multi30k_dir, tmp_path_factory):
+  """`{architecture: (config, model, params, export dir)}`, and the tokenizer."""
+  from jaxformer.interop.hf_export import export_params
+  from jaxformer.tasks import get_task
+  vocab, _ = get_task(load_config(TINY, [f"data.data_dir={multi30k_dir}"])).load_data(only=("test",))
+  root = tmp_path_factory.mktemp("hf")
+  out = {}
+  for arch, mix in MIXES.items():
+    config = load_config(TINY, [f"data.data_dir={multi30k_dir}", *SHAPE, *mix])
+    model, params = _random_params(config)
+    result = export_params(config, params, vocab.target, root / arch)
+    assert result["architecture"] == arch
+    out[arch] = (config, model, params, root / arch)
+  return out, vocab.target
+
+
+def _hf(directory: Path):
+  import transformers
+  config = json.loads((directory / "config.json").read_text())
+  model = getattr(transformers, config["architectures"][0]).from_pretrained(str(directory)).eval()
+  return model, transformers.AutoTokenizer.from_pretrained(str(directory))
+
+
+def _batch(tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+  """(our ids with PAD 0, attention mask) of `texts` tokenized by the exported tokenizer."""
+  enc = tokenizer(texts, padding=True, return_tensors="np")
+  return np.where(enc["attention_mask"] == 1, enc["input_ids"], 0), enc["attention_mask"]
+
+
+def test_tokenizer_gives_our_ids(exported):
+  from jaxformer.data.tokenizer import EOS_ID
+  models, ours = exported
+  texts = _sentences("en", 50) + _sentences("de", 50)
+  marian = _hf(models["MarianMTModel"][3])[1]   # a translation source ends with EOS
+  llama = _hf(models["LlamaForCausalLM"][3])[1]
+  for text in texts:
+    assert marian(text)["input_ids"] == ours.encode(text) + [EOS_ID]
+    assert llama(text)["input_ids"] == ours.encode(text)
+  assert marian.decode(marian(texts[0])["input_ids"], skip_special_tokens=True) == texts[0]
+
+
+@pytest.mark.parametrize("arch", list(MIXES))
+def test_logits_equal_ours(exported, arch):
+  import torch
+  from jaxformer.models.transformer import shift_right
+  models, _ = exported
+  config, model, params, directory = models[arch]
+  hf, tokenizer = _hf(directory)
+  inputs, mask = _batch(tokenizer, _sentences("en"))
+  with torch.no_grad():
+    if arch == "MarianMTModel":
+      targets, target_mask = _batch(tokenizer, _sentences("de"))
+      ours = model.apply({"params": params}, jnp.asarray(inputs), jnp.asarray(targets))
+      decoder_inputs = np.asarray(shift_right(jnp.asarray(targets)))
+      theirs = hf(input_ids=torch.tensor(inputs), attention_mask=torch.tensor(mask),
+                  decoder_input_ids=torch.tensor(decoder_inputs), decoder_attention_mask=torch.tensor(target_mask)).logits
+      theirs, valid = theirs[..., :config.model.vocab_size], target_mask == 1   # Marian's extra last id: its pad
+      assert hf.config.vocab_size == config.model.vocab_size + 1
+    else:
+      ours = model.apply({"params": params}, jnp.asarray(inputs))
+      theirs = hf(input_ids=torch.tensor(inputs), attention_mask=torch.tensor(mask)).logits
+      valid = mask == 1
+  ours, theirs = np.asarray(ours)[valid], theirs.numpy()[valid]
+  assert ours.shape == theirs.shape and np.abs(ours).max() > 1.0
+  np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["MarianMTModel", "LlamaForCausalLM", "GPT2LMHeadModel"])
+def test_generate_greedy_equals_our_greedy(exported, arch):
+  import torch
+  from jaxformer.data.tokenizer import EOS_ID
+  from jaxformer.inference.decode import greedy_decode
+  models, _ = exported
+  config, model, params, directory = models[arch]
+  hf, tokenizer = _hf(directory)
+  inputs, mask = _batch(tokenizer, _sentences("en"))
+  ours = np.asarray(greedy_decode(model, params, jnp.asarray(inputs), NEW_TOKENS))
+  for row, (ids, m) in enumerate(zip(inputs, mask)):   # one row at a time: no padding conventions involved
+    prompt = torch.tensor(ids[m == 1][None])
+    with torch.no_grad():
+      out = hf.generate(input_ids=prompt, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=0).numpy()[0]
+    theirs = out[1:] if arch == "MarianMTModel" else out[prompt.shape[1]:]   # Marian: column 0 is BOS
+    mine = ours[row][:len(theirs)]
+    end = (list(mine).index(EOS_ID) + 1) if EOS_ID in mine else len(mine)
+    np.testing.assert_array_equal(theirs[:end], mine[:end])
+
+
+@pytest.mark.parametrize("arch", list(MIXES))
+def test_import_gives_identical_params(exported, arch):
+  from jaxformer.interop.hf_import import params_from_hf, read_hf
+  from jaxformer.interop.links import flatten
+  models, _ = exported
+  config, _, params, directory = models[arch]
+  imported_config, tensors = read_hf(directory)
+  assert imported_config == config   # the run config travels in config.json
+  got, want = flatten(params_from_hf(imported_config, tensors)), flatten(params)
+  assert got.keys() == want.keys()
+  for name in want:
+    np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_import_then_train_fine_tunes_and_export_cli(exported, tmp_path):
+  from jaxformer import checkpoint as ckpt
+  from jaxformer.cli import main
+  from jaxformer.interop.hf_import import import_hf
+  from jaxformer.interop.links import flatten
+  from jaxformer.train.loop import train
+  models, _ = exported
+  config, _, params, directory = models["MarianMTModel"]
+  workdir = tmp_path / "imported"
+  assert import_hf(directory, workdir)["architecture"] == "MarianMTModel"
+  with pytest.raises(ConfigError, match="already exists"):
+    import_hf(directory, workdir)
+  tuned = load_config(workdir / ckpt.CONFIG_FILE, ["train.num_steps=2", "train.batch_size=8", "train.log_every=1",
+                                                    "train.checkpoint_every=2", "train.async_checkpoint=false"])
+  train(tuned, workdir)
+  assert ckpt.Checkpointer(workdir, read_only=True).all_steps() == [0, 2]
+  # `export` of the fine-tuned step: two Adam steps from the imported params, not a fresh init.
+  assert main(["export", "--workdir", str(workdir), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+  from jaxformer.interop.hf_import import params_from_hf, read_hf
+  export_info = json.loads((tmp_path / "hf" / "jaxformer_export.json").read_text())
+  assert export_info["step"] == 2
+  got = flatten(params_from_hf(*read_hf(tmp_path / "hf")))
+  moved = max(float(np.abs(got[k] - v).max()) for k, v in flatten(params).items())
+  assert 0 < moved < 0.05
+
+
+def test_unsupported_option_mix_is_one_line():
+  from jaxformer.interop.hf_export import select_mapping
+  config = load_config(TINY, ["model.kind=decoder_only", "model.pre_norm=true", "model.position=alibi",
+                              "model.norm=rmsnorm", "model.ffn=swiglu"])
+  with pytest.raises(ConfigError, match=r"no Hugging Face counterpart for model.position=alibi \(closest "
+                                        r"architecture: LlamaForCausalLM\)"):
+    select_mapping(config)
+
+
+def test_ctranslate2_translates_like_us(exported, tmp_path):
+  pytest.importorskip("ctranslate2")
+  from jaxformer.inference.decode import greedy_decode
+  from jaxformer.interop import ctranslate2 as ct2
+  models, ours_tokenizer = exported
+  config, model, params, directory = models["MarianMTModel"]
+  ct2.convert(directory, tmp_path / "ct2")
+  sources = _sentences("en", 8)
+  _, tokenizer = _hf(directory)
+  inputs, _ = _batch(tokenizer, sources)
+  ours = ours_tokenizer.decode_batch(np.asarray(greedy_decode(model, params, jnp.asarray(inputs), NEW_TOKENS)))
+  assert ct2.translate(tmp_path / "ct2", directory, sources, NEW_TOKENS) == ours
