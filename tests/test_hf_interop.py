@@ -50,11 +50,15 @@ def _random_params(config, seed: int = 0):
   from jaxformer.tasks import get_task
   model = get_task(config).make_model()
   ids = jnp.ones((1, 4), jnp.int32)
+
+  @jax.jit
+  def init(key):
+    params = nn.meta.unbox(model.init(key, ids, ids)["params"])
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.fold_in(key, 1), len(leaves))
+    return tree.unflatten([x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
   with sh.axis_rules(sh.parse_rules("")):
-    params = nn.meta.unbox(model.init(jax.random.key(seed), ids, ids)["params"])
-  leaves, tree = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-  return model, jax.device_get(tree.unflatten([x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
+    return model, jax.device_get(init(jax.random.key(seed)))
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +76,12 @@ def exported(multi30k_dir, tmp_path_factory):
     assert result["architecture"] == arch
     out[arch] = (config, model, params, root / arch)
   return out, vocab.target
+
+
+def _greedy(model, params, inputs: np.ndarray) -> np.ndarray:
+  """Our greedy decoding of NEW_TOKENS tokens (one jitted call)."""
+  from jaxformer.inference.decode import greedy_decode
+  return np.asarray(jax.jit(lambda p, x: greedy_decode(model, p, x, NEW_TOKENS))(params, jnp.asarray(inputs)))
 
 
 def _hf(directory: Path):
@@ -110,14 +120,14 @@ def test_logits_equal_ours(exported, arch):
   with torch.no_grad():
     if arch == "MarianMTModel":
       targets, target_mask = _batch(tokenizer, _sentences("de"))
-      ours = model.apply({"params": params}, jnp.asarray(inputs), jnp.asarray(targets))
+      ours = jax.jit(model.apply)({"params": params}, jnp.asarray(inputs), jnp.asarray(targets))
       decoder_inputs = np.asarray(shift_right(jnp.asarray(targets)))
       theirs = hf(input_ids=torch.tensor(inputs), attention_mask=torch.tensor(mask),
                   decoder_input_ids=torch.tensor(decoder_inputs), decoder_attention_mask=torch.tensor(target_mask)).logits
       theirs, valid = theirs[..., :config.model.vocab_size], target_mask == 1   # Marian's extra last id: its pad
       assert hf.config.vocab_size == config.model.vocab_size + 1
     else:
-      ours = model.apply({"params": params}, jnp.asarray(inputs))
+      ours = jax.jit(model.apply)({"params": params}, jnp.asarray(inputs))
       theirs = hf(input_ids=torch.tensor(inputs), attention_mask=torch.tensor(mask)).logits
       valid = mask == 1
   ours, theirs = np.asarray(ours)[valid], theirs.numpy()[valid]
@@ -129,12 +139,11 @@ def test_logits_equal_ours(exported, arch):
 def test_generate_greedy_equals_our_greedy(exported, arch):
   import torch
   from jaxformer.data.tokenizer import EOS_ID
-  from jaxformer.inference.decode import greedy_decode
   models, _ = exported
   config, model, params, directory = models[arch]
   hf, tokenizer = _hf(directory)
   inputs, mask = _batch(tokenizer, _sentences("en"))
-  ours = np.asarray(greedy_decode(model, params, jnp.asarray(inputs), NEW_TOKENS))
+  ours = _greedy(model, params, inputs)
   for row, (ids, m) in enumerate(zip(inputs, mask)):   # one row at a time: no padding conventions involved
     prompt = torch.tensor(ids[m == 1][None])
     with torch.no_grad():
@@ -171,7 +180,7 @@ def test_import_then_train_fine_tunes_and_export_cli(exported, tmp_path):
   assert import_hf(directory, workdir)["architecture"] == "MarianMTModel"
   with pytest.raises(ConfigError, match="already exists"):
     import_hf(directory, workdir)
-  tuned = load_config(workdir / ckpt.CONFIG_FILE, ["train.num_steps=2", "train.batch_size=8", "train.log_every=1",
+  tuned = load_config(workdir / ckpt.CONFIG_FILE, ["train.num_steps=2", "train.batch_size=8", "data.buckets=[64]",
                                                     "train.checkpoint_every=2", "train.async_checkpoint=false"])
   train(tuned, workdir)
   assert ckpt.Checkpointer(workdir, read_only=True).all_steps() == [0, 2]
@@ -196,13 +205,12 @@ def test_unsupported_option_mix_is_one_line():
 
 def test_ctranslate2_translates_like_us(exported, tmp_path):
   pytest.importorskip("ctranslate2")
-  from jaxformer.inference.decode import greedy_decode
   from jaxformer.interop import ctranslate2 as ct2
   models, ours_tokenizer = exported
   config, model, params, directory = models["MarianMTModel"]
   ct2.convert(directory, tmp_path / "ct2")
-  sources = _sentences("en", 8)
+  sources = _sentences("en")
   _, tokenizer = _hf(directory)
   inputs, _ = _batch(tokenizer, sources)
-  ours = ours_tokenizer.decode_batch(np.asarray(greedy_decode(model, params, jnp.asarray(inputs), NEW_TOKENS)))
+  ours = ours_tokenizer.decode_batch(_greedy(model, params, inputs))
   assert ct2.translate(tmp_path / "ct2", directory, sources, NEW_TOKENS) == ours
