@@ -214,3 +214,29 @@ def test_ctranslate2_translates_like_us(exported, tmp_path):
   inputs, _ = _batch(tokenizer, sources)
   ours = ours_tokenizer.decode_batch(_greedy(model, params, inputs))
   assert ct2.translate(tmp_path / "ct2", directory, sources, NEW_TOKENS) == ours
+
+
+def test_import_a_llama_made_by_transformers(exported, tmp_path):
+  """A Llama written by transformers itself (tied embeddings, no MLP biases, no jaxformer
+  config) imports, and our model then computes its logits."""
+  import torch
+  import transformers
+  from jaxformer.interop.hf_import import params_from_hf, read_hf
+  from jaxformer.interop.hf_tokenizer import save_tokenizer
+  from jaxformer.tasks import get_task
+  _, tokenizer = exported
+  torch.manual_seed(0)
+  hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+      vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+      num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=64, tie_word_embeddings=True)).eval()
+  hf.save_pretrained(str(tmp_path))
+  save_tokenizer(tokenizer, tmp_path, 1000, add_eos=False)
+  config, tensors = read_hf(tmp_path)
+  assert (config.model.kind, config.model.num_kv_heads, config.model.tie_embeddings) == ("decoder_only", 2, False)
+  params = params_from_hf(config, tensors)
+  assert not np.any(params["layer_0"]["ffn"]["bi"])   # mlp_bias=False: zero biases
+  inputs = np.asarray([tokenizer.encode(_sentences("en", 1)[0])])
+  ours = jax.jit(get_task(config).make_model().apply)({"params": params}, jnp.asarray(inputs))
+  with torch.no_grad():
+    theirs = hf(input_ids=torch.tensor(inputs)).logits.numpy()
+  np.testing.assert_allclose(theirs, np.asarray(ours), atol=1e-4, rtol=0)

@@ -134,9 +134,10 @@ def export_workdir(workdir: str | Path, out: str | Path, step: int | None = None
   if Path(out).exists():   # before reading any checkpoint
     raise ConfigError(f"--out {out} already exists; remove it or pass another --out")
   config = inference_restore.workdir_config(workdir, overrides)
-  if config.data.shared_vocab is False:
-    raise ConfigError("the workdir has separate source and target vocabularies (data.shared_vocab=false); "
-                      "export needs one shared tokenizer")
+  if not config.data.shared_vocab or config.data.tokenizer == "char":
+    raise ConfigError("export needs one shared SentencePiece tokenizer; this workdir has "
+                      + ("separate source and target vocabularies" if not config.data.shared_vocab
+                         else "a character tokenizer (data.tokenizer=char)"))
   select_mapping(config)
   restored = inference_restore.restore(workdir, config, step, average_last)
   origin = {"workdir": str(Path(workdir).absolute()), "step": restored.step, "averaged_steps": restored.averaged}

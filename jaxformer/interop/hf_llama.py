@@ -93,9 +93,9 @@ def links(m: ModelConfig) -> tuple[list[L.Link], list[L.Const]]:
             L.linear_out(f"{ours}/self_attention/out", f"{hf}.self_attn.o_proj.weight", b, (n, h, d)),
             L.vector(f"{ours}/ffn_sublayer/norm/scale", f"{hf}.post_attention_layernorm.weight", b),
             L.linear_in(f"{ours}/ffn/wi_gate", f"{hf}.mlp.gate_proj.weight", b, (d, f)),
-            L.plain(f"{ours}/ffn/bi_gate", f"{hf}.mlp.gate_proj.bias"),
+            L.plain(f"{ours}/ffn/bi_gate", f"{hf}.mlp.gate_proj.bias", (f,)),   # absent: mlp_bias=False
             L.linear_in(f"{ours}/ffn/wi", f"{hf}.mlp.up_proj.weight", b, (d, f)),
-            L.plain(f"{ours}/ffn/bi", f"{hf}.mlp.up_proj.bias"),
+            L.plain(f"{ours}/ffn/bi", f"{hf}.mlp.up_proj.bias", (f,)),
             L.linear_out(f"{ours}/ffn/wo", f"{hf}.mlp.down_proj.weight", b, (f, d)),
-            L.vector(f"{ours}/ffn/bo", f"{hf}.mlp.down_proj.bias", b)]
+            L.plain(f"{ours}/ffn/bo", f"{hf}.mlp.down_proj.bias", (d,))]
   return out, []

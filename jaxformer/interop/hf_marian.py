@@ -78,6 +78,7 @@ def model_config(hf) -> dict:
       ("activation_function", hf.activation_function in ACTIVATIONS), ("scale_embedding", hf.scale_embedding),
       ("normalize_before", not getattr(hf, "normalize_before", False)),
       ("pad_token_id", hf.pad_token_id == hf.vocab_size - 1),
+      ("decoder_start_token_id", hf.decoder_start_token_id == BOS_ID),   # ours starts from BOS, not a zero embedding
       ("decoder_vocab_size", (hf.decoder_vocab_size or hf.vocab_size) == hf.vocab_size),
       ("decoder_layers/heads/ffn_dim", (hf.decoder_attention_heads, hf.decoder_ffn_dim) == (
           hf.encoder_attention_heads, hf.encoder_ffn_dim))) if not ok]

@@ -28,11 +28,13 @@ Array = np.ndarray
 class Link:
   """`hf` (a state-dict name) = `to_hf(*[our leaves at `ours`])`; `from_hf` inverts it,
   returning a tuple with one array per path of `ours`. A derived link (`from_hf` None) is
-  computed from params other links carry: import skips it, and its round trip checks it."""
+  computed from params other links carry: import skips it, and its round trip checks it.
+  `absent`: the shape of a tensor some checkpoints leave out (a bias they do not have), read as zeros."""
   ours: tuple[str, ...]
   hf: str
   to_hf: Callable[..., Array]
   from_hf: Callable[[Array], tuple[Array, ...]] | None
+  absent: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +64,9 @@ def vector(ours: str, hf: str, basis: Basis) -> Link:
   return Link((ours,), hf, lambda x: basis.to_hf(x, 0), lambda y: (basis.from_hf(y, 0),))
 
 
-def plain(ours: str, hf: str) -> Link:
-  """A tensor stored the same way on both sides (an FFN bias `[d_ff]`)."""
-  return Link((ours,), hf, lambda x: x, lambda y: (y,))
+def plain(ours: str, hf: str, absent: tuple[int, ...] | None = None) -> Link:
+  """A tensor stored the same way on both sides (an FFN bias `[d_ff]`); `absent` as in `Link`."""
+  return Link((ours,), hf, lambda x: x, lambda y: (y,), absent)
 
 
 def linear_in(ours: str, hf: str, basis: Basis, shape: Sequence[int], transpose: bool = True) -> Link:
@@ -159,7 +161,10 @@ def from_hf(links: Sequence[Link], consts: Sequence[Const], tensors: dict[str, A
   for link in links:
     if link.from_hf is None:
       continue
-    if link.hf not in tensors:
+    value = tensors.get(link.hf)
+    if value is None and link.absent is not None:
+      value = np.zeros(link.absent, np.float32)
+    if value is None:
       raise ValueError(f"the checkpoint has no tensor {link.hf}")
-    out.update(zip(link.ours, link.from_hf(tensors[link.hf])))
+    out.update(zip(link.ours, link.from_hf(value)))
   return out
