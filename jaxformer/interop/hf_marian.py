@@ -74,14 +74,17 @@ def model_config(hf) -> dict:
   Raises:
     ValueError: options jaxformer has no counterpart for (named in one line).
   """
-  bad = [f"{k}={getattr(hf, k)}" for k, ok in (
-      ("activation_function", hf.activation_function in ACTIVATIONS), ("scale_embedding", hf.scale_embedding),
-      ("normalize_before", not getattr(hf, "normalize_before", False)),
-      ("pad_token_id", hf.pad_token_id == hf.vocab_size - 1),
-      ("decoder_start_token_id", hf.decoder_start_token_id == BOS_ID),   # ours starts from BOS, not a zero embedding
-      ("decoder_vocab_size", (hf.decoder_vocab_size or hf.vocab_size) == hf.vocab_size),
-      ("decoder_layers/heads/ffn_dim", (hf.decoder_attention_heads, hf.decoder_ffn_dim) == (
-          hf.encoder_attention_heads, hf.encoder_ffn_dim))) if not ok]
+  decoder = (hf.decoder_attention_heads, hf.decoder_ffn_dim)
+  bad = [f"{k}={v}" for k, v, ok in (
+      ("activation_function", hf.activation_function, hf.activation_function in ACTIVATIONS),
+      ("scale_embedding", hf.scale_embedding, hf.scale_embedding),
+      ("normalize_before", getattr(hf, "normalize_before", False), not getattr(hf, "normalize_before", False)),
+      ("pad_token_id", hf.pad_token_id, hf.pad_token_id == hf.vocab_size - 1),
+      # ours starts the decoder from BOS; published Marian models from a zero (pad) embedding
+      ("decoder_start_token_id", hf.decoder_start_token_id, hf.decoder_start_token_id == BOS_ID),
+      ("decoder_vocab_size", hf.decoder_vocab_size, (hf.decoder_vocab_size or hf.vocab_size) == hf.vocab_size),
+      ("decoder_attention_heads/ffn_dim", decoder, decoder == (hf.encoder_attention_heads, hf.encoder_ffn_dim)))
+         if not ok]
   if bad:
     raise ValueError(f"this Marian model has options jaxformer has no counterpart for: {', '.join(bad)}")
   return dict(kind="encoder_decoder", vocab_size=hf.vocab_size - 1, d_model=hf.d_model,
