@@ -107,6 +107,8 @@ def test_tokenizer_gives_our_ids(exported):
     assert marian(text)["input_ids"] == ours.encode(text) + [EOS_ID]
     assert llama(text)["input_ids"] == ours.encode(text)
   assert marian.decode(marian(texts[0])["input_ids"], skip_special_tokens=True) == texts[0]
+  assert marian.pad_token_id == 1000 and marian.convert_ids_to_tokens(0) == "<blank>"   # Marian's pad: the last id
+  assert _hf(models["XLMRobertaXLForMaskedLM"][3])[1].mask_token_id == 1000   # [MASK]: the model's last id
 
 
 @pytest.mark.parametrize("arch", list(MIXES))
@@ -168,7 +170,7 @@ def test_import_gives_identical_params(exported, arch):
     np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
-def test_import_then_train_fine_tunes_and_export_cli(exported, tmp_path):
+def test_import_then_train_fine_tunes_and_export_cli(exported, tmp_path, capsys):
   from jaxformer import checkpoint as ckpt
   from jaxformer.cli import main
   from jaxformer.interop.hf_import import import_hf
@@ -192,6 +194,16 @@ def test_import_then_train_fine_tunes_and_export_cli(exported, tmp_path):
   got = flatten(params_from_hf(*read_hf(tmp_path / "hf")))
   moved = max(float(np.abs(got[k] - v).max()) for k, v in flatten(params).items())
   assert 0 < moved < 0.05
+  # --average-last 2: the mean of the imported (step 0) and the fine-tuned (step 2) params.
+  capsys.readouterr()
+  assert main(["export", "--workdir", str(workdir), "--format", "hf", "--out", str(tmp_path / "avg"),
+               "--average-last", "2"]) == 0
+  printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert printed["out"] == str(tmp_path / "avg") and printed["averaged_steps"] == [0, 2]
+  assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(printed["files"])
+  mean = flatten(params_from_hf(*read_hf(tmp_path / "avg")))
+  for k, v in flatten(params).items():
+    np.testing.assert_allclose(mean[k], (v + got[k]) / 2, atol=1e-6, err_msg=k)
 
 
 def test_unsupported_option_mix_is_one_line():
