@@ -9,6 +9,7 @@ The public Python API is the names below; everything else is internal. Each does
   jaxformer.translate(model, sentences)             # `jaxformer translate`
   jaxformer.generate(model, prompt, max_new_tokens) # `jaxformer generate` (a causal LM)
   jaxformer.score(model, split="test")              # `jaxformer eval`
+  jaxformer.export(workdir, out)                    # `jaxformer export --format hf`
 
 (Training is `fit` and evaluation `score` because `jaxformer.train` and `jaxformer.evaluate`
 are internal modules.) The names are imported on first use, so `import jaxformer` loads
@@ -19,8 +20,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-# Public name -> "module:attribute"; one line per name (the Hugging Face `export` of
-# jaxformer/interop is one more such line).
+# Public name -> "module:attribute"; one line per name.
 _PUBLIC = {
     "load_config": "jaxformer.config:load_config",
     "fit": "jaxformer.api:fit",
@@ -28,6 +28,7 @@ _PUBLIC = {
     "translate": "jaxformer.api:translate",
     "generate": "jaxformer.inference.generate:generate",
     "score": "jaxformer.api:score",
+    "export": "jaxformer.interop.hf_export:export_workdir",
 }
 
 __all__ = list(_PUBLIC)

@@ -1,5 +1,5 @@
 """`jaxformer train | eval | translate | generate | bench | config`: thin wiring of config, runtime and the library.
-`jaxformer plot | attention` live in cli_plots.py.
+`jaxformer plot | attention` live in cli_plots.py, `jaxformer export | import` in cli_interop.py.
 
 User mistakes (bad config, mesh, paths, missing checkpoints) print one `error:` line and
 exit with status 2; results are JSON lines on stdout (the last line of `eval` is one
@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from jaxformer import cli_plots
+from jaxformer import cli_interop, cli_plots
 from jaxformer.errors import CheckpointError, NonFiniteError
 from jaxformer.config import ConfigError, load_config, parse_override, runtime_from_overrides
 
@@ -119,6 +119,7 @@ def _parser() -> argparse.ArgumentParser:
   b.add_argument("--output", help="also write the JSON result to this file")
   b.add_argument("overrides", nargs="*", help="dotted overrides, e.g. precision.policy=compute=bfloat16 runtime.num_cpu_devices=2")
   cli_plots.add_parsers(sub)
+  cli_interop.add_parsers(sub, _positive)
   return p
 
 
@@ -362,7 +363,8 @@ def cmd_config(args) -> None:
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   commands = {"train": cmd_train, "eval": cmd_eval, "translate": cmd_translate, "generate": cmd_generate, "serve": cmd_serve,
-              "average": cmd_average, "bench": cmd_bench, "config": cmd_config, **cli_plots.COMMANDS}
+              "average": cmd_average, "bench": cmd_bench, "config": cmd_config, **cli_plots.COMMANDS,
+              **cli_interop.COMMANDS}
   try:
     commands[args.command](args)
   except (ConfigError, CheckpointError, NonFiniteError, FileNotFoundError, ValueError) as e:

@@ -3,17 +3,19 @@
 (`MarianMTModel.generate`, PyTorch) and CTranslate2 (`Translator.translate_batch`), greedy and
 beam search, on one model shape and one batch of random sources.
 
-The peers are one Marian model built to `--config`'s shape (default configs/multi30k_small.yaml:
-post-LN, static sinusoidal positions, one embedding shared by encoder, decoder and logits,
-ReLU, embeddings x sqrt(d_model); Vaswani et al. 2017, sections 3.1-3.5) with random weights;
-CTranslate2 runs that same model after `save_pretrained` and `TransformersConverter`. jaxformer
-runs a random init of the config's model. Every engine decodes the same int32 sources
+All engines run the same weights: a random init of `--config`'s model (default
+configs/multi30k_small.yaml: post-LN, static sinusoidal positions, one embedding shared by
+encoder, decoder and logits, ReLU, embeddings x sqrt(d_model); Vaswani et al. 2017, sections
+3.1-3.5), exported to transformers' `MarianMTModel` by `jaxformer.interop.hf_export` (the one
+mapping from our params to Marian's) and converted from that to CTranslate2 by
+`jaxformer.interop.ctranslate2`. Every engine decodes the same int32 sources
 `[batch, src_len]` (ids in [4, vocab)) for exactly `--new-tokens` tokens per row: EOS can never
 end a row (jaxformer: an EOS id no argmax returns; transformers: min_new_tokens; CTranslate2:
 min_decoding_length), so all do the same work whatever the random weights predict.
 
-Marian keeps its decoder-start token as one extra id at the end of the vocabulary (`vocab + 1`
-rows in transformers; the converter drops it, leaving CTranslate2 with `vocab` rows as jaxformer).
+Marian keeps its pad token as one extra id at the end of the vocabulary (`vocab + 1` rows in
+transformers, never generated; the converter drops it, leaving CTranslate2 with `vocab` rows as
+jaxformer).
 
 Timing: one process, float32, the same thread count for all (`--threads`, default every usable
 CPU: XLA:CPU's pool through NPROC, `torch.set_num_threads`, CTranslate2's intra_threads with one
@@ -52,8 +54,10 @@ import transformers
 from tokenizers import Tokenizer, models
 
 from jaxformer import sharding as sh
-from jaxformer.config import Config, ConfigError, ModelConfig, load_config
+from jaxformer.config import Config, ConfigError, load_config
 from jaxformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from jaxformer.interop.ctranslate2 import convert
+from jaxformer.interop.hf_export import hf_model, select_mapping
 from jaxformer.runtime import build_mesh
 from jaxformer.tasks import get_task
 
@@ -100,53 +104,42 @@ def jaxformer_decoder(cfg: Config, params: Any, beam_size: int, src_len: int, ne
   return run
 
 
-def marian_model(m: ModelConfig, seed: int) -> transformers.MarianMTModel:
-  """A float32 `MarianMTModel` (eval mode, random weights from `seed`) of `m`'s shape: post-LN
-  (Marian's only layout), static sinusoidal positions, tied embeddings, ReLU, x sqrt(d_model).
+def marian_model(cfg: Config, params: Any) -> transformers.MarianMTModel:
+  """`params` of `cfg`'s model as a float32 `MarianMTModel` in eval mode (`interop.hf_export`).
 
   Raises:
-    ConfigError: `m` is not a model Marian can express (one line).
+    ConfigError: `cfg`'s model has no Marian counterpart (one line naming the options).
   """
-  if (m.kind, m.pre_norm, m.tie_embeddings, m.ffn, m.position, m.norm) != (
-      "encoder_decoder", False, True, "relu", "sinusoidal", "layernorm"):
-    raise ConfigError("the peers are post-LN Marian models: use an encoder_decoder config with model.pre_norm=false, "
-                      "tie_embeddings=true, ffn=relu, position=sinusoidal, norm=layernorm")
-  config = transformers.MarianConfig(
-      vocab_size=m.vocab_size + 1, decoder_vocab_size=m.vocab_size + 1, d_model=m.d_model,
-      encoder_layers=m.num_encoder_layers, decoder_layers=m.num_decoder_layers,
-      encoder_attention_heads=m.num_heads, decoder_attention_heads=m.num_heads,
-      encoder_ffn_dim=m.d_ff, decoder_ffn_dim=m.d_ff, activation_function="relu",
-      max_position_embeddings=m.max_length, scale_embedding=True, share_encoder_decoder_embeddings=True,
-      tie_word_embeddings=True, pad_token_id=m.vocab_size, decoder_start_token_id=m.vocab_size,
-      eos_token_id=EOS_ID, forced_eos_token_id=None)
-  torch.manual_seed(seed)
-  return transformers.MarianMTModel(config).eval()
+  if select_mapping(cfg).ARCHITECTURE != "MarianMTModel":
+    raise ConfigError(f"the peers are Marian models; {cfg.model.kind} maps to {select_mapping(cfg).ARCHITECTURE}")
+  return hf_model(cfg, params)
 
 
 def transformers_decoder(model: transformers.MarianMTModel, beam_size: int, new_tokens: int) -> Decoder:
   """`model.generate` (KV cache, do_sample False) of exactly `new_tokens` tokens per row; the
-  decoder-start id is suppressed (as Marian does), so all engines choose among the same `vocab` ids."""
+  export's generation config suppresses both pads (ours, id 0, and Marian's extra last id), so
+  all engines choose among the same ids."""
   def run(inputs: np.ndarray) -> np.ndarray:
     ids = torch.from_numpy(inputs.astype(np.int64))
     with torch.inference_mode():
       out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), num_beams=beam_size, do_sample=False,
-                           max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           suppress_tokens=[model.config.decoder_start_token_id])
-    return out[:, 1:].numpy()   # column 0 is the decoder-start token
+                           max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    return out[:, 1:].numpy()   # column 0 is the decoder-start token (BOS)
   return run
 
 
 def token_names(vocab_size: int) -> list[str]:
   """Strings for ids 0..vocab_size (CTranslate2 takes tokens, not ids); the last, vocab_size, is
-  Marian's decoder-start `<pad>`, which the converter drops."""
+  Marian's `<pad>`, which the converter drops."""
   special = {PAD_ID: "<blank>", UNK_ID: "<unk>", BOS_ID: "<s>", EOS_ID: "</s>"}
   return [special.get(i, f"w{i}") for i in range(vocab_size)] + ["<pad>"]
 
 
 def ctranslate2_translator(model: transformers.MarianMTModel, directory: str | Path,
                            threads: int) -> ctranslate2.Translator:
-  """`model` saved with `save_pretrained` (plus a word-level tokenizer over `token_names`) under
-  `directory`/hf, converted to float32 CTranslate2 in `directory`/ct2, loaded on the CPU."""
+  """`model` saved with `save_pretrained` (plus a word-level tokenizer over `token_names`: random
+  weights have no SentencePiece model) under `directory`/hf, converted to float32 CTranslate2 in
+  `directory`/ct2 (`interop.ctranslate2.convert`), loaded on the CPU."""
   names = token_names(model.config.vocab_size - 1)
   tokenizer = transformers.PreTrainedTokenizerFast(
       tokenizer_object=Tokenizer(models.WordLevel({n: i for i, n in enumerate(names)}, unk_token="<unk>")),
@@ -154,7 +147,7 @@ def ctranslate2_translator(model: transformers.MarianMTModel, directory: str | P
   hf_dir, ct2_dir = Path(directory) / "hf", Path(directory) / "ct2"
   model.save_pretrained(hf_dir)
   tokenizer.save_pretrained(hf_dir)
-  ctranslate2.converters.TransformersConverter(str(hf_dir)).convert(str(ct2_dir), quantization="float32", force=True)
+  convert(hf_dir, ct2_dir)
   return ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type="float32", inter_threads=1,
                                 intra_threads=threads)
 
@@ -215,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
       raise ConfigError("--batch-size, --src-len, --new-tokens, --beam-size, --rounds and --threads must be >= 1")
     m = cfg.model
     params = jaxformer_params(cfg, args.seed)
-    hf = marian_model(m, args.seed)
+    hf = marian_model(cfg, params)
     searches = {"greedy": 1, f"beam{args.beam_size}": args.beam_size}
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
       translator = ctranslate2_translator(hf, tmp, args.threads)

@@ -33,7 +33,7 @@ def run(tmp_path_factory, multi30k_dir):
 def test_import_is_lazy_and_exports_the_api():
   code = "import sys, jaxformer; print(sorted(jaxformer.__all__)); print('jax' in sys.modules)"
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
-  assert out.split("\n")[:2] == ["['fit', 'generate', 'load_config', 'restore', 'score', 'translate']", "False"]
+  assert out.split("\n")[:2] == ["['export', 'fit', 'generate', 'load_config', 'restore', 'score', 'translate']", "False"]
   with pytest.raises(AttributeError, match="has no attribute 'nope'"):
     jaxformer.nope  # noqa: B018
 
@@ -72,3 +72,10 @@ def test_fit_restore_translate_score(run, tmp_path, capsys):
   assert out.read_bytes().startswith(b"\x89PNG")
   fig = plots.plot_training([workdir], tmp_path / "loss.png")
   assert list(fig.axes[0].lines[0].get_ydata()) == [r["loss"] for r in rows if "loss" in r]
+
+
+def test_export_writes_the_run_as_a_marian_directory(run, tmp_path):
+  workdir, _ = run
+  out = jaxformer.export(workdir, tmp_path / "hf", overrides=["runtime.deterministic=false"])
+  assert out["architecture"] == "MarianMTModel" and out["step"] == 2 and out["out"] == str(tmp_path / "hf")
+  assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(out["files"])

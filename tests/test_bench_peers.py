@@ -38,9 +38,10 @@ bp = _load_script()
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
   cfg = load_config(ROOT / "configs" / "multi30k_small.yaml", TINY)
-  hf = bp.marian_model(cfg.model, seed=0)
+  params = bp.jaxformer_params(cfg, seed=0)
+  hf = bp.marian_model(cfg, params)
   translator = bp.ctranslate2_translator(hf, tmp_path_factory.mktemp("peers"), threads=1)
-  return cfg, bp.jaxformer_params(cfg, seed=0), hf, translator
+  return cfg, params, hf, translator
 
 
 @pytest.mark.parametrize("beam_size", [1, 4])
@@ -53,7 +54,7 @@ def test_every_engine_decodes_exactly_new_tokens(engines, beam_size):
           "ctranslate2": bp.ctranslate2_decoder(translator, 37, beam_size, NEW_TOKENS)(inputs)}
   for name, out in outs.items():
     assert out.shape == (BATCH, NEW_TOKENS), name
-    assert 0 <= out.min() and out.max() < 37, name   # the decoder-start id 37 is never chosen
+    assert 1 <= out.min() and out.max() < 37, name   # neither pad (ours 0, Marian's extra 37) is chosen
   if beam_size == 1:   # same weights, same argmax: the converted model is the transformers model
     np.testing.assert_array_equal(outs["ctranslate2"], outs["transformers"])
 
@@ -63,7 +64,7 @@ def test_marian_has_the_config_shape(engines):
   c = hf.config
   assert (c.d_model, c.encoder_attention_heads, c.encoder_ffn_dim, c.encoder_layers, c.decoder_layers) == (16, 2, 32,
                                                                                                          1, 1)
-  assert c.vocab_size == 38 and hf.model.decoder.embed_scale == 4.0   # + decoder-start id; sqrt(16)
+  assert c.vocab_size == 38 and hf.model.decoder.embed_scale == 4.0   # + Marian's pad; sqrt(16)
   assert hf.lm_head.weight.data_ptr() == hf.model.encoder.embed_tokens.weight.data_ptr()   # one shared matrix
 
 
@@ -71,8 +72,8 @@ def test_user_mistakes_are_one_line(engines):
   cfg, params, _, _ = engines
   with pytest.raises(ConfigError, match="--new-tokens must be in"):
     bp.jaxformer_decoder(cfg, params, 1, src_len=5, new_tokens=4)
-  with pytest.raises(ConfigError, match="post-LN Marian"):
-    bp.marian_model(load_config(ROOT / "configs" / "multi30k_small.yaml", [*TINY, "model.pre_norm=true"]).model, 0)
+  with pytest.raises(ConfigError, match="no Hugging Face counterpart for model.pre_norm=True"):
+    bp.marian_model(load_config(ROOT / "configs" / "multi30k_small.yaml", [*TINY, "model.pre_norm=true"]), params)
 
 
 def test_main_prints_a_table_and_consistent_json(monkeypatch, capsys):

@@ -1,0 +1,98 @@
+"""A decoder-only model with learned positions, LayerNorm and GELU as Hugging Face
+`GPT2LMHeadModel` (pre-LN, final LayerNorm `ln_f`).
+
+GPT-2 keeps its kernels as `Conv1D` `[in, out]` (our orientation) and fuses the query, key
+and value kernels into `c_attn`; its attention biases are zero in ours. Its activation is
+the exact (erf) GELU, `activation_function="gelu"`. Embeddings are not scaled in GPT-2:
+`wte` holds ours times sqrt(d_model), `lm_head` (untied) our unscaled output matrix.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxformer.config import Config, ModelConfig
+from jaxformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from jaxformer.interop import links as L
+from jaxformer.interop.hf_llama import generation, output_links   # noqa: F401  (the same generation settings)
+
+MODEL_TYPE = "gpt2"
+ARCHITECTURE = "GPT2LMHeadModel"
+TOKENIZER = {"add_eos": False}
+EPSILON = 1e-6   # our LayerNorm's
+HF_COMPUTED = (".attn.bias", ".attn.masked_bias")   # causal-mask buffers of older GPT-2 code
+
+
+def unsupported(m: ModelConfig) -> list[str]:
+  """`key=value` of each option of `m` GPT-2 has no counterpart for (empty: it maps)."""
+  wanted = {"kind": "decoder_only", "pre_norm": True, "position": "learned", "norm": "layernorm", "ffn": "gelu",
+            "attn_logit_softcap": 0.0, "sliding_window": 0}
+  bad = [f"model.{k}={getattr(m, k)}" for k, v in wanted.items() if getattr(m, k) != v]
+  return bad + ([f"model.num_kv_heads={m.num_kv_heads}"] if m.kv_heads != m.num_heads else [])
+
+
+def hf_config(config: Config):
+  """The `transformers.GPT2Config` of our model config."""
+  import transformers  # noqa: PLC0415
+  m = config.model
+  return transformers.GPT2Config(
+      vocab_size=m.vocab_size, n_positions=m.max_length, n_embd=m.d_model, n_layer=m.num_decoder_layers,
+      n_head=m.num_heads, n_inner=m.d_ff, activation_function="gelu", resid_pdrop=m.dropout_rate,
+      embd_pdrop=m.dropout_rate, attn_pdrop=m.attention_dropout_rate, layer_norm_epsilon=EPSILON,
+      tie_word_embeddings=False, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+      architectures=[ARCHITECTURE])
+
+
+def model_config(hf) -> dict:
+  """Our `model.*` fields for a `GPT2Config`.
+
+  Raises:
+    ValueError: options jaxformer has no counterpart for (named in one line).
+  """
+  bad = [f"{k}={getattr(hf, k)}" for k, ok in (
+      ("activation_function", hf.activation_function == "gelu"),
+      ("scale_attn_weights", hf.scale_attn_weights), ("scale_attn_by_inverse_layer_idx",
+                                                      not hf.scale_attn_by_inverse_layer_idx)) if not ok]
+  if bad:
+    raise ValueError(f"this GPT-2 model has options jaxformer has no counterpart for: {', '.join(bad)} "
+                     "(GPT-2's own checkpoints use gelu_new, the tanh approximation)")
+  return dict(kind="decoder_only", vocab_size=hf.vocab_size, d_model=hf.n_embd, num_heads=hf.n_head,
+              d_ff=hf.n_inner or 4 * hf.n_embd, num_decoder_layers=hf.n_layer, dropout_rate=hf.resid_pdrop,
+              attention_dropout_rate=hf.attn_pdrop, pre_norm=True, tie_embeddings=False, max_length=hf.n_positions,
+              position="learned", norm="layernorm", ffn="gelu")
+
+
+def _qkv(d: int, n: int, h: int) -> tuple:
+  def to_hf(q, k, v):
+    return np.concatenate([w.reshape(d, n * h) for w in (q, k, v)], axis=1)
+
+  def from_hf(y):
+    return tuple(w.reshape(d, n, h) for w in np.split(y, 3, axis=1))
+  return to_hf, from_hf
+
+
+def links(m: ModelConfig) -> tuple[list[L.Link], list[L.Const]]:
+  """The tensor table of a `GPT2LMHeadModel` state dict (see `links`)."""
+  b = L.Basis()
+  d, n, h, f = m.d_model, m.num_heads, m.head_dim, m.d_ff
+  out = output_links(m, "transformer.wte.weight", "lm_head.weight", b)
+  out += [L.embedding("positions/embedding", "transformer.wpe.weight", b),
+          L.vector("final_norm/scale", "transformer.ln_f.weight", b),
+          L.vector("final_norm/bias", "transformer.ln_f.bias", b)]
+  consts = []
+  for i in range(m.num_decoder_layers):
+    ours, hf = f"layer_{i}", f"transformer.h.{i}"
+    attn = f"{ours}/self_attention"
+    out += [L.vector(f"{ours}/attention_sublayer/norm/scale", f"{hf}.ln_1.weight", b),
+            L.vector(f"{ours}/attention_sublayer/norm/bias", f"{hf}.ln_1.bias", b),
+            L.Link((f"{attn}/query", f"{attn}/key", f"{attn}/value"), f"{hf}.attn.c_attn.weight", *_qkv(d, n, h)),
+            L.linear_out(f"{attn}/out", f"{hf}.attn.c_proj.weight", b, (n, h, d), transpose=False),
+            L.vector(f"{ours}/ffn_sublayer/norm/scale", f"{hf}.ln_2.weight", b),
+            L.vector(f"{ours}/ffn_sublayer/norm/bias", f"{hf}.ln_2.bias", b),
+            L.linear_in(f"{ours}/ffn/wi", f"{hf}.mlp.c_fc.weight", b, (d, f), transpose=False),
+            L.plain(f"{ours}/ffn/bi", f"{hf}.mlp.c_fc.bias"),
+            L.linear_out(f"{ours}/ffn/wo", f"{hf}.mlp.c_proj.weight", b, (f, d), transpose=False),
+            L.vector(f"{ours}/ffn/bo", f"{hf}.mlp.c_proj.bias", b)]
+    consts += [L.Const(f"{hf}.attn.c_attn.bias", np.zeros(3 * d, np.float32)),
+               L.Const(f"{hf}.attn.c_proj.bias", np.zeros(d, np.float32))]
+  return out, consts

@@ -1,0 +1,170 @@
+"""Tensor correspondences between our params and a Hugging Face state dict, invertible by
+construction, so one table per architecture serves both export and import.
+
+A `Link` ties one or more of our param leaves (paths like `encoder_0/ffn_sublayer/...`, in
+the unrolled layer layout) to one Hugging Face tensor through a pair of inverse functions
+(numpy arrays in, numpy arrays out). A `Const` is a Hugging Face tensor with no counterpart
+in our model (an attention bias, a token-type embedding): export writes its fixed value,
+import checks that the checkpoint holds exactly that value, since anything else would change
+the model's function.
+
+The d_model permutation: when a Hugging Face architecture orders the residual stream's
+features differently (Marian's sinusoids: all sines, then all cosines; ours interleave
+them), every tensor with a d_model axis is permuted by the same fixed `perm`. Attention,
+FFN, LayerNorm and the logits are equivariant under it, so the model's function is unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+Array = np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+  """`hf` (a state-dict name) = `to_hf(*[our leaves at `ours`])`; `from_hf` inverts it,
+  returning a tuple with one array per path of `ours`. A derived link (`from_hf` None) is
+  computed from params other links carry: import skips it, and its round trip checks it.
+  `absent`: the shape of a tensor some checkpoints leave out (a bias they do not have), read as zeros."""
+  ours: tuple[str, ...]
+  hf: str
+  to_hf: Callable[..., Array]
+  from_hf: Callable[[Array], tuple[Array, ...]] | None
+  absent: tuple[int, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Const:
+  """A Hugging Face tensor that must hold `value` (float32)."""
+  hf: str
+  value: Array
+
+
+class Basis:
+  """Maps tensors' d_model axes between our order and Hugging Face's: `hf[..., k] = ours[..., perm[k]]`
+  (identity when `perm` is None)."""
+
+  def __init__(self, perm: Array | None = None):
+    self.perm = perm
+    self.inverse = None if perm is None else np.argsort(perm)
+
+  def to_hf(self, x: Array, axis: int) -> Array:
+    return x if self.perm is None else np.take(x, self.perm, axis=axis)
+
+  def from_hf(self, x: Array, axis: int) -> Array:
+    return x if self.inverse is None else np.take(x, self.inverse, axis=axis)
+
+
+def vector(ours: str, hf: str, basis: Basis) -> Link:
+  """A `[d_model]` vector (norm scale or bias, output bias)."""
+  return Link((ours,), hf, lambda x: basis.to_hf(x, 0), lambda y: (basis.from_hf(y, 0),))
+
+
+def plain(ours: str, hf: str, absent: tuple[int, ...] | None = None) -> Link:
+  """A tensor stored the same way on both sides (an FFN bias `[d_ff]`); `absent` as in `Link`."""
+  return Link((ours,), hf, lambda x: x, lambda y: (y,), absent)
+
+
+def linear_in(ours: str, hf: str, basis: Basis, shape: Sequence[int], transpose: bool = True) -> Link:
+  """Our kernel `[d_model, *rest]` (attention `[d_model, heads, head_dim]`, FFN `[d_model, d_ff]`)
+  as a torch `Linear` weight `[prod(rest), d_model]` (or, `transpose=False`, a GPT-2 `Conv1D`
+  weight `[d_model, prod(rest)]`). `shape` is our kernel's shape."""
+  def to_hf(x):
+    y = basis.to_hf(x.reshape(shape[0], -1), 0)
+    return y.T if transpose else y
+
+  def from_hf(y):
+    return (basis.from_hf(y.T if transpose else y, 0).reshape(shape),)
+  return Link((ours,), hf, to_hf, from_hf)
+
+
+def linear_out(ours: str, hf: str, basis: Basis, shape: Sequence[int], transpose: bool = True) -> Link:
+  """Our kernel `[*rest, d_model]` (attention output `[heads, head_dim, d_model]`, FFN
+  `[d_ff, d_model]`) as a torch `Linear` weight `[d_model, prod(rest)]` (or a `Conv1D`
+  weight `[prod(rest), d_model]` with `transpose=False`)."""
+  def to_hf(x):
+    y = basis.to_hf(x.reshape(-1, shape[-1]), 1)
+    return y.T if transpose else y
+
+  def from_hf(y):
+    return (basis.from_hf(y.T if transpose else y, 1).reshape(shape),)
+  return Link((ours,), hf, to_hf, from_hf)
+
+
+def embedding(ours: str, hf: str, basis: Basis, scale: float = 1.0, extra_rows: int = 0, row_offset: int = 0) -> Link:
+  """Our `[rows, d_model]` table (token embedding, learned positions) as a Hugging Face table
+  times `scale` (Hugging Face models that do not multiply embeddings by sqrt(d_model) get
+  it folded in), with `row_offset` rows before ours and `extra_rows` after (zeros)."""
+  def to_hf(x):
+    y = basis.to_hf(x, 1) * np.float32(scale)
+    return np.pad(y, ((row_offset, extra_rows), (0, 0)))
+
+  def from_hf(y):
+    return (basis.from_hf(y[row_offset:y.shape[0] - extra_rows], 1) / np.float32(scale),)
+  return Link((ours,), hf, to_hf, from_hf)
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Array]:
+  """`{"a/b/c": leaf}` of a nested dict of arrays (as float32 numpy arrays)."""
+  out = {}
+  for key, value in tree.items():
+    path = f"{prefix}{key}"
+    if isinstance(value, dict) or hasattr(value, "items"):
+      out.update(flatten(value, path + "/"))
+    else:
+      out[path] = np.asarray(value, np.float32)
+  return out
+
+
+def unflatten(flat: dict[str, Array]) -> dict[str, Any]:
+  """The nested dict of `flatten`'s output."""
+  tree: dict[str, Any] = {}
+  for path, value in flat.items():
+    *parents, leaf = path.split("/")
+    node = tree
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = value
+  return tree
+
+
+def to_hf(links: Sequence[Link], consts: Sequence[Const], params: dict[str, Array]) -> dict[str, Array]:
+  """The Hugging Face tensors of our flat params.
+
+  Raises:
+    ValueError: a param no link reads, or a link to a param that is missing (a mapping bug).
+  """
+  unused = sorted(set(params) - {p for link in links for p in link.ours})
+  if unused:
+    raise ValueError(f"the export mapping does not cover the params exactly: unused {unused[:3]}")
+  out = {link.hf: np.ascontiguousarray(link.to_hf(*[params[p] for p in link.ours]), np.float32) for link in links}
+  out.update({c.hf: np.asarray(c.value, np.float32) for c in consts})
+  return out
+
+
+def from_hf(links: Sequence[Link], consts: Sequence[Const], tensors: dict[str, Array]) -> dict[str, Array]:
+  """Our flat params from Hugging Face tensors.
+
+  Raises:
+    ValueError: a tensor is missing, or a `Const` tensor holds another value than the one our
+      model implies (one line naming it: jaxformer has no counterpart for it).
+  """
+  for c in consts:
+    if c.hf in tensors and not np.array_equal(tensors[c.hf], np.broadcast_to(c.value, tensors[c.hf].shape)):
+      raise ValueError(f"{c.hf} holds values jaxformer's model has no counterpart for (it expects "
+                       f"{'zeros' if not np.any(c.value) else 'a fixed value'}); this checkpoint cannot be imported exactly")
+  out = {}
+  for link in links:
+    if link.from_hf is None:
+      continue
+    value = tensors.get(link.hf)
+    if value is None and link.absent is not None:
+      value = np.zeros(link.absent, np.float32)
+    if value is None:
+      raise ValueError(f"the checkpoint has no tensor {link.hf}")
+    out.update(zip(link.ours, link.from_hf(value)))
+  return out
