@@ -144,7 +144,8 @@ def test_blockwise_equals_dense_forward_and_gradients(case):
   def blockwise(q, k, v):  # block 4: 13 and 11 keys leave a partly padded last block
     return blockwise_attention(q, k, v, q_positions=q_pos, kv_positions=kv_pos, q_valid=q_valid,
                                kv_valid=kv_valid, causal=causal, sliding_window=window,
-                               alibi_slopes=slopes, softcap=softcap, block_size=4)
+                               position_bias=None if slopes is None else (alibi_bias, slopes), softcap=softcap,
+                               block_size=4)
 
   @jax.jit
   def outputs_and_grads(q, k, v, d_out):
