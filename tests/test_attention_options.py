@@ -1,8 +1,7 @@
 """Tests of the architecture options: RoPE, ALiBi, grouped-query heads, soft-capping,
 sliding windows, blockwise attention, and every position scheme / option in the model
-(causality and cached decoding)."""
+(causality and cached decoding; the long-context options' own tests are in test_long_context.py)."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -204,6 +203,16 @@ MODEL_CASES = {
     "alibi-blockwise": dict(position="alibi", attention="blockwise", num_kv_heads=2, pre_norm=True),
     "none-dense": dict(position="none", sliding_window=2, tie_embeddings=False),
     "none-blockwise": dict(position="none", attention="blockwise", norm="rmsnorm", attn_logit_softcap=3.0),
+    # T5 bias, RoPE scalings, global tokens and Linformer (the encoder's; the decoder stays dense).
+    "t5-dense": dict(position="t5", relative_buckets=6, relative_max_distance=8, sliding_window=3, global_tokens=1),
+    "t5-blockwise": dict(position="t5", attention="blockwise", relative_buckets=6, relative_max_distance=8,
+                         num_kv_heads=2),
+    "rope_linear-dense": dict(position="rope", rope_scaling="linear", rope_scaling_factor=2.0, sliding_window=2,
+                              global_tokens=2),
+    "rope_yarn-blockwise": dict(position="rope", attention="blockwise", rope_scaling="yarn", rope_scaling_factor=4.0,
+                                sliding_window=3, global_tokens=1),
+    "rope_ntk-linformer": dict(position="rope", attention="linformer", linformer_k=5, rope_scaling="ntk",
+                               rope_scaling_factor=2.0),
 }
 
 
