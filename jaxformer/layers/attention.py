@@ -81,8 +81,8 @@ class MultiHeadAttention(nn.Module):
   for cross-attention, `kv_segment_ids` `[batch, kv_len]`: 1, 2, ... for the examples of
   a row, 0 on padding; a query attends only to keys with its own segment id
   (self-attention uses `q_segment_ids` for its keys too). Self-attention `positions`,
-  int `[batch, q_len]` (restarting at 0 in each segment), drive RoPE, ALiBi and the
-  causal / sliding-window masks; None = token indices 0..q_len-1. When decoding the
+  int `[batch, q_len]` (restarting at 0 in each segment), drive RoPE, ALiBi, T5 and the
+  causal / sliding-window / global-token masks; None = token indices 0..q_len-1. When decoding the
   positions are the cache slots and neither argument may be given. `dropout_rng` is the
   key of the attention-weight dropout (None: drawn from the "dropout" stream).
 
@@ -91,7 +91,7 @@ class MultiHeadAttention(nn.Module):
   rows hold how many tokens. Self-attention writes the new tokens' keys/values (RoPE-rotated)
   at positions `cache_state.lengths[b]`, ... (a prefill writes several, a decode step one;
   padding tokens are not written) and attends to the row's cached keys under the causal /
-  sliding-window mask. Cross-attention (`kv`, the encoder output, given once at prefill,
+  sliding-window / global-token mask and position bias. Cross-attention (`kv`, the encoder output, given once at prefill,
   None afterwards) stores the projected encoder keys/values and reuses them at every step.
 
   Raises:
@@ -108,9 +108,9 @@ class MultiHeadAttention(nn.Module):
   num_kv_heads: int = 0      # grouped-query key/value heads; 0 = num_heads
   causal: bool = False
   sliding_window: int = 0    # tokens; 0 = unlimited
-  position: str = "none"     # rope | alibi act here; sinusoidal / learned / none are added outside
+  position: str = "none"     # rope | alibi | t5 act here; sinusoidal / learned / none are added outside
   softcap: float = 0.0       # attention score soft-cap c (c * tanh(s / c)); 0 = off
-  implementation: str = "dense"  # dense | blockwise
+  implementation: str = "dense"  # dense | blockwise | linformer
   block_size: int = 128      # blockwise: keys per block
   global_tokens: int = 0     # with a sliding window: positions < G see and are seen by all
   rope_scaling: RopeScaling = RopeScaling()  # rope: context-extension scaling
@@ -213,7 +213,8 @@ class MultiHeadAttention(nn.Module):
     the first S rows of E, F `[max_length, linformer_k]` (Wang et al. 2020, eq. 7), padded keys zeroed."""
     length = k.shape[1]
     if length > self.max_length:
-      raise ValueError(f"linformer attention got {length} tokens; its projections cover model.max_length={self.max_length}")
+      raise ValueError(f"linformer attention got {length} tokens; its projections cover "
+                       f"model.max_length={self.max_length}")
     init = nn.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=0, out_axis=1)
     shape = (self.max_length, self.linformer_k)
     e, f = (self.param(name, sh.param_with_axes(init, (None, None)), shape).astype(self.dtype)[:length]
