@@ -60,13 +60,11 @@ def _validate_t5(m: Any) -> None:
 
 
 def _validate_linformer(m: Any) -> None:
+  # The decoder-only model has no non-causal attention for it: `tasks.causal_lm` rejects it.
   if m.linformer_k < 1:
     raise ConfigError(f"model.linformer_k must be >= 1, got {m.linformer_k}")
   if m.attention != "linformer":
     return
-  if m.kind == "decoder_only":
-    raise ConfigError("model.attention=linformer is non-causal (keys are mixed along the sequence); use it with "
-                      "model.kind=encoder_only or encoder_decoder (its encoder), or model.attention=dense|blockwise")
   if m.position in ("alibi", "t5"):
     raise ConfigError(f"model.position={m.position} biases scores by token distance, which Linformer's projected "
                       "keys no longer have; use model.position=sinusoidal, learned or rope")
