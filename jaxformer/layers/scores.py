@@ -26,6 +26,8 @@ def position_mask(q_positions: jax.Array, kv_positions: jax.Array, causal: bool,
       2020, section 3.1): they see every key and every query sees them; the causal mask still
       applies on top.
   """
+  if not (causal or sliding_window):
+    return None
   mask = None
   offset = q_positions[:, :, None] - kv_positions[:, None, :]                       # [B, T, S]
   if sliding_window:
