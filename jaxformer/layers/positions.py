@@ -39,6 +39,7 @@ class LearnedPositions(nn.Module):
 # called as fn(params, q_positions `[batch, T]`, kv_positions `[batch, S]`) -> `[batch, heads, T, S]`.
 PositionBias = tuple[Callable[[jax.Array, jax.Array, jax.Array], jax.Array], jax.Array]
 
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
   """How RoPE's frequencies are rescaled to run past the trained context.
@@ -69,7 +70,7 @@ def rope_frequencies(head_dim: int, scaling: RopeScaling = RopeScaling(),
   s = float(scaling.factor)
   if scaling.kind == "ntk":
     base = base * s ** (head_dim / (head_dim - 2))
-  theta = base ** (-np.arange(half, dtype=np.float64) / half)
+  theta = base ** (-np.arange(half, dtype=np.float32) / half)   # float32 as before scaling existed: same bits
   if scaling.kind == "linear":
     theta = theta / s
   mscale = 1.0
