@@ -1,6 +1,7 @@
 """Tests of the long-context options: T5 relative position bias, RoPE scaling, global tokens on
 top of the sliding window, Linformer attention, and all of them on a tensor=2 mesh. (Causality
-and cached decoding of each are in test_attention_options.py's model cases.)"""
+and cached decoding of each in the encoder-decoder are in test_attention_options.py's model
+cases; here the decoder-only model's.)"""
 
 import dataclasses
 import math
@@ -11,10 +12,12 @@ import numpy as np
 import pytest
 
 from jaxformer.config import ConfigError, config_from_dict
+from jaxformer.inference import cache as kv
 from jaxformer.layers.attention import MultiHeadAttention, dot_product_attention
 from jaxformer.layers.blockwise import blockwise_attention
 from jaxformer.layers.positions import RopeScaling, T5Bias, apply_rope, rope_frequencies, t5_buckets
 from jaxformer.layers.scores import attention_mask, position_mask
+from jaxformer.models.decoder_only import DecoderOnly
 from jaxformer.models.encoder_only import EncoderOnly
 from jaxformer.models.transformer import PAD_ID
 from test_layers import _normal, _random_params
@@ -95,6 +98,35 @@ def test_blockwise_equals_dense_with_t5_bias_and_global_tokens(case):
   for name, x_b, x_d in zip(("out", "dq", "dk", "dv", "dtable"), ours, reference):
     assert np.abs(np.asarray(x_d)).max() > 1e-2, name
     np.testing.assert_allclose(np.asarray(x_b), np.asarray(x_d), atol=2e-5, rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("options", [dict(position="t5", relative_buckets=6, relative_max_distance=8,
+                                           sliding_window=3, global_tokens=2),
+                                      dict(position="rope", rope_scaling="yarn", rope_scaling_factor=4.0,
+                                           attention="blockwise", attention_block_size=4)], ids=["t5-global", "yarn"])
+def test_decoder_only_cached_decoding_equals_full_forward(options):
+  """The decoder-only model (its stack's shared T5 table, or YaRN-scaled RoPE): a prefill of 5
+  tokens, then one token per step, gives the full forward's logits; the first 5 are causal."""
+  config = config_from_dict({"model": dict(kind="decoder_only", vocab_size=37, d_model=16, num_heads=4, d_ff=24,
+                                           num_decoder_layers=2, dropout_rate=0.0, max_length=16, **options),
+                             "data": {"max_length": 16}}).model
+  model = DecoderOnly(config)
+  tokens = jnp.asarray(np.random.default_rng(6).integers(4, 37, (B, 9)), jnp.int32)
+  params = _random_params(model, 7, tokens)["params"]
+
+  @jax.jit
+  def run(params, tokens):
+    full = model.apply({"params": params}, tokens)
+    first, cache = kv.prefill(model, params, kv.contiguous_cache(model, params, B, 5), tokens[:, :5])
+    steps = []
+    for i in range(5, 9):
+      logits, cache = kv.step(model, params, cache, tokens[:, i])
+      steps.append(logits)
+    return full, jnp.stack([first, *steps], axis=1), model.apply({"params": params}, tokens[:, :5])
+  full, cached, prefix = map(np.asarray, run(params, tokens))
+  np.testing.assert_allclose(cached, full[:, 4:], atol=1e-4, rtol=1e-5)   # a wrong slot or mask moves them by > 1e-2
+  np.testing.assert_allclose(prefix, full[:, :5], atol=2e-5, rtol=1e-5)
+  assert np.abs(full[:, 4:]).std() > 0.1
 
 
 # --- RoPE scaling ------------------------------------------------------------------------------
