@@ -91,8 +91,9 @@ class MultiHeadAttention(nn.Module):
   rows hold how many tokens. Self-attention writes the new tokens' keys/values (RoPE-rotated)
   at positions `cache_state.lengths[b]`, ... (a prefill writes several, a decode step one;
   padding tokens are not written) and attends to the row's cached keys under the causal /
-  sliding-window / global-token mask and position bias. Cross-attention (`kv`, the encoder output, given once at prefill,
-  None afterwards) stores the projected encoder keys/values and reuses them at every step.
+  sliding-window / global-token mask and position bias. Cross-attention (`kv`, the encoder
+  output, given once at prefill, None afterwards) stores the projected encoder keys/values and
+  reuses them at every step.
 
   Raises:
     ValueError: blockwise attention with dropout; decode without `cache_state`; a
@@ -129,8 +130,8 @@ class MultiHeadAttention(nn.Module):
                positions: jax.Array | None = None, dropout_rng: jax.Array | None = None,
                cache_state: kvc.CacheState | None = None, bias_table: jax.Array | None = None) -> jax.Array:
     if self.implementation == "linformer" and not self.is_cross and (self.causal or decode):
-      raise ConfigError("model.attention=linformer is for non-causal self-attention without a KV cache "
-                        "(encoder, encoder-only); use model.attention=dense or blockwise for causal or cached decoding")
+      raise ConfigError("model.attention=linformer is for non-causal self-attention without a KV cache (encoder, "
+                        "encoder-only); use model.attention=dense or blockwise for causal or cached decoding")
     if decode and (q_segment_ids is not None or kv_segment_ids is not None or positions is not None):
       raise ValueError("attention with decode=True takes no segment ids or positions: it uses the cache slots")
     if decode and cache_state is None:
@@ -185,6 +186,14 @@ class MultiHeadAttention(nn.Module):
         q, k = apply_rope(q, q_pos, scaling=self.rope_scaling), apply_rope(k, kv_pos, scaling=self.rope_scaling)
     k = checkpoint_name(sh.constrain(k, head_axes), remat.KEY)
     v = checkpoint_name(sh.constrain(v, head_axes), remat.VALUE)
+    if self.implementation == "blockwise":
+      if not deterministic and self.dropout_rate > 0.0:
+        raise ValueError("blockwise attention has no attention dropout; use dropout_rate=0 or dense attention")
+      return blockwise_attention(q, k, v, q_positions=q_pos, kv_positions=kv_pos, q_valid=q_valid,
+                                 kv_valid=kv_valid, causal=causal, sliding_window=window,
+                                 position_bias=bias, softcap=self.softcap, block_size=self.block_size,
+                                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                                 global_tokens=self.global_tokens)
     if deterministic or self.dropout_rate == 0.0:
       dropout_rng = None
     elif dropout_rng is None:
@@ -195,14 +204,6 @@ class MultiHeadAttention(nn.Module):
                           "examples apart; set data.packing=false")
       k, v = self._linformer_project(k, v, kv_valid)
       return dot_product_attention(q, k, v, None, dropout_rng, self.dropout_rate, softcap=self.softcap)
-    if self.implementation == "blockwise":
-      if not deterministic and self.dropout_rate > 0.0:
-        raise ValueError("blockwise attention has no attention dropout; use dropout_rate=0 or dense attention")
-      return blockwise_attention(q, k, v, q_positions=q_pos, kv_positions=kv_pos, q_valid=q_valid,
-                                 kv_valid=kv_valid, causal=causal, sliding_window=window,
-                                 position_bias=bias, softcap=self.softcap, block_size=self.block_size,
-                                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                                 global_tokens=self.global_tokens)
     mask = attention_mask(q_pos, kv_pos, q_valid, kv_valid, causal, window, q_segment_ids, kv_segment_ids,
                           self.global_tokens)
     bias = bias[0](bias[1], q_pos, kv_pos) if bias is not None else None
