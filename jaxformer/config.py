@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from jaxformer.model_options import ROPE_SCALINGS, validate_architecture, validate_with_data
 from jaxformer.policy import Policy, parse_policy
 from jaxformer.remat import POLICY_NAMES as REMAT_POLICIES
 from jaxformer.schema import ConfigError, apply_overrides, build, parse_override, to_plain
@@ -24,10 +25,11 @@ from jaxformer.tasks import TASKS
 
 # Valid names of the string-valued model options.
 CHOICES: dict[str, tuple[str, ...]] = {
-    "position": ("sinusoidal", "learned", "rope", "alibi", "none"),
+    "position": ("sinusoidal", "learned", "rope", "alibi", "t5", "none"),
     "norm": ("layernorm", "rmsnorm"),
     "ffn": ("relu", "gelu", "swiglu", "geglu"),
-    "attention": ("dense", "blockwise"),
+    "attention": ("dense", "blockwise", "linformer"),
+    "rope_scaling": ROPE_SCALINGS,
 }
 
 MODEL_KINDS = tuple(TASKS)   # the task registry's model kinds
@@ -57,13 +59,20 @@ class ModelConfig:
   dtype: str = dataclasses.field(default="float32", metadata={
       "set_by": "precision.policy", "example": "precision.policy=params=float32,compute=bfloat16,output=float32"})
   # Architecture options beyond the paper (the defaults are the paper's model).
-  position: str = "sinusoidal"  # sinusoidal | learned | rope | alibi | none
+  position: str = "sinusoidal"  # sinusoidal | learned | rope | alibi | t5 | none
+  relative_buckets: int = 32    # t5: buckets of the shared relative-position bias table
+  relative_max_distance: int = 128  # t5: distance (tokens) from which all keys share the last bucket
+  rope_scaling: str = "none"    # rope past the trained context: none | linear | ntk | yarn
+  rope_scaling_factor: float = 1.0  # rope_scaling: extended / trained context
+  rope_trained_length: int = 0  # yarn: the trained context, tokens; 0 = max_length / rope_scaling_factor
   norm: str = "layernorm"       # layernorm | rmsnorm
   ffn: str = "relu"             # relu | gelu | swiglu | geglu
   num_kv_heads: int = 0         # key/value heads (grouped-query); 0 = num_heads, 1 = multi-query
   attn_logit_softcap: float = 0.0  # c > 0: attention scores become c * tanh(score / c); 0 = off
   sliding_window: int = 0       # causal self-attention sees the last w tokens (itself included); 0 = all
-  attention: str = "dense"      # dense | blockwise (memory-linear exact attention)
+  global_tokens: int = 0        # with sliding_window: positions < N see every key and every query sees them
+  attention: str = "dense"      # dense | blockwise (memory-linear exact attention) | linformer (encoder)
+  linformer_k: int = 64         # linformer: keys/values projected along the sequence to this many rows
   attention_block_size: int = 128  # blockwise: keys/values per block, tokens
   remat: str = "none"           # per-block rematerialisation: none | full | save_dots | minimal (remat.py)
   scan_layers: bool = False     # nn.scan over each layer stack (shorter compile; params get a leading layers axis)
@@ -87,23 +96,7 @@ class ModelConfig:
     for name, valid in CHOICES.items():
       if getattr(self, name) not in valid:
         raise ConfigError(f"model.{name}={getattr(self, name)!r} is unknown; use one of {', '.join(valid)}")
-    if self.num_kv_heads < 0 or (self.num_kv_heads and self.num_heads % self.num_kv_heads):
-      raise ConfigError(
-          f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads}; "
-          f"use one of {[k for k in range(1, self.num_heads + 1) if self.num_heads % k == 0]} (or 0 = num_heads)")
-    for name in ("attn_logit_softcap", "sliding_window"):
-      if getattr(self, name) < 0:
-        raise ConfigError(f"model.{name} must be >= 0 (0 turns it off), got {getattr(self, name)}")
-    if self.attention_block_size <= 0:
-      raise ConfigError(f"model.attention_block_size must be positive, got {self.attention_block_size}")
-    if self.attention == "blockwise" and self.attention_dropout_rate > 0:
-      raise ConfigError("model.attention=blockwise does not support attention dropout; "
-                        "set model.attention_dropout_rate=0 or model.attention=dense")
-    if self.position == "rope" and self.head_dim % 2:
-      raise ConfigError(f"model.position=rope needs an even head_dim, got {self.head_dim}; "
-                        "change model.d_model or model.num_heads")
-    if self.position == "sinusoidal" and self.d_model % 2:
-      raise ConfigError(f"model.position=sinusoidal needs an even model.d_model, got {self.d_model}")
+    validate_architecture(self)
     if self.remat not in REMAT_POLICIES:
       raise ConfigError(f"model.remat={self.remat!r} is unknown; use one of {', '.join(REMAT_POLICIES)}")
 
@@ -397,6 +390,7 @@ class Config:
     if self.train.keep_best not in ("", *metrics):
       raise ConfigError(f"train.keep_best={self.train.keep_best!r} is not a validation metric of "
                         f"model.kind={self.model.kind}; use one of {', '.join(metrics)}, or empty")
+    validate_with_data(self.model, self.data)
     if self.data.max_length > self.model.max_length:
       raise ConfigError(
           f"data.max_length={self.data.max_length} exceeds model.max_length={self.model.max_length}; "

@@ -1,8 +1,7 @@
 """Tests of the architecture options: RoPE, ALiBi, grouped-query heads, soft-capping,
 sliding windows, blockwise attention, and every position scheme / option in the model
-(causality and cached decoding)."""
+(causality and cached decoding; the long-context options' own tests are in test_long_context.py)."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -144,7 +143,8 @@ def test_blockwise_equals_dense_forward_and_gradients(case):
   def blockwise(q, k, v):  # block 4: 13 and 11 keys leave a partly padded last block
     return blockwise_attention(q, k, v, q_positions=q_pos, kv_positions=kv_pos, q_valid=q_valid,
                                kv_valid=kv_valid, causal=causal, sliding_window=window,
-                               alibi_slopes=slopes, softcap=softcap, block_size=4)
+                               position_bias=None if slopes is None else (alibi_bias, slopes), softcap=softcap,
+                               block_size=4)
 
   @jax.jit
   def outputs_and_grads(q, k, v, d_out):
@@ -203,6 +203,16 @@ MODEL_CASES = {
     "alibi-blockwise": dict(position="alibi", attention="blockwise", num_kv_heads=2, pre_norm=True),
     "none-dense": dict(position="none", sliding_window=2, tie_embeddings=False),
     "none-blockwise": dict(position="none", attention="blockwise", norm="rmsnorm", attn_logit_softcap=3.0),
+    # T5 bias, RoPE scalings, global tokens and Linformer (the encoder's; the decoder stays dense).
+    "t5-dense": dict(position="t5", relative_buckets=6, relative_max_distance=8, sliding_window=3, global_tokens=1),
+    "t5-blockwise": dict(position="t5", attention="blockwise", relative_buckets=6, relative_max_distance=8,
+                         num_kv_heads=2),
+    "rope_linear-dense": dict(position="rope", rope_scaling="linear", rope_scaling_factor=2.0, sliding_window=2,
+                              global_tokens=2),
+    "rope_yarn-blockwise": dict(position="rope", attention="blockwise", rope_scaling="yarn", rope_scaling_factor=4.0,
+                                sliding_window=3, global_tokens=1),
+    "rope_ntk-linformer": dict(position="rope", attention="linformer", linformer_k=5, rope_scaling="ntk",
+                               rope_scaling_factor=2.0),
 }
 
 

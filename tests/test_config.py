@@ -47,7 +47,7 @@ def test_overrides_are_typed():
     ("train.steps_per_call=0", "train.steps_per_call must be >= 1, got 0"),
     ("mesh.data=0", "mesh.data must be a positive size or -1"),
     ("train.num_steps", "not of the form section.key=value"),
-    ("model.position=relative", "model.position='relative' is unknown; use one of sinusoidal, learned, rope, alibi, none"),
+    ("model.position=relative", "model.position='relative' is unknown; use one of sinusoidal, learned, rope, alibi, t5, none"),
     ("model.norm=batchnorm", "use one of layernorm, rmsnorm"),
     ("model.ffn=swish", "use one of relu, gelu, swiglu, geglu"),
     ("model.attention=flash", "use one of dense, blockwise"),

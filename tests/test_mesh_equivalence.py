@@ -43,9 +43,9 @@ def _batches():
   return out
 
 
-def _run(mesh_shape, dropout, rules=""):
+def _run(mesh_shape, dropout, rules="", overrides=()):
   # One layer per stack: every sharded weight and collective of a layer, at half the compile time.
-  config = _config(dropout, "model.num_encoder_layers=1", "model.num_decoder_layers=1")
+  config = _config(dropout, "model.num_encoder_layers=1", "model.num_decoder_layers=1", *overrides)
   devices = jax.devices()[:int(np.prod(mesh_shape))]
   with sh.axis_rules(sh.parse_rules(rules)):  # what `train` does with mesh.rules
     mesh = sh.make_mesh(MeshConfig(*mesh_shape), devices)

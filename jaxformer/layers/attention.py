@@ -1,6 +1,7 @@
 """Multi-head scaled dot-product attention (paper section 3.2) with masks and a KV cache,
-plus grouped-query heads, RoPE / ALiBi, score soft-capping, sliding windows and a
-memory-linear blockwise implementation.
+plus grouped-query heads, RoPE (with context-extension scaling) / ALiBi / T5 bias, score
+soft-capping, sliding windows with global tokens, a memory-linear blockwise implementation
+and Linformer's low-rank keys/values.
 
 Masks are boolean, True where a query may attend to a key, broadcastable to
 `[batch, num_heads, q_length, kv_length]`. Masked logits get a large finite negative
@@ -19,8 +20,9 @@ from jaxformer import sharding as sh
 from jaxformer.layers import kv_cache as kvc
 from jaxformer.layers.blockwise import blockwise_attention
 from jaxformer.layers.dropout import dropout
-from jaxformer.layers.positions import alibi_bias, alibi_slopes, apply_rope
+from jaxformer.layers.positions import RopeScaling, T5Bias, alibi_bias, alibi_slopes, apply_rope
 from jaxformer.layers.scores import attention_mask, attention_scores, repeat_kv
+from jaxformer.schema import ConfigError
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
@@ -78,16 +80,23 @@ class MultiHeadAttention(nn.Module):
   Call with `x` `[batch, q_len, d_model]`, `kv` `[batch, kv_len, d_model]` (None for
   self-attention) and bool padding validity `q_valid` `[batch, q_len]` / `kv_valid`
   `[batch, kv_len]` (None = all valid; self-attention uses `q_valid` for its keys too);
-  returns `[batch, q_len, d_model]`. `causal`, `sliding_window` and `position` (rope |
-  alibi; any other value adds nothing here) act in self-attention only: cross-attention
-  has no position bias.
+  returns `[batch, q_len, d_model]`. `causal`, `sliding_window`, `global_tokens` and
+  `position` (rope | alibi | t5; any other value adds nothing here) act in self-attention
+  only: cross-attention has no position bias. With `position="t5"` the call gets the stack's
+  learned table `bias_table` `[relative_buckets, num_heads]` (`positions.t5_table`); the
+  buckets are bidirectional unless `causal`.
+
+  `implementation="linformer"` (Wang et al. 2020, section 4) projects the keys and values
+  along the sequence with learned `[max_length, linformer_k]` matrices E and F (shared by
+  the heads) before attending, so scores are `[T, linformer_k]`: linear in the length.
+  Padded keys are zeroed before the projection, so padding changes nothing.
 
   Packed rows (several examples in one row) pass int `q_segment_ids` `[batch, q_len]` and,
   for cross-attention, `kv_segment_ids` `[batch, kv_len]`: 1, 2, ... for the examples of
   a row, 0 on padding; a query attends only to keys with its own segment id
   (self-attention uses `q_segment_ids` for its keys too). Self-attention `positions`,
-  int `[batch, q_len]` (restarting at 0 in each segment), drive RoPE, ALiBi and the
-  causal / sliding-window masks; None = token indices 0..q_len-1. When decoding the
+  int `[batch, q_len]` (restarting at 0 in each segment), drive RoPE, ALiBi, T5 and the
+  causal / sliding-window / global-token masks; None = token indices 0..q_len-1. When decoding the
   positions are the cache slots and neither argument may be given. `dropout_rng` is the
   key of the attention-weight dropout (None: drawn from the "dropout" stream). Dense attention
   without the cache sows its weights, float32 `[batch, num_heads, q_len, kv_len]`, as
@@ -98,12 +107,15 @@ class MultiHeadAttention(nn.Module):
   rows hold how many tokens. Self-attention writes the new tokens' keys/values (RoPE-rotated)
   at positions `cache_state.lengths[b]`, ... (a prefill writes several, a decode step one;
   padding tokens are not written) and attends to the row's cached keys under the causal /
-  sliding-window mask. Cross-attention (`kv`, the encoder output, given once at prefill,
-  None afterwards) stores the projected encoder keys/values and reuses them at every step.
+  sliding-window / global-token mask and position bias. Cross-attention (`kv`, the encoder
+  output, given once at prefill, None afterwards) stores the projected encoder keys/values and
+  reuses them at every step.
 
   Raises:
     ValueError: blockwise attention with dropout; decode without `cache_state`; a
-      cross-attention decode step before the prefill; decode with segment ids or positions.
+      cross-attention decode step before the prefill; decode with segment ids or positions;
+      position t5 without `bias_table`.
+    ConfigError: linformer attention that is causal, decodes with the cache, or gets segment ids.
   """
   num_heads: int
   head_dim: int
@@ -113,10 +125,16 @@ class MultiHeadAttention(nn.Module):
   num_kv_heads: int = 0      # grouped-query key/value heads; 0 = num_heads
   causal: bool = False
   sliding_window: int = 0    # tokens; 0 = unlimited
-  position: str = "none"     # rope | alibi act here; sinusoidal / learned / none are added outside
+  position: str = "none"     # rope | alibi | t5 act here; sinusoidal / learned / none are added outside
   softcap: float = 0.0       # attention score soft-cap c (c * tanh(s / c)); 0 = off
-  implementation: str = "dense"  # dense | blockwise
+  implementation: str = "dense"  # dense | blockwise | linformer
   block_size: int = 128      # blockwise: keys per block
+  global_tokens: int = 0     # with a sliding window: positions < G see and are seen by all
+  rope_scaling: RopeScaling = RopeScaling()  # rope: context-extension scaling
+  relative_buckets: int = 32       # t5: buckets of the bias table
+  relative_max_distance: int = 128  # t5: distance of the last bucket, tokens
+  linformer_k: int = 64      # linformer: projected key/value rows
+  max_length: int = 0        # linformer: longest sequence (rows of E and F)
 
   def _kernel(self, name: str, shape, axes, in_axis, out_axis):
     return self.param(name, sh.param_with_axes(_proj_init(in_axis, out_axis), axes), shape).astype(self.dtype)
@@ -126,7 +144,10 @@ class MultiHeadAttention(nn.Module):
                kv_valid: jax.Array | None = None, *, deterministic: bool, decode: bool = False,
                q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None, dropout_rng: jax.Array | None = None,
-               cache_state: kvc.CacheState | None = None) -> jax.Array:
+               cache_state: kvc.CacheState | None = None, bias_table: jax.Array | None = None) -> jax.Array:
+    if self.implementation == "linformer" and not self.is_cross and (self.causal or decode):
+      raise ConfigError("model.attention=linformer is for non-causal self-attention without a KV cache (encoder, "
+                        "encoder-only); use model.attention=dense or blockwise for causal or cached decoding")
     if decode and (q_segment_ids is not None or kv_segment_ids is not None or positions is not None):
       raise ValueError("attention with decode=True takes no segment ids or positions: it uses the cache slots")
     if decode and cache_state is None:
@@ -143,17 +164,27 @@ class MultiHeadAttention(nn.Module):
     x = x.astype(self.dtype)
     q = sh.constrain(_project(x, wq), head_axes)  # [B, T, N, H]
     q = checkpoint_name(q, remat.QUERY)  # tags for the named remat policies
-    slopes = jnp.asarray(alibi_slopes(n)) if self.position == "alibi" and not self.is_cross else None
+    bias = self._position_bias(bias_table)
     if decode:
-      out = self._cached(x, q, kv, q_valid, wk, wv, slopes, cache_state)
+      out = self._cached(x, q, kv, q_valid, wk, wv, bias, cache_state)
     else:
-      out = self._uncached(x, q, kv, q_valid, kv_valid, wk, wv, slopes, deterministic, q_segment_ids,
+      out = self._uncached(x, q, kv, q_valid, kv_valid, wk, wv, bias, deterministic, q_segment_ids,
                            kv_segment_ids, positions, dropout_rng)
     out = checkpoint_name(out, remat.ATTENTION_OUT)
     b, t = out.shape[:2]  # out: [B, T, N, H]
     return jnp.einsum("mnh,nhd->md", out.reshape(b * t, n, h), wo).reshape(b, t, d_model)
 
-  def _uncached(self, x, q, kv, q_valid, kv_valid, wk, wv, slopes, deterministic, q_segment_ids, kv_segment_ids,
+  def _position_bias(self, bias_table):
+    """The self-attention score bias as `positions.PositionBias`, or None."""
+    if self.is_cross or self.position not in ("alibi", "t5"):
+      return None
+    if self.position == "alibi":
+      return alibi_bias, jnp.asarray(alibi_slopes(self.num_heads))
+    if bias_table is None:
+      raise ValueError("attention with position=t5 needs the stack's bias_table (positions.t5_table)")
+    return T5Bias(self.relative_buckets, self.relative_max_distance, not self.causal), bias_table
+
+  def _uncached(self, x, q, kv, q_valid, kv_valid, wk, wv, bias, deterministic, q_segment_ids, kv_segment_ids,
                 positions, dropout_rng):
     head_axes = (sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_HEADS, sh.ACT_KV)
     q_pos = jnp.arange(x.shape[1])[None]                              # [1, T]
@@ -168,7 +199,7 @@ class MultiHeadAttention(nn.Module):
         q_pos = positions                                             # [B, T]
       kv_valid, kv_pos, kv_segment_ids = q_valid, q_pos, q_segment_ids
       if self.position == "rope":
-        q, k = apply_rope(q, q_pos), apply_rope(k, kv_pos)
+        q, k = apply_rope(q, q_pos, scaling=self.rope_scaling), apply_rope(k, kv_pos, scaling=self.rope_scaling)
     k = checkpoint_name(sh.constrain(k, head_axes), remat.KEY)
     v = checkpoint_name(sh.constrain(v, head_axes), remat.VALUE)
     if self.implementation == "blockwise":
@@ -176,23 +207,47 @@ class MultiHeadAttention(nn.Module):
         raise ValueError("blockwise attention has no attention dropout; use dropout_rate=0 or dense attention")
       return blockwise_attention(q, k, v, q_positions=q_pos, kv_positions=kv_pos, q_valid=q_valid,
                                  kv_valid=kv_valid, causal=causal, sliding_window=window,
-                                 alibi_slopes=slopes, softcap=self.softcap, block_size=self.block_size,
-                                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+                                 position_bias=bias, softcap=self.softcap, block_size=self.block_size,
+                                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                                 global_tokens=self.global_tokens)
     if deterministic or self.dropout_rate == 0.0:
       dropout_rng = None
     elif dropout_rng is None:
       dropout_rng = self.make_rng("dropout")
-    mask = attention_mask(q_pos, kv_pos, q_valid, kv_valid, causal, window, q_segment_ids, kv_segment_ids)
-    bias = alibi_bias(slopes, q_pos, kv_pos) if slopes is not None else None
+    if self.implementation == "linformer" and not self.is_cross:
+      if q_segment_ids is not None:
+        raise ConfigError("model.attention=linformer mixes all positions of a row, so it cannot keep packed "
+                          "examples apart; set data.packing=false")
+      k, v = self._linformer_project(k, v, kv_valid)
+      return dot_product_attention(q, k, v, None, dropout_rng, self.dropout_rate, softcap=self.softcap)
+    mask = attention_mask(q_pos, kv_pos, q_valid, kv_valid, causal, window, q_segment_ids, kv_segment_ids,
+                          self.global_tokens)
+    bias = bias[0](bias[1], q_pos, kv_pos) if bias is not None else None
     weights = attention_weights(q, k, mask, bias=bias, softcap=self.softcap)   # [B, N, T, S]
     # Kept only when the caller makes "intermediates" mutable (`inference.attention_maps`); else a no-op.
     self.sow("intermediates", "attention_weights", weights)
     return attend(weights, v, dropout_rng, self.dropout_rate)
 
+  def _linformer_project(self, k, v, kv_valid):
+    """Keys and values `[batch, S, K, H]` -> `[batch, linformer_k, K, H]`: E^T k and F^T v over
+    the first S rows of E, F `[max_length, linformer_k]` (Wang et al. 2020, eq. 7), padded keys zeroed."""
+    length = k.shape[1]
+    if length > self.max_length:
+      raise ValueError(f"linformer attention got {length} tokens; its projections cover "
+                       f"model.max_length={self.max_length}")
+    init = nn.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=0, out_axis=1)
+    shape = (self.max_length, self.linformer_k)
+    e, f = (self.param(name, sh.param_with_axes(init, (None, None)), shape).astype(self.dtype)[:length]
+            for name in ("key_projection", "value_projection"))
+    if kv_valid is not None:
+      keep = kv_valid[:, :, None, None].astype(k.dtype)
+      k, v = k * keep, v * keep
+    return jnp.einsum("bskh,sr->brkh", k, e), jnp.einsum("bskh,sr->brkh", v, f)       # [B, R, K, H]
+
   def _storage(self, name: str, shape, dtype):
     return self.variable("cache", name, jnp.zeros, shape, dtype)
 
-  def _cached(self, x, q, kv, q_valid, wk, wv, slopes, state: kvc.CacheState):
+  def _cached(self, x, q, kv, q_valid, wk, wv, bias, state: kvc.CacheState):
     """Attention through the KV cache (see the class docstring); dense over the cached keys."""
     batch, t = x.shape[:2]
     kh, h = wk.shape[1], wk.shape[2]
@@ -214,7 +269,7 @@ class MultiHeadAttention(nn.Module):
       return kvc.cached_attention(q, k_all, v_all, q_pos, state.source_lengths, causal=False, softcap=self.softcap)
     k, v = _project(x, wk), _project(x, wv)                             # [B, T, K, H]
     if self.position == "rope":
-      q, k = apply_rope(q, q_pos), apply_rope(k, q_pos)
+      q, k = apply_rope(q, q_pos, scaling=self.rope_scaling), apply_rope(k, q_pos, scaling=self.rope_scaling)
     valid = jnp.ones((batch, t), bool) if q_valid is None else q_valid
     shape = kvc.storage_shape(state, batch, state.capacity, kh, h)
     stored = []
@@ -224,4 +279,5 @@ class MultiHeadAttention(nn.Module):
       stored.append(kvc.read(store.value, state.page_table))
     kv_lengths = state.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)
     return kvc.cached_attention(q, *stored, q_pos, kv_lengths, causal=self.causal,
-                                sliding_window=self.sliding_window, alibi_slopes=slopes, softcap=self.softcap)
+                                sliding_window=self.sliding_window, global_tokens=self.global_tokens,
+                                position_bias=bias, softcap=self.softcap)

@@ -7,7 +7,8 @@ and grow linearly with the sequence length. The backward pass (a custom VJP) kee
 q, k, v, the output and the per-row max and sum, and recomputes each block's scores.
 
 Masks are given as padding validity, optional segment ids (packed examples) and causal /
-sliding-window flags on positions, and built per block; the result equals
+sliding-window / global-token flags on positions, and built per block, as is a position
+bias (ALiBi, T5) whose params get their gradient from the recomputing backward pass; the result equals
 `attention.dot_product_attention` with the same mask (fully masked rows included: they
 average all values).
 """
@@ -15,12 +16,12 @@ average all values).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxformer.layers.positions import alibi_bias
+from jaxformer.layers.positions import PositionBias
 from jaxformer.layers.scores import attention_mask, attention_scores, repeat_kv
 
 
@@ -29,15 +30,16 @@ class _Spec(NamedTuple):
   sliding_window: int
   softcap: float
   block_size: int
-  alibi: bool
+  bias_fn: Callable | None    # positions.PositionBias's function, or None
+  global_tokens: int
 
 
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array,
                         kv_positions: jax.Array, q_valid: jax.Array | None = None,
                         kv_valid: jax.Array | None = None, causal: bool = False, sliding_window: int = 0,
-                        alibi_slopes: jax.Array | None = None, softcap: float = 0.0,
+                        position_bias: PositionBias | None = None, softcap: float = 0.0,
                         block_size: int = 128, q_segment_ids: jax.Array | None = None,
-                        kv_segment_ids: jax.Array | None = None) -> jax.Array:
+                        kv_segment_ids: jax.Array | None = None, global_tokens: int = 0) -> jax.Array:
   """Exact softmax attention over key/value blocks, with a memory-linear gradient.
 
   Args:
@@ -45,8 +47,10 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions
     k, v: `[batch, S, num_kv_heads, head_dim]`; num_kv_heads divides num_heads.
     q_positions: int `[batch, T]`; kv_positions: int `[batch, S]` (batch may be 1).
     q_valid, kv_valid: bool `[batch, T]` / `[batch, S]` padding validity, or None (all valid).
-    causal, sliding_window, alibi_slopes, softcap: as in `scores.attention_mask`,
-      `positions.alibi_bias` and `scores.attention_scores`.
+    causal, sliding_window, global_tokens, softcap: as in `scores.position_mask` and
+      `scores.attention_scores`.
+    position_bias: (bias function, params) as in `positions.PositionBias`, or None; the
+      params get gradients.
     block_size: keys per block; S is padded up to a multiple (padded keys get weight 0).
     q_segment_ids, kv_segment_ids: int `[batch, T]` / `[batch, S]` packed-example ids, both
       or neither, as in `scores.attention_mask`.
@@ -59,7 +63,7 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions
   kv_len = k.shape[1]
   q_valid = jnp.ones((batch, length), bool) if q_valid is None else q_valid
   kv_valid = jnp.ones((batch, kv_len), bool) if kv_valid is None else kv_valid
-  slopes = jnp.zeros((q.shape[2],), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
+  bias_fn, bias_params = position_bias if position_bias is not None else (None, jnp.zeros((1,), jnp.float32))
   block = min(block_size, kv_len)
   pad = -kv_len % block
   if (q_segment_ids is None) != (kv_segment_ids is None):
@@ -72,26 +76,27 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions
   in_range = blocks(jnp.ones((1, kv_len), bool))                              # [nb, 1, block]
   kv_seg = None if kv_segment_ids is None else blocks(kv_segment_ids)         # [nb, B, block] or None
   kv_blocks = (blocks(k), blocks(v), blocks(kv_positions), blocks(kv_valid), in_range, kv_seg)
-  spec = _Spec(causal, sliding_window, float(softcap), block, alibi_slopes is not None)
-  return _flash(spec, q, kv_blocks, q_positions, q_valid, q_segment_ids, slopes)
+  spec = _Spec(causal, sliding_window, float(softcap), block, bias_fn, global_tokens)
+  return _flash(spec, q, kv_blocks, q_positions, q_valid, q_segment_ids, bias_params)
 
 
 def _block_scores(spec: _Spec, q, k_blk, kpos_blk, kvalid_blk, in_range, kseg_blk, q_pos, q_valid, q_seg,
-                  slopes):
+                  bias_params):
   """Masked scores float32 `[B, N, T, block]` of one key block; out-of-range keys get -inf."""
-  mask = attention_mask(q_pos, kpos_blk, q_valid, kvalid_blk, spec.causal, spec.sliding_window, q_seg, kseg_blk)
-  bias = alibi_bias(slopes, q_pos, kpos_blk) if spec.alibi else None
+  mask = attention_mask(q_pos, kpos_blk, q_valid, kvalid_blk, spec.causal, spec.sliding_window, q_seg, kseg_blk,
+                        spec.global_tokens)
+  bias = spec.bias_fn(bias_params, q_pos, kpos_blk) if spec.bias_fn is not None else None
   scores = attention_scores(q, k_blk, bias, mask, spec.softcap)
   return jnp.where(in_range[:, None, None, :], scores, -jnp.inf)
 
 
-def _forward(spec: _Spec, q, kv_blocks, q_pos, q_valid, q_seg, slopes):
+def _forward(spec: _Spec, q, kv_blocks, q_pos, q_valid, q_seg, bias_params):
   batch, length, heads, head_dim = q.shape
 
   def step(carry, blk):
     m, l, acc = carry                                    # [B, N, T], [B, N, T], [B, T, N, H]
     k_blk, v_blk, kpos, kvalid, in_range, kseg = blk
-    s = _block_scores(spec, q, k_blk, kpos, kvalid, in_range, kseg, q_pos, q_valid, q_seg, slopes)
+    s = _block_scores(spec, q, k_blk, kpos, kvalid, in_range, kseg, q_pos, q_valid, q_seg, bias_params)
     m_new = jnp.maximum(m, s.max(axis=-1))
     correction = jnp.exp(m - m_new)                      # 0 at the first block (m = -inf)
     p = jnp.exp(s - m_new[..., None])                    # [B, N, T, block]
@@ -111,38 +116,40 @@ def _forward(spec: _Spec, q, kv_blocks, q_pos, q_valid, q_seg, slopes):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(spec, q, kv_blocks, q_pos, q_valid, q_seg, slopes):
-  return _forward(spec, q, kv_blocks, q_pos, q_valid, q_seg, slopes)[0]
+def _flash(spec, q, kv_blocks, q_pos, q_valid, q_seg, bias_params):
+  return _forward(spec, q, kv_blocks, q_pos, q_valid, q_seg, bias_params)[0]
 
 
-def _flash_fwd(spec, q, kv_blocks, q_pos, q_valid, q_seg, slopes):
-  out, (m, l) = _forward(spec, q, kv_blocks, q_pos, q_valid, q_seg, slopes)
-  return out, (q, kv_blocks, q_pos, q_valid, q_seg, slopes, out, m, l)
+def _flash_fwd(spec, q, kv_blocks, q_pos, q_valid, q_seg, bias_params):
+  out, (m, l) = _forward(spec, q, kv_blocks, q_pos, q_valid, q_seg, bias_params)
+  return out, (q, kv_blocks, q_pos, q_valid, q_seg, bias_params, out, m, l)
 
 
 def _flash_bwd(spec, residuals, d_out):
   """Recomputes each block's probabilities p = exp(s - m) / l; dS = p * (dP - rowsum(dO * O))."""
-  q, kv_blocks, q_pos, q_valid, q_seg, slopes, out, m, l = residuals
+  q, kv_blocks, q_pos, q_valid, q_seg, bias_params, out, m, l = residuals
   heads = q.shape[2]
   d_out = d_out.astype(jnp.float32)
   delta = jnp.einsum("btnh,btnh->bnt", d_out, out.astype(jnp.float32))     # [B, N, T]
 
-  def step(dq, blk):
+  def step(carry, blk):
+    dq, dbias = carry
     k_blk, v_blk, kpos, kvalid, in_range, kseg = blk
     s, scores_vjp = jax.vjp(
-        lambda q_, k_: _block_scores(spec, q_, k_, kpos, kvalid, in_range, kseg, q_pos, q_valid, q_seg, slopes),
-        q, k_blk)
+        lambda q_, k_, b_: _block_scores(spec, q_, k_, kpos, kvalid, in_range, kseg, q_pos, q_valid, q_seg, b_),
+        q, k_blk, bias_params)
     p = jnp.exp(s - m[..., None]) / l[..., None]                            # [B, N, T, block]
     v_rep = repeat_kv(v_blk, heads)
     dv = jnp.einsum("bnts,btnh->bsnh", p, d_out)                            # [B, block, N, H]
     dp = jnp.einsum("btnh,bsnh->bnts", d_out, v_rep.astype(jnp.float32))
-    dq_blk, dk = scores_vjp(p * (dp - delta[..., None]))
+    dq_blk, dk, dbias_blk = scores_vjp(p * (dp - delta[..., None]))
     dv = dv.reshape(*v_blk.shape[:3], -1, v_blk.shape[-1]).sum(axis=3)      # sum query heads per kv head
-    return dq + dq_blk.astype(jnp.float32), (dk, dv.astype(v_blk.dtype))
+    return (dq + dq_blk.astype(jnp.float32), dbias + dbias_blk), (dk, dv.astype(v_blk.dtype))
 
-  dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q.shape, jnp.float32), kv_blocks)
+  init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros_like(bias_params))
+  (dq, dbias), (dk, dv) = jax.lax.scan(step, init, kv_blocks)
   zeros = [None] * 4  # positions, validity, in_range, segment ids: integer / bool inputs
-  return dq.astype(q.dtype), (dk, dv, *zeros), None, None, None, None
+  return dq.astype(q.dtype), (dk, dv, *zeros), None, None, None, dbias
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -20,8 +20,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxformer.layers.positions import alibi_bias
-from jaxformer.layers.scores import NEG
+from jaxformer.layers.positions import PositionBias
+from jaxformer.layers.scores import NEG, position_mask
 
 
 @flax.struct.dataclass
@@ -85,16 +85,17 @@ def read(storage: jax.Array, page_table: jax.Array | None) -> jax.Array:
 
 
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, kv_lengths: jax.Array, *,
-                     causal: bool, sliding_window: int = 0, alibi_slopes: jax.Array | None = None,
-                     softcap: float = 0.0) -> jax.Array:
+                     causal: bool, sliding_window: int = 0, global_tokens: int = 0,
+                     position_bias: PositionBias | None = None, softcap: float = 0.0) -> jax.Array:
   """Attention of new queries over a row's cached keys (paper eq. 1, softmax in float32).
 
   Args:
     q: `[batch, T, num_heads, head_dim]` queries at positions int `[batch, T]`.
     k, v: `[batch, num_kv_heads, S, head_dim]` from `read`: key s sits at position s.
     kv_lengths: int `[batch]` valid keys per row (positions 0..length-1, new ones included).
-    causal, sliding_window, alibi_slopes, softcap: as in `scores.attention_mask`,
-      `positions.alibi_bias` and `scores.attention_scores`.
+    causal, sliding_window, global_tokens: as in `scores.position_mask`.
+    position_bias: (bias function, its params) as in `positions.PositionBias` (ALiBi, T5), or None.
+    softcap: as in `scores.attention_scores`.
   Returns:
     `[batch, T, num_heads, head_dim]` in q's dtype. Grouped-query heads share their key head
     without copying it (query head j*G + g reads key head j).
@@ -107,14 +108,13 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
   if softcap > 0:
     scores = softcap * jnp.tanh(scores / softcap)
   kv_pos = jnp.arange(s)[None]                                                        # [1, S]
-  if alibi_slopes is not None:
-    scores = scores + alibi_bias(alibi_slopes, q_positions, kv_pos).reshape(-1, kh, g, t, s)
+  if position_bias is not None:
+    fn, params = position_bias
+    scores = scores + fn(params, q_positions, kv_pos).reshape(-1, kh, g, t, s)
   mask = kv_pos[:, None, :] < kv_lengths[:, None, None]                               # [B, 1, S]
-  offset = q_positions[:, :, None] - kv_pos[:, None, :]                               # [B, T, S]
-  if causal:
-    mask = mask & (offset >= 0)
-  if sliding_window:
-    mask = mask & (jnp.abs(offset) < sliding_window)
+  positional = position_mask(q_positions, kv_pos, causal, sliding_window, global_tokens)
+  if positional is not None:
+    mask = mask & positional
   scores = jnp.where(mask[:, None, None], scores, NEG)
   weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgts,bksh->btkgh", weights, v)

@@ -1,13 +1,16 @@
 """Position schemes beyond the paper's sinusoids: learned absolute embeddings (GPT/BERT),
-rotary embeddings (RoPE, Su et al. 2021) and linear attention biases (ALiBi, Press et al. 2022).
+rotary embeddings (RoPE, Su et al. 2021) with context-extension scalings, linear attention
+biases (ALiBi, Press et al. 2022) and T5's bucketed relative position bias (Raffel et al. 2020).
 
-Learned positions are added to the token embeddings; RoPE rotates queries and keys and
-ALiBi adds a bias to the attention scores, both inside self-attention only.
+Learned positions are added to the token embeddings; RoPE rotates queries and keys, and
+ALiBi and T5 add a bias to the attention scores, all inside self-attention only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Callable
 
 import flax.linen as nn
 import jax
@@ -31,24 +34,76 @@ class LearnedPositions(nn.Module):
     return jnp.take(table, positions, axis=0).astype(self.dtype)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Array:
+# A score bias and its params: (alibi_bias, slopes `[heads]`) or (a T5Bias, its table
+# `[num_buckets, heads]`). The function is static (hashable), the params are an array;
+# called as fn(params, q_positions `[batch, T]`, kv_positions `[batch, S]`) -> `[batch, heads, T, S]`.
+PositionBias = tuple[Callable[[jax.Array, jax.Array, jax.Array], jax.Array], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """How RoPE's frequencies are rescaled to run past the trained context.
+
+  Attributes:
+    kind: none | linear (position interpolation, Chen et al. 2023: positions / factor) | ntk
+      ("NTK-aware" base change, base * factor^(d/(d-2)), bloc97 2023) | yarn (Peng et al. 2023,
+      section 3.2: per-frequency interpolation ramp plus an attention temperature).
+    factor: s >= 1, the extended context over the trained one.
+    original_length: the trained context L, tokens (yarn's ramp); 0 = unused.
+  """
+  kind: str = "none"
+  factor: float = 1.0
+  original_length: int = 0
+
+
+# YaRN's ramp bounds (Peng et al. 2023, section 3.2: alpha = 1, beta = 32 for LLaMA), in
+# rotations of a frequency over the trained context.
+YARN_ALPHA, YARN_BETA = 1.0, 32.0
+
+
+def rope_frequencies(head_dim: int, scaling: RopeScaling = RopeScaling(),
+                     base: float = 10000.0) -> tuple[np.ndarray, float]:
+  """RoPE's angular frequencies theta_i = base^(-2i/head_dim), float32 `[head_dim/2]` (radians
+  per token), after `scaling`, and the factor q and k are each multiplied by (1 but for yarn,
+  whose sqrt(1/t) = 0.1 ln(s) + 1 sharpens the softmax, YaRN eq. 22)."""
+  half = head_dim // 2
+  s = float(scaling.factor)
+  if scaling.kind == "ntk":
+    base = base * s ** (head_dim / (head_dim - 2))
+  theta = base ** (-np.arange(half, dtype=np.float32) / half)   # float32 as before scaling existed: same bits
+  if scaling.kind == "linear":
+    theta = theta / s
+  mscale = 1.0
+  if scaling.kind == "yarn":
+    rotations = scaling.original_length * theta / (2 * np.pi)        # r(d) = L / wavelength
+    gamma = np.clip((rotations - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA), 0.0, 1.0)
+    theta = (1 - gamma) * theta / s + gamma * theta                # slow frequencies interpolate, fast keep
+    mscale = 0.1 * math.log(s) + 1.0
+  return theta.astype(np.float32), mscale
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, base: float = 10000.0,
+               scaling: RopeScaling = RopeScaling()) -> jax.Array:
   """Rotates each head vector by position-dependent angles (RoPE, Su et al. 2021, eq. 34).
 
-  Dimension pair (i, i + head_dim/2) is rotated by the angle positions * base^(-2i/head_dim),
-  so the score q(m) . k(n) depends on m - n only.
+  Dimension pair (i, i + head_dim/2) is rotated by the angle positions * theta_i
+  (`rope_frequencies`: base^(-2i/head_dim) unless `scaling` changes it), so the score
+  q(m) . k(n) depends on m - n only.
 
   Args:
     x: `[batch, length, heads, head_dim]` queries or keys; head_dim must be even.
     positions: int `[batch, length]` absolute token positions.
+    scaling: context-extension scaling of the frequencies (`RopeScaling`).
   Returns:
     `[batch, length, heads, head_dim]` in x's dtype (the rotation is computed in float32).
+  Raises:
+    ValueError: odd head_dim.
   """
-  half = x.shape[-1] // 2
   if x.shape[-1] % 2:
     raise ValueError(f"rope needs an even head_dim, got {x.shape[-1]}")
-  inv_freq = base ** (-np.arange(half, dtype=np.float32) / half)                    # [H/2]
+  inv_freq, mscale = rope_frequencies(x.shape[-1], scaling, base)                   # [H/2]
   angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq                # [B, T, 1, H/2]
-  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  cos, sin = jnp.cos(angles) * mscale, jnp.sin(angles) * mscale
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)                               # [B, T, N, H/2] each
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -80,3 +135,48 @@ def alibi_bias(slopes: jax.Array, q_positions: jax.Array, kv_positions: jax.Arra
   """
   distance = jnp.abs(q_positions[:, :, None] - kv_positions[:, None, :]).astype(jnp.float32)  # [B, T, S]
   return -slopes.astype(jnp.float32)[None, :, None, None] * distance[:, None]
+
+
+def t5_buckets(relative: jax.Array, bidirectional: bool, num_buckets: int, max_distance: int) -> jax.Array:
+  """T5's relative position buckets (Raffel et al. 2020, section 2.1), int32, shape of `relative`.
+
+  `relative` = key position - query position. Half the buckets (all when causal) hold exact
+  distances 0..n/2-1; the rest cover distances up to `max_distance` logarithmically, and
+  farther ones share the last bucket. Bidirectional: buckets [0, n/2) for keys at or before
+  the query, [n/2, n) for keys after it; causal: future keys fall in bucket 0 (masked anyway).
+  """
+  n = num_buckets
+  offset = jnp.zeros_like(relative)
+  if bidirectional:
+    n //= 2
+    offset = jnp.where(relative > 0, n, 0)
+    distance = jnp.abs(relative)
+  else:
+    distance = jnp.maximum(-relative, 0)
+  exact = n // 2
+  # log-spaced buckets from `exact` up to max_distance (distance >= exact here; 1 guards the log)
+  ratio = jnp.log(jnp.maximum(distance, 1).astype(jnp.float32) / exact) / math.log(max_distance / exact)
+  far = jnp.minimum(exact + (ratio * (n - exact)).astype(jnp.int32), n - 1)
+  return (offset + jnp.where(distance < exact, distance, far)).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class T5Bias:
+  """T5 bias settings: `num_buckets`, `max_distance` (tokens) and `bidirectional` (encoder) or causal."""
+  num_buckets: int = 32
+  max_distance: int = 128
+  bidirectional: bool = True
+
+  def __call__(self, table: jax.Array, q_positions: jax.Array, kv_positions: jax.Array) -> jax.Array:
+    """Score bias float32 `[batch, heads, T, S]` from the learned `table` `[num_buckets, heads]`
+    for int positions `[batch, T]` / `[batch, S]` (batch may be 1)."""
+    relative = kv_positions[:, None, :] - q_positions[:, :, None]                     # [B, T, S]
+    buckets = t5_buckets(relative, self.bidirectional, self.num_buckets, self.max_distance)
+    return jnp.moveaxis(jnp.take(table.astype(jnp.float32), buckets, axis=0), -1, 1)  # [B, N, T, S]
+
+
+def t5_table(module: nn.Module, name: str, num_buckets: int, num_heads: int) -> jax.Array:
+  """A stack's learned T5 bias table `[num_buckets, num_heads]` (float32, heads on the tensor
+  axis), a param `name` of `module`; every layer of the stack reads the same table."""
+  return module.param(name, sh.param_with_axes(nn.initializers.normal(0.02), (None, sh.HEADS)),
+                      (num_buckets, num_heads))

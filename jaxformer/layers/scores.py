@@ -13,18 +13,43 @@ import jax.numpy as jnp
 NEG = -1e9  # fits float32/bfloat16; scores are float32 when masked
 
 
+def position_mask(q_positions: jax.Array, kv_positions: jax.Array, causal: bool, sliding_window: int,
+                  global_tokens: int = 0) -> jax.Array | None:
+  """Causal / sliding-window mask on positions, bool `[batch, T, S]`, or None if unmasked.
+
+  Args:
+    q_positions: int `[batch, T]`; kv_positions: int `[batch, S]` (batch may be 1).
+    causal: a query sees keys at positions <= its own.
+    sliding_window: w > 0 limits each query to keys less than w positions away (with
+      `causal`, the w most recent tokens including itself); 0 = no limit.
+    global_tokens: G > 0 (with a window): positions < G are global (Longformer, Beltagy et al.
+      2020, section 3.1): they see every key and every query sees them; the causal mask still
+      applies on top.
+  """
+  if not (causal or sliding_window):
+    return None
+  mask = None
+  offset = q_positions[:, :, None] - kv_positions[:, None, :]                       # [B, T, S]
+  if sliding_window:
+    mask = jnp.abs(offset) < sliding_window
+    if global_tokens:
+      mask = mask | (q_positions[:, :, None] < global_tokens) | (kv_positions[:, None, :] < global_tokens)
+  if causal:
+    mask = offset >= 0 if mask is None else mask & (offset >= 0)
+  return mask
+
+
 def attention_mask(q_positions: jax.Array, kv_positions: jax.Array, q_valid: jax.Array | None,
                    kv_valid: jax.Array | None, causal: bool, sliding_window: int,
-                   q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None
-                   ) -> jax.Array | None:
-  """Padding, segment, causal and sliding-window mask, bool `[batch, 1, T, S]`, or None if unmasked.
+                   q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
+                   global_tokens: int = 0) -> jax.Array | None:
+  """Padding, segment, causal, sliding-window and global-token mask, bool `[batch, 1, T, S]`,
+  or None if unmasked.
 
   Args:
     q_positions: int `[batch, T]`; kv_positions: int `[batch, S]` (batch may be 1).
     q_valid, kv_valid: bool `[batch, T]` / `[batch, S]` padding validity, or None.
-    causal: a query sees keys at positions <= its own.
-    sliding_window: w > 0 limits each query to keys less than w positions away (with
-      `causal`, the w most recent tokens including itself); 0 = no limit.
+    causal, sliding_window, global_tokens: as in `position_mask`.
     q_segment_ids, kv_segment_ids: int `[batch, T]` / `[batch, S]` packed-example ids (1, 2,
       ... per example of a row, 0 on padding), both or neither: a query sees only keys of
       its own segment. None = one example per row.
@@ -43,12 +68,9 @@ def attention_mask(q_positions: jax.Array, kv_positions: jax.Array, q_valid: jax
     raise ValueError("attention_mask needs both q_segment_ids and kv_segment_ids, or neither")
   if q_segment_ids is not None:
     mask = conj(mask, q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
-  if causal or sliding_window:
-    offset = q_positions[:, None, :, None] - kv_positions[:, None, None, :]  # [B, 1, T, S]
-    if causal:
-      mask = conj(mask, offset >= 0)
-    if sliding_window:
-      mask = conj(mask, jnp.abs(offset) < sliding_window)
+  positional = position_mask(q_positions, kv_positions, causal, sliding_window, global_tokens)
+  if positional is not None:
+    mask = conj(mask, positional[:, None])
   return mask
 
 
@@ -59,7 +81,7 @@ def attention_scores(q: jax.Array, k: jax.Array, bias: jax.Array | None, mask: j
   Args:
     q: `[batch, T, num_heads, head_dim]`; k: `[batch, S, num_kv_heads, head_dim]`,
       num_kv_heads dividing num_heads (grouped-query: see `repeat_kv`).
-    bias: float, broadcastable to `[batch, num_heads, T, S]` (ALiBi), or None.
+    bias: float, broadcastable to `[batch, num_heads, T, S]` (ALiBi, T5), or None.
     mask: bool, broadcastable to `[batch, num_heads, T, S]`, or None.
     softcap: c > 0 maps content scores to c * tanh(score / c) (Gemma 2), so they lie in
       (-c, c); applied before the position bias. 0 = off.

@@ -2,8 +2,11 @@
 (post-LN, as in the paper) or norm -> sublayer -> dropout -> residual (pre-LN).
 
 The norm (`model.norm`), FFN (`model.ffn`) and attention options come from the config.
-RoPE / ALiBi act in self-attention only (cross-attention has no position bias); causal
-masking and the sliding window act in the decoder's self-attention only.
+RoPE / ALiBi / T5 act in self-attention only (cross-attention has no position bias); causal
+masking, the sliding window and its global tokens act in causal self-attention only;
+Linformer replaces non-causal self-attention only (the encoder's). With `model.position=t5`
+the blocks get their stack's bias table `[relative_buckets, num_heads]` as `bias_table`
+(one table per stack, shared by its layers); None otherwise.
 
 With `config.scan_layers` a block is the body of `nn.scan` and returns `(output, None)`
 (the scan carry and no per-layer output) instead of the output alone.
@@ -35,6 +38,7 @@ from jaxformer.layers.dropout import Dropout
 from jaxformer.layers.feed_forward import FeedForward
 from jaxformer.layers.kv_cache import CacheState
 from jaxformer.layers.norm import make_norm
+from jaxformer.layers.positions import RopeScaling
 
 BLOCK_AXES = (sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_EMBED)
 
@@ -60,13 +64,21 @@ def _site(rng: jax.Array | None, site: int) -> jax.Array | None:
 
 
 def _attention(config: ModelConfig, name: str, is_cross: bool = False, causal: bool = False):
+  implementation = config.attention
+  if implementation == "linformer" and (causal or is_cross):
+    implementation = "dense"   # Linformer is non-causal self-attention; the decoder stays dense
+  rope = RopeScaling(config.rope_scaling, config.rope_scaling_factor,
+                     config.rope_trained_length or round(config.max_length / config.rope_scaling_factor))
   return MultiHeadAttention(num_heads=config.num_heads, head_dim=config.head_dim,
                             dropout_rate=config.attention_dropout_rate, dtype=jnp.dtype(config.dtype),
                             is_cross=is_cross, num_kv_heads=config.kv_heads,
                             causal=causal, sliding_window=config.sliding_window if causal else 0,
                             position=config.position, softcap=config.attn_logit_softcap,
-                            implementation=config.attention, block_size=config.attention_block_size,
-                            name=name)
+                            implementation=implementation, block_size=config.attention_block_size,
+                            global_tokens=config.global_tokens, rope_scaling=rope,
+                            relative_buckets=config.relative_buckets,
+                            relative_max_distance=config.relative_max_distance,
+                            linformer_k=config.linformer_k, max_length=config.max_length, name=name)
 
 
 def _ffn(config: ModelConfig):
@@ -93,12 +105,14 @@ class EncoderBlock(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, valid: jax.Array | None, deterministic: bool, decode: bool = False,
                segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-               cache_state: CacheState | None = None, rng: jax.Array | None = None) -> jax.Array:
+               cache_state: CacheState | None = None, bias_table: jax.Array | None = None,
+               rng: jax.Array | None = None) -> jax.Array:
     attn = _attention(self.config, "self_attention", causal=self.causal)
     ffn = _ffn(self.config)
     x = Residual(self.config, name="attention_sublayer")(
         x, lambda h: attn(h, None, valid, deterministic=deterministic, decode=decode, q_segment_ids=segment_ids,
-                          positions=positions, dropout_rng=_site(rng, 0), cache_state=cache_state),
+                          positions=positions, dropout_rng=_site(rng, 0), cache_state=cache_state,
+                          bias_table=bias_table),
         deterministic, _site(rng, 1))
     x = Residual(self.config, name="ffn_sublayer")(x, ffn, deterministic, _site(rng, 2))
     return _block_output(self.config, x)
@@ -120,7 +134,7 @@ class DecoderBlock(nn.Module):
 
   @nn.compact
   def __call__(self, y, encoded, tgt_valid, src_valid, deterministic: bool, decode: bool = False,
-               tgt_segment_ids=None, src_segment_ids=None, positions=None, cache_state=None, rng=None):
+               tgt_segment_ids=None, src_segment_ids=None, positions=None, cache_state=None, bias_table=None, rng=None):
     cfg = self.config
     self_attn = _attention(cfg, "self_attention", causal=True)
     cross_attn = _attention(cfg, "cross_attention", is_cross=True)
@@ -128,7 +142,7 @@ class DecoderBlock(nn.Module):
     y = Residual(cfg, name="self_attention_sublayer")(
         y, lambda h: self_attn(h, None, tgt_valid, deterministic=deterministic, decode=decode,
                                q_segment_ids=tgt_segment_ids, positions=positions, dropout_rng=_site(rng, 0),
-                               cache_state=cache_state),
+                               cache_state=cache_state, bias_table=bias_table),
         deterministic, _site(rng, 1))
     y = Residual(cfg, name="cross_attention_sublayer")(
         y, lambda h: cross_attn(h, encoded, tgt_valid, src_valid, deterministic=deterministic, decode=decode,

@@ -26,8 +26,8 @@ from jaxformer.layers.norm import make_norm
 from jaxformer.layers.positions import LearnedPositions
 from jaxformer.models.blocks import BLOCK_AXES, EncoderBlock
 from jaxformer.models.layout import StackedInit, layer_rngs
-from jaxformer.models.transformer import (PAD_ID, advance, cache_positions, embed_tokens, layer_stack, output_logits,
-                                          resolve_positions, run_stack, untied_output_proj)
+from jaxformer.models.transformer import (PAD_ID, advance, bias_table, cache_positions, embed_tokens, layer_stack,
+                                          output_logits, resolve_positions, run_stack, untied_output_proj)
 
 
 class SelfAttentionStack(StackedInit, nn.Module):
@@ -52,6 +52,7 @@ class SelfAttentionStack(StackedInit, nn.Module):
     ((name, depth),) = self.STACKS
     self.num_layers = getattr(cfg, depth)
     self.stack = layer_stack(EncoderBlock, cfg, self.num_layers, name, causal=self.CAUSAL)
+    self.bias_table = bias_table(self, cfg, "relative_bias")
     if cfg.pre_norm:  # pre-LN leaves the residual stream unnormalized: close the stack with a norm
       self.final_norm = make_norm(cfg.norm, dtype)
     self.dropout = Dropout(cfg.dropout_rate)
@@ -70,6 +71,7 @@ class SelfAttentionStack(StackedInit, nn.Module):
     x = embed_tokens(self.config, self.embed, tokens, positions, getattr(self, "positions", None))
     x = sh.constrain(self.dropout(x, deterministic=deterministic), BLOCK_AXES)
     x = run_stack(self.stack, x, valid, deterministic, decode, segment_ids, attn_positions, cache_state,
+                  self.bias_table,
                   rngs=layer_rngs(self, self.num_layers, deterministic))
     if self.config.pre_norm:
       x = self.final_norm(x)

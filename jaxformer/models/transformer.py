@@ -29,7 +29,7 @@ from jaxformer.layers.dropout import Dropout
 from jaxformer.layers.embedding import Embed, sinusoidal_positions
 from jaxformer.layers.kv_cache import CacheState
 from jaxformer.layers.norm import make_norm
-from jaxformer.layers.positions import LearnedPositions
+from jaxformer.layers.positions import LearnedPositions, t5_table
 from jaxformer.models.blocks import BLOCK_AXES, DecoderBlock, EncoderBlock
 from jaxformer.models.layout import StackedInit, layer_rngs
 from jaxformer.remat import remat_block
@@ -122,6 +122,14 @@ def cache_positions(state: CacheState, tokens: jax.Array) -> jax.Array:
   return state.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
 
 
+def bias_table(module: nn.Module, config: ModelConfig, name: str) -> jax.Array | None:
+  """A stack's T5 bias table `[relative_buckets, num_heads]`, the param `name` of `module`,
+  shared by the stack's layers (`model.position=t5`); None for other position schemes."""
+  if config.position != "t5":
+    return None
+  return t5_table(module, name, config.relative_buckets, config.num_heads)
+
+
 def embed_tokens(config: ModelConfig, embed: Embed, tokens: jax.Array, positions: jax.Array,
                  learned: LearnedPositions | None = None) -> jax.Array:
   """Token embeddings plus absolute positions, `[batch, length, d_model]`.
@@ -180,6 +188,8 @@ class EncoderDecoder(StackedInit, nn.Module):
       self.output_proj = untied_output_proj(self, cfg)
     self.encoder_stack = layer_stack(EncoderBlock, cfg, cfg.num_encoder_layers, "encoder")
     self.decoder_stack = layer_stack(DecoderBlock, cfg, cfg.num_decoder_layers, "decoder")
+    self.encoder_bias = bias_table(self, cfg, "encoder_relative_bias")
+    self.decoder_bias = bias_table(self, cfg, "decoder_relative_bias")
     if cfg.pre_norm:  # pre-LN leaves the residual stream unnormalized: close each stack with a norm
       self.encoder_norm = make_norm(cfg.norm, dtype)
       self.decoder_norm = make_norm(cfg.norm, dtype)
@@ -207,6 +217,7 @@ class EncoderDecoder(StackedInit, nn.Module):
     x = self._embed(self.source_embed, inputs, positions, deterministic, getattr(self, "source_positions", None))
     # decode=False is passed positionally: remat needs every static arg.
     x = run_stack(self.encoder_stack, x, valid, deterministic, False, segment_ids, attn_positions, None,
+                  self.encoder_bias,
                   rngs=layer_rngs(self, self.config.num_encoder_layers, deterministic))
     return self.encoder_norm(x) if self.config.pre_norm else x
 
@@ -246,7 +257,7 @@ class EncoderDecoder(StackedInit, nn.Module):
     y = self._embed(self.target_embed, decoder_inputs, positions, deterministic,
                     getattr(self, "target_positions", None))
     y = run_stack(self.decoder_stack, y, encoded, tgt_valid, src_valid, deterministic, decode,
-                  segment_ids, inputs_segment_ids, attn_positions, cache_state,
+                  segment_ids, inputs_segment_ids, attn_positions, cache_state, self.decoder_bias,
                   rngs=layer_rngs(self, self.config.num_decoder_layers, deterministic))
     if self.config.pre_norm:
       y = self.decoder_norm(y)

@@ -13,6 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from jaxformer import data as D
+from jaxformer.config import ConfigError
 from jaxformer.models.decoder_only import DecoderOnly
 from jaxformer.models.transformer import PAD_ID
 from jaxformer.tasks.base import EvalOptions, Task, apply_model
@@ -32,6 +33,11 @@ class CausalLM(Task):
   generates = True
   default_split = "val"
   shift = True
+
+  def validate(self) -> None:
+    if self.config.model.attention == "linformer" and self.make_model().CAUSAL:   # (the masked LM is not)
+      raise ConfigError("model.attention=linformer is non-causal (keys are mixed along the sequence); use it with "
+                        "model.kind=encoder_only or encoder_decoder (its encoder), or model.attention=dense|blockwise")
 
   def make_model(self) -> DecoderOnly:
     return DecoderOnly(self.config.model)

@@ -1,0 +1,77 @@
+"""Validation of the model's architecture options (`model.*` beyond the shape): attention kind
+and position scheme, and the options that only make sense together. `ModelConfig.validate`
+calls `validate_architecture`; `Config.validate` calls `validate_with_data` for the checks that
+need the data section. Every error is one line naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from jaxformer.schema import ConfigError
+
+ROPE_SCALINGS = ("none", "linear", "ntk", "yarn")   # values of model.rope_scaling (layers.positions.RopeScaling)
+
+
+def validate_architecture(m: Any) -> None:
+  """Checks a `ModelConfig`'s attention / position options. Raises `ConfigError`."""
+  if m.num_kv_heads < 0 or (m.num_kv_heads and m.num_heads % m.num_kv_heads):
+    raise ConfigError(
+        f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads}; "
+        f"use one of {[k for k in range(1, m.num_heads + 1) if m.num_heads % k == 0]} (or 0 = num_heads)")
+  for name in ("attn_logit_softcap", "sliding_window", "global_tokens", "rope_trained_length"):
+    if getattr(m, name) < 0:
+      raise ConfigError(f"model.{name} must be >= 0 (0 turns it off), got {getattr(m, name)}")
+  if m.attention_block_size <= 0:
+    raise ConfigError(f"model.attention_block_size must be positive, got {m.attention_block_size}")
+  if m.attention == "blockwise" and m.attention_dropout_rate > 0:
+    raise ConfigError("model.attention=blockwise does not support attention dropout; "
+                      "set model.attention_dropout_rate=0 or model.attention=dense")
+  if m.position == "rope" and m.head_dim % 2:
+    raise ConfigError(f"model.position=rope needs an even head_dim, got {m.head_dim}; "
+                      "change model.d_model or model.num_heads")
+  if m.position == "sinusoidal" and m.d_model % 2:
+    raise ConfigError(f"model.position=sinusoidal needs an even model.d_model, got {m.d_model}")
+  _validate_rope_scaling(m)
+  _validate_t5(m)
+  _validate_linformer(m)
+  if m.global_tokens and not m.sliding_window:
+    raise ConfigError(f"model.global_tokens={m.global_tokens} acts on top of a sliding window; "
+                      "set model.sliding_window too, or model.global_tokens=0")
+
+
+def _validate_rope_scaling(m: Any) -> None:
+  if m.rope_scaling != "none" and m.position != "rope":
+    raise ConfigError(f"model.rope_scaling={m.rope_scaling} rescales RoPE frequencies; "
+                      "it needs model.position=rope (or model.rope_scaling=none)")
+  if not 1.0 <= m.rope_scaling_factor < math.inf:   # written so that NaN fails too
+    raise ConfigError(f"model.rope_scaling_factor must be a finite number >= 1 (extended / trained context), "
+                      f"got {m.rope_scaling_factor}")
+
+
+def _validate_t5(m: Any) -> None:
+  if m.relative_buckets < 4 or m.relative_buckets % 2:
+    raise ConfigError(f"model.relative_buckets must be an even number >= 4 (half per direction in the encoder), "
+                      f"got {m.relative_buckets}")
+  if m.relative_max_distance <= m.relative_buckets // 2:
+    raise ConfigError(f"model.relative_max_distance={m.relative_max_distance} must exceed half of "
+                      f"model.relative_buckets={m.relative_buckets} (the exact buckets); e.g. 128")
+
+
+def _validate_linformer(m: Any) -> None:
+  # The decoder-only model has no non-causal attention for it: `tasks.causal_lm` rejects it.
+  if m.linformer_k < 1:
+    raise ConfigError(f"model.linformer_k must be >= 1, got {m.linformer_k}")
+  if m.attention != "linformer":
+    return
+  if m.position in ("alibi", "t5"):
+    raise ConfigError(f"model.position={m.position} biases scores by token distance, which Linformer's projected "
+                      "keys no longer have; use model.position=sinusoidal, learned or rope")
+
+
+def validate_with_data(model: Any, data: Any) -> None:
+  """Checks the model options against the `DataConfig`. Raises `ConfigError`."""
+  if model.attention == "linformer" and data.packing:
+    raise ConfigError("model.attention=linformer mixes all positions of a row, so it cannot keep packed examples "
+                      "apart; set data.packing=false")
