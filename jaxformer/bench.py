@@ -222,19 +222,20 @@ def prepare_step(config: Config, options: BenchOptions) -> PreparedStep:
   mesh = build_mesh(config)
   model = EncoderDecoder(config.model)
   tx = make_optimizer(config.optim, config.model.d_model)
-  abstract, shardings = state_shardings(model, tx, mesh)
+  rules = sh.rules_for(config.mesh)
+  abstract, shardings = state_shardings(model, tx, mesh, rules)
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
   k = config.train.steps_per_call
   lead = (k,) if k > 1 else ()
   batch = {name: jax.ShapeDtypeStruct(lead + (options.batch_size, length), jnp.int32,
-                                      sharding=sh.batch_sharding(mesh, stacked=k > 1))
+                                      sharding=sh.batch_sharding(mesh, stacked=k > 1, rules=rules))
            for name, length in (("inputs", options.src_length), ("targets", options.tgt_length))}
   train_step = make_train_call(model, tx, config, mesh, shardings)
   start = time.perf_counter()
-  with jax.set_mesh(mesh), sh.axis_rules():
+  with sh.bind(mesh, rules):
     lowered = train_step.jitted.lower(abstract, batch, jax.random.key(config.runtime.seed))
   lower_time = time.perf_counter() - start
-  return PreparedStep(config, mesh, lambda: create_state(model, tx, mesh, config.runtime.seed, shardings),
+  return PreparedStep(config, mesh, lambda: create_state(model, tx, mesh, config.runtime.seed, shardings, rules=rules),
                       lowered, lower_time)
 
 
@@ -264,7 +265,7 @@ def run_bench(config: Config, options: BenchOptions) -> dict[str, Any]:
                                config.model.vocab_size, config.runtime.seed)
   k = config.train.steps_per_call
   call_batch = {name: np.stack([a] * k) for name, a in host_batch.items()} if k > 1 else host_batch
-  trainer = _JaxTrainer(compiled, prepared.create_state(), global_batch(call_batch, mesh),
+  trainer = _JaxTrainer(compiled, prepared.create_state(), global_batch(call_batch, mesh, sh.rules_for(config.mesh)),
                         jax.random.key(config.runtime.seed))
   peer = _make_peer(config, host_batch) if options.peer else None
   warmup_calls, calls = -(-options.warmup // k), -(-options.steps // k)

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from jaxformer.mesh_config import MeshConfig
 from jaxformer.policy import Policy, parse_policy
 from jaxformer.remat import POLICY_NAMES as REMAT_POLICIES
 from jaxformer.schema import ConfigError, apply_overrides, build, parse_override, to_plain
@@ -27,7 +28,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "position": ("sinusoidal", "learned", "rope", "alibi", "none"),
     "norm": ("layernorm", "rmsnorm"),
     "ffn": ("relu", "gelu", "swiglu", "geglu"),
-    "attention": ("dense", "blockwise"),
+    "attention": ("dense", "blockwise", "fused"),
 }
 
 MODEL_KINDS = tuple(TASKS)   # the task registry's model kinds
@@ -63,7 +64,7 @@ class ModelConfig:
   num_kv_heads: int = 0         # key/value heads (grouped-query); 0 = num_heads, 1 = multi-query
   attn_logit_softcap: float = 0.0  # c > 0: attention scores become c * tanh(score / c); 0 = off
   sliding_window: int = 0       # causal self-attention sees the last w tokens (itself included); 0 = all
-  attention: str = "dense"      # dense | blockwise (memory-linear exact attention)
+  attention: str = "dense"      # dense | blockwise (memory-linear exact attention) | fused (jax.nn.dot_product_attention)
   attention_block_size: int = 128  # blockwise: keys/values per block, tokens
   remat: str = "none"           # per-block rematerialisation: none | full | save_dots | minimal (remat.py)
   scan_layers: bool = False     # nn.scan over each layer stack (shorter compile; params get a leading layers axis)
@@ -96,9 +97,12 @@ class ModelConfig:
         raise ConfigError(f"model.{name} must be >= 0 (0 turns it off), got {getattr(self, name)}")
     if self.attention_block_size <= 0:
       raise ConfigError(f"model.attention_block_size must be positive, got {self.attention_block_size}")
-    if self.attention == "blockwise" and self.attention_dropout_rate > 0:
-      raise ConfigError("model.attention=blockwise does not support attention dropout; "
+    if self.attention in ("blockwise", "fused") and self.attention_dropout_rate > 0:
+      raise ConfigError(f"model.attention={self.attention} does not support attention dropout; "
                         "set model.attention_dropout_rate=0 or model.attention=dense")
+    if self.attention == "fused" and self.attn_logit_softcap > 0:
+      raise ConfigError("model.attention=fused has no score soft-cap; set model.attn_logit_softcap=0 "
+                        "or model.attention=dense")
     if self.position == "rope" and self.head_dim % 2:
       raise ConfigError(f"model.position=rope needs an even head_dim, got {self.head_dim}; "
                         "change model.d_model or model.num_heads")
@@ -115,23 +119,6 @@ class ModelConfig:
   def kv_heads(self) -> int:
     """Key/value heads: `num_kv_heads`, or `num_heads` when it is 0."""
     return self.num_kv_heads or self.num_heads
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-  """Device mesh sizes; one of them may be -1 (use the remaining devices)."""
-  data: int = -1                # devices on the data axis (batch only); -1 = the rest
-  fsdp: int = 1                 # devices on the fsdp axis (batch and every parameter, ZeRO-3)
-  tensor: int = 1               # devices on the tensor axis (heads, d_ff, vocabulary)
-  rules: str = ""               # overrides of sharding.LOGICAL_RULES, e.g. "embed=none,act_batch=data"
-
-  def validate(self) -> None:
-    sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
-    if list(sizes.values()).count(-1) > 1:
-      raise ConfigError("at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
-    for name, size in sizes.items():
-      if size == 0 or size < -1:
-        raise ConfigError(f"mesh.{name} must be a positive size or -1, got {size}")
 
 
 @dataclasses.dataclass(frozen=True)

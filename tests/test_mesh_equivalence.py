@@ -1,6 +1,7 @@
 """Sharding changes nothing but placement: the same training on every mesh, golden specs,
 and shards that really are 1/N of each array."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -47,14 +48,14 @@ def _run(mesh_shape, dropout, rules=""):
   # One layer per stack: every sharded weight and collective of a layer, at half the compile time.
   config = _config(dropout, "model.num_encoder_layers=1", "model.num_decoder_layers=1")
   devices = jax.devices()[:int(np.prod(mesh_shape))]
-  with sh.axis_rules(sh.parse_rules(rules)):  # what `train` does with mesh.rules
-    mesh = sh.make_mesh(MeshConfig(*mesh_shape), devices)
-    model = EncoderDecoder(config.model)
-    tx = make_optimizer(config.optim, config.model.d_model)
-    abstract, logical = abstract_state(model, tx)
-    shardings = sh.logical_to_sharding(logical, mesh)
-    state = create_state(model, tx, mesh, 0, shardings)
-    step = make_train_step(model, tx, config, mesh, shardings)
+  config = dataclasses.replace(config, mesh=MeshConfig(*mesh_shape, rules=rules))
+  mesh = sh.make_mesh(config.mesh, devices)
+  model = EncoderDecoder(config.model)
+  tx = make_optimizer(config.optim, config.model.d_model)
+  abstract, logical = abstract_state(model, tx)
+  shardings = sh.logical_to_sharding(logical, mesh, sh.rules_for(config.mesh))
+  state = create_state(model, tx, mesh, 0, shardings, rules=sh.rules_for(config.mesh))
+  step = make_train_step(model, tx, config, mesh, shardings)
   losses = []
   for batch in _batches():
     state, metrics = step(state, batch, jax.random.key(7))

@@ -1,6 +1,6 @@
 """Multi-head scaled dot-product attention (paper section 3.2) with masks and a KV cache,
-plus grouped-query heads, RoPE / ALiBi, score soft-capping, sliding windows and a
-memory-linear blockwise implementation.
+plus grouped-query heads, RoPE / ALiBi, score soft-capping, sliding windows, a
+memory-linear blockwise implementation and a fused one (`jax.nn.dot_product_attention`).
 
 Masks are boolean, True where a query may attend to a key, broadcastable to
 `[batch, num_heads, q_length, kv_length]`. Masked logits get a large finite negative
@@ -41,6 +41,23 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
   if dropout_rng is not None and dropout_rate > 0.0:
     weights = dropout(weights, dropout_rate, dropout_rng)  # rows (b, n, t), columns s
   return jnp.einsum("bnts,bsnh->btnh", weights.astype(v.dtype), repeat_kv(v, q.shape[2]))
+
+
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, *,
+                    bias: jax.Array | None = None, is_causal: bool = False) -> jax.Array:
+  """`dot_product_attention` (no dropout, no soft-cap) through `jax.nn.dot_product_attention`.
+
+  On a GPU with bfloat16/float16 inputs it asks for cuDNN's fused flash attention
+  (`implementation="cudnn"`: JAX's default, None, still means XLA); elsewhere (CPU, TPU,
+  float32) JAX's XLA implementation, which keeps the logits and softmax in float32 and gives
+  masked logits a large finite negative value, as ours does. Grouped-query heads go in as they
+  are. Shapes as `dot_product_attention`; `bias` float broadcastable to
+  `[batch, num_heads, q_len, kv_len]`; `is_causal` may be set only when the mask already holds the
+  causal mask by token index (it lets cuDNN skip the masked blocks).
+  """
+  cudnn = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+  return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, is_causal=is_causal,
+                                      implementation="cudnn" if cudnn else None)
 
 
 def _project(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -86,7 +103,7 @@ class MultiHeadAttention(nn.Module):
   None afterwards) stores the projected encoder keys/values and reuses them at every step.
 
   Raises:
-    ValueError: blockwise attention with dropout; decode without `cache_state`; a
+    ValueError: blockwise or fused attention with dropout, fused with a soft-cap; decode without `cache_state`; a
       cross-attention decode step before the prefill; decode with segment ids or positions.
   """
   num_heads: int
@@ -99,7 +116,7 @@ class MultiHeadAttention(nn.Module):
   sliding_window: int = 0    # tokens; 0 = unlimited
   position: str = "none"     # rope | alibi act here; sinusoidal / learned / none are added outside
   softcap: float = 0.0       # attention score soft-cap c (c * tanh(s / c)); 0 = off
-  implementation: str = "dense"  # dense | blockwise
+  implementation: str = "dense"  # dense | blockwise | fused
   block_size: int = 128      # blockwise: keys per block
 
   def _kernel(self, name: str, shape, axes, in_axis, out_axis):
@@ -162,6 +179,12 @@ class MultiHeadAttention(nn.Module):
                                  kv_valid=kv_valid, causal=causal, sliding_window=window,
                                  alibi_slopes=slopes, softcap=self.softcap, block_size=self.block_size,
                                  q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    if self.implementation == "fused":
+      if (not deterministic and self.dropout_rate > 0.0) or self.softcap:
+        raise ValueError("fused attention has no attention dropout or soft-cap; use dense attention for them")
+      mask = attention_mask(q_pos, kv_pos, q_valid, kv_valid, causal, window, q_segment_ids, kv_segment_ids)
+      bias = alibi_bias(slopes, q_pos, kv_pos) if slopes is not None else None
+      return fused_attention(q, k, v, mask, bias=bias, is_causal=causal and positions is None)
     if deterministic or self.dropout_rate == 0.0:
       dropout_rng = None
     elif dropout_rng is None:
