@@ -61,7 +61,7 @@ def topology_devices(name: str) -> list[Any]:
   Raises:
     ConfigError: libtpu is not installed or does not know `name` (one line).
   """
-  from jax.experimental import topologies  # noqa: PLC0415  (optional path)
+  from jax.experimental import topologies  # here: the optional path
   try:
     return list(topologies.get_topology_desc(name, "tpu").devices)
   except Exception as e:  # noqa: BLE001  (libtpu missing, or an unknown name: one line either way)
@@ -90,8 +90,9 @@ def compile_train_step(config: Config, devices: list[Any] | None = None, hbm_byt
   Returns a JSON-safe dict: `devices`, `platform`, `mesh` (axis -> size), `params` (count),
   `batch_size`, `length`, bytes per device `argument_bytes`, `output_bytes`, `alias_bytes`,
   `temp_bytes`, `generated_code_bytes`, `total_bytes_per_device` (= argument + output - alias
-  + temp), `compile_seconds` (trace, lower and XLA compile; `lower_seconds` of it the first
-  two) and, with `hbm_bytes`, `hbm_bytes` and `fits` (total <= hbm).
+  + temp), `compile_seconds` (wall time to trace, lower and XLA-compile; `lower_seconds` of
+  it the first two), `compile_cpu_seconds` (this process's CPU time for the same, a steadier
+  figure on a shared machine) and, with `hbm_bytes`, `hbm_bytes` and `fits` (total <= hbm).
 
   Raises:
     ConfigError: the mesh does not fit the devices or a dimension does not divide over it
@@ -106,12 +107,12 @@ def compile_train_step(config: Config, devices: list[Any] | None = None, hbm_byt
   key = jax.eval_shape(lambda: jax.random.key(0))
   rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sh.replicated(mesh))
   step = make_train_call(model, tx, config, mesh, shardings)
-  start = time.perf_counter()
+  start, cpu_start = time.perf_counter(), time.process_time()
   with sh.bind(mesh, rules):
     lowered = step.jitted.lower(state, abstract_batch(config, mesh, rules), rng)
   lowered_at = time.perf_counter()
   compiled = lowered.compile()
-  done = time.perf_counter()
+  done, cpu_done = time.perf_counter(), time.process_time()
   memory = compiled.memory_analysis()
   parts = {"argument_bytes": memory.argument_size_in_bytes, "output_bytes": memory.output_size_in_bytes,
            "alias_bytes": memory.alias_size_in_bytes, "temp_bytes": memory.temp_size_in_bytes}
@@ -124,6 +125,7 @@ def compile_train_step(config: Config, devices: list[Any] | None = None, hbm_byt
       "compute_dtype": config.model.dtype, **{k: int(v) for k, v in parts.items()},
       "generated_code_bytes": int(memory.generated_code_size_in_bytes), "total_bytes_per_device": int(total),
       "lower_seconds": round(lowered_at - start, 2), "compile_seconds": round(done - start, 2),
+      "compile_cpu_seconds": round(cpu_done - cpu_start, 2),
   }
   if hbm_bytes is not None:
     result.update(hbm_bytes=hbm_bytes, fits=total <= hbm_bytes)
@@ -137,10 +139,10 @@ def _gib(n: int) -> str:
 def format_report(result: dict[str, Any]) -> str:
   """A short human-readable summary of a `compile_train_step` result."""
   mesh = " ".join(f"{k}={v}" for k, v in result["mesh"].items() if v > 1) or "single device"
-  lines = [f"{result['config']}: {result['params']:,} parameters, batch {result['batch_size']} x {result['length']} "
-           f"tokens, on {result['devices']} {result['platform']} devices ({mesh}); compiled in "
-           f"{result['compile_seconds']:.1f} s",
-           "per device:"]
+  head = (f"{result['config']}: {result['params']:,} parameters, batch {result['batch_size']} x {result['length']} "
+          f"tokens, on {result['devices']} {result['platform']} devices ({mesh}); compiled in "
+          f"{result['compile_seconds']:.1f} s")
+  lines = [head, "per device:"]
   for key, label in (("argument", "arguments"), ("output", "outputs"), ("alias", "- aliased (donated)"),
                      ("temp", "temporaries")):
     lines.append(f"  {label:<20} {_gib(result[key + '_bytes']):>14}")

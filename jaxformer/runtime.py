@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import os
 import platform
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 from jax.sharding import Mesh
 
 from jaxformer import sharding as sh
 from jaxformer.config import PLATFORMS, Config, ConfigError, RuntimeConfig
-
 
 # XLA:CPU results are bitwise stable run to run on one machine, under any load, but change
 # with the machine: with the size of the intra-op thread pool (one thread per usable CPU;

@@ -5,6 +5,7 @@ import json
 
 import jax
 import pytest
+from conftest import TINY
 
 from jaxformer import aot, cli
 from jaxformer import sharding as sh
@@ -13,7 +14,6 @@ from jaxformer.summary import per_device_bytes
 from jaxformer.tasks import get_task
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import abstract_state, state_shardings
-from conftest import TINY
 
 # One layer per stack, short rows: every sharded weight and collective, compiled in seconds.
 SMALL = ["model.num_encoder_layers=1", "model.num_decoder_layers=1", "data.max_length=16", "data.buckets=[16]",
