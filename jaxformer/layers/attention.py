@@ -56,6 +56,8 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | 
   causal mask by token index (it lets cuDNN skip the masked blocks).
   """
   cudnn = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+  if cudnn and bias is not None:
+    bias = bias.astype(q.dtype)   # cuDNN takes the bias in the inputs' dtype
   return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, is_causal=is_causal,
                                       implementation="cudnn" if cudnn else None)
 
