@@ -44,7 +44,7 @@ def _batches():
   return out
 
 
-def _run(mesh_shape, dropout, rules=""):
+def _run(mesh_shape, dropout, rules="", length=13, steps=STEPS):
   # One layer per stack: every sharded weight and collective of a layer, at half the compile time.
   config = _config(dropout, "model.num_encoder_layers=1", "model.num_decoder_layers=1")
   devices = jax.devices()[:int(np.prod(mesh_shape))]
@@ -57,8 +57,8 @@ def _run(mesh_shape, dropout, rules=""):
   state = create_state(model, tx, mesh, 0, shardings, rules=sh.rules_for(config.mesh))
   step = make_train_step(model, tx, config, mesh, shardings)
   losses = []
-  for batch in _batches():
-    state, metrics = step(state, batch, jax.random.key(7))
+  for batch in _batches()[:steps]:
+    state, metrics = step(state, {k: v[:, :length] for k, v in batch.items()}, jax.random.key(7))
     losses.append(float(metrics["loss"] / metrics["num_tokens"]))
   return losses, state
 
@@ -93,6 +93,16 @@ def test_rules_overridden_from_config_change_placement_not_values(references):
   assert wi.sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
   np.testing.assert_allclose(jax.device_get(wi), jax.device_get(ref_state.params["encoder_0"]["ffn"]["wi"]),
                              atol=1e-5, rtol=1e-5)
+
+
+def test_context_axis_changes_placement_not_values():
+  """mesh.context=2 splits the length of the batch and of every activation (12 tokens: 6 per
+  device); attention gathers keys/values across it. Two steps, as on one device."""
+  ref_losses, ref_state = _run((1, 1, 1), 0.0, length=12, steps=2)
+  losses, state = _run((2, 1, 2, 1, 2), 0.0, length=12, steps=2)   # data=2, tensor=2, context=2
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(jax.device_get(ref_state.params))):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_dropout_changes_the_loss(references):
