@@ -14,7 +14,8 @@ COUNTS=${*:-8 64 256 1024}
 PY=${PYTHON:-python}
 mkdir -p "$OUT"
 
-# One data-parallel rank holds one 2048-token sequence (decoders) or 32 sentence pairs (base/big).
+# One data-parallel rank holds one 2048-token sequence (decoders) or 32 sentence pairs (base/big,
+# with their layers scanned, as the presets: one block compiled per stack instead of six).
 cell() {  # config devices overrides...
   local config=$1 n=$2; shift 2
   local file="$OUT/${config}_${n}.json"
@@ -30,17 +31,17 @@ cell() {  # config devices overrides...
 
 for n in $COUNTS; do
   case $n in
-    8)    m1="mesh.fsdp=8";              m8="mesh.fsdp=8";              m70="mesh.fsdp=8";;
-    64)   m1="mesh.data=8 mesh.fsdp=8";  m8="mesh.data=1 mesh.fsdp=64"; m70="mesh.fsdp=8 mesh.tensor=8";;
-    256)  m1="mesh.data=32 mesh.fsdp=8"; m8="mesh.data=4 mesh.fsdp=64"; m70="mesh.fsdp=32 mesh.tensor=8";;
-    1024) m1="mesh.data=128 mesh.fsdp=8"; m8="mesh.data=16 mesh.fsdp=64"; m70="mesh.fsdp=128 mesh.tensor=8";;
+    8)    m1="mesh.fsdp=8";              m8="mesh.fsdp=8";              m70="mesh.fsdp=8" t70=1;;
+    64)   m1="mesh.data=8 mesh.fsdp=8";  m8="mesh.data=1 mesh.fsdp=64"; m70="mesh.fsdp=8 mesh.tensor=8" t70=8;;
+    256)  m1="mesh.data=32 mesh.fsdp=8"; m8="mesh.data=4 mesh.fsdp=64"; m70="mesh.fsdp=32 mesh.tensor=8" t70=8;;
+    1024) m1="mesh.data=128 mesh.fsdp=8"; m8="mesh.data=16 mesh.fsdp=64"; m70="mesh.fsdp=128 mesh.tensor=8" t70=8;;
     *) echo "no mesh chosen for $n devices" >&2; exit 2;;
   esac
   cell decoder_1b "$n" $m1 train.batch_size="$n"
   cell decoder_8b "$n" $m8 train.batch_size="$n"
-  cell decoder_70b "$n" $m70 mesh.data=1 train.batch_size=$((n / 8))
+  cell decoder_70b "$n" $m70 mesh.data=1 train.batch_size=$((n / t70))
   for paper in multi30k_base multi30k_big; do
-    cell "$paper" "$n" mesh.data=-1 train.batch_size=$((32 * n))
+    cell "$paper" "$n" mesh.data=-1 train.batch_size=$((32 * n)) model.scan_layers=true
   done
 done
 
