@@ -71,8 +71,7 @@ def jaxformer_params(cfg: Config, seed: int) -> Any:
   """A random init (float32 params pytree) of `cfg`'s model."""
   model = get_task(cfg).make_model()
   ids = jnp.ones((1, 1), jnp.int32)
-  with sh.bind(build_mesh(cfg), sh.rules_for(cfg.mesh)):
-    return jax.jit(lambda k: nn.meta.unbox(model.init(k, ids, ids)["params"]))(jax.random.key(seed))
+  return jax.jit(lambda k: nn.meta.unbox(model.init(k, ids, ids)["params"]))(jax.random.key(seed))
 
 
 def jaxformer_decoder(cfg: Config, params: Any, beam_size: int, src_len: int, new_tokens: int) -> Decoder:
