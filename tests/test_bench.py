@@ -110,7 +110,7 @@ def test_bench_command_prints_a_table_and_json(bench_runs):
               "model_flops_per_token", "achieved_flops", "xla_flops_per_step", "losses"):
     assert key in r, key
   assert "torch_tokens_per_sec" not in r
-  assert r["num_devices"] == 8 and r["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
+  assert r["num_devices"] == 8 and r["mesh"] == {"data": 8, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1}
   assert math.isclose(r["tokens_per_sec"], 8 * 7 / r["step_time_s"])
   m = ModelConfig(vocab_size=37, d_model=32, num_heads=4, d_ff=48, num_encoder_layers=2, num_decoder_layers=2)
   assert r["model_flops_per_step"] == bench.train_flops_per_step(m, 8, 11, 7)
