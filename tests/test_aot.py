@@ -61,6 +61,12 @@ def test_mesh_that_does_not_divide_fails_before_compiling(capsys):
   assert err.startswith("error: mesh.tensor=8 does not divide model.d_ff=132") and "\n" not in err
 
 
+def test_topology_without_libtpu_is_one_line():
+  with pytest.raises(ConfigError, match=r"--topology v5e:2x2: no TPU compiler for it here .*use --devices N") as err:
+    aot.topology_devices("v5e:2x2")
+  assert "\n" not in str(err.value)
+
+
 def test_the_presets_are_llama_shapes():
   """decoder_1b/8b/70b hold 1.24B, 8.03B and 70.6B parameters (Llama 3.2 1B, Llama 3 8B and 70B)."""
   counts = {}

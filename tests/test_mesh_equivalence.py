@@ -117,8 +117,12 @@ def _specs(mesh_shape):
   return abstract, sh.logical_to_sharding(logical, mesh)
 
 
-def test_golden_partition_specs_for_tiny_on_2x2x2():
-  _, shardings = _specs((2, 2, 2))
+# (data, fsdp, tensor, stage, context, expert): the new axes split no parameter, so the specs of
+# a mesh with any of them are the 2x2x2 golden ones.
+@pytest.mark.parametrize("mesh_shape", [(2, 2, 2), (1, 2, 2, 2), (1, 2, 2, 1, 2), (1, 2, 2, 1, 1, 2)],
+                         ids=["2x2x2", "stage2", "context2", "expert2"])
+def test_golden_partition_specs_for_tiny(mesh_shape):
+  _, shardings = _specs(mesh_shape)
   flat = jax.tree_util.tree_flatten_with_path(shardings.params)[0]
   got = {"/".join(k.key for k in path): [list(a) if isinstance(a, tuple) else a for a in s.spec]
          for path, s in flat}
