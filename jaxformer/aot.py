@@ -17,7 +17,7 @@ kept for the backward pass, gradients, collectives' buffers). The per-device tot
 arguments + outputs - alias + temporaries: what the device holds at the step's peak, bar
 fragmentation and the runtime's own reserve. Figures on CPU devices are those of XLA:CPU's
 buffer assignment; a TPU/GPU compiler fuses and schedules differently, so treat them as
-estimates within tens of percent (the topology path gives the TPU compiler's own).
+estimates (the state's share is exact; the topology path gives the TPU compiler's own figures).
 """
 
 from __future__ import annotations
