@@ -12,7 +12,7 @@ set -euo pipefail
 OUT=${1:-runs/gpu_check}
 PY=${PYTHON:-python}
 DRY=${DRY_RUN:-0}
-mkdir -p "$OUT"
+OUT=$(mkdir -p "$OUT" && cd "$OUT" && pwd)   # absolute: the script runs from the repository root
 cd "$(dirname "$0")/.."
 
 echo "== 1. fused attention vs ours" >&2
