@@ -2,7 +2,6 @@
 sliding windows, blockwise attention, and every position scheme / option in the model
 (causality and cached decoding)."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np

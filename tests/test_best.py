@@ -6,7 +6,6 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from test_cli import TINY, run_cli
 from test_own_data import TINY_MODEL, _reverse, _sentences
 

@@ -1,7 +1,6 @@
 """Tests of jaxformer.layers.dropout: Threefry-2x32 known answers, dropout statistics and
 scaling, sharding invariance, counters past 2^32 elements, argument errors."""
 
-import flax.linen as nn
 import jax
 import jax.extend.random as jex_random
 import jax.numpy as jnp
