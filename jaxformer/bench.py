@@ -28,9 +28,9 @@ import numpy as np
 
 from jaxformer import sharding as sh
 from jaxformer.config import Config, ConfigError, ModelConfig
-from jaxformer.models.transformer import EncoderDecoder
 from jaxformer.runtime import build_mesh
 from jaxformer.data import global_batch
+from jaxformer.tasks import get_task
 from jaxformer.tasks.translation import Translation
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import create_state, state_shardings
@@ -67,11 +67,14 @@ class BenchOptions:
   peer: bool = True              # also time torch.nn.Transformer when PyTorch is installed
 
   def validate(self, model: ModelConfig) -> "BenchOptions":
-    """Raises ConfigError (one line) for sizes that cannot run, or a model kind other than
-    the encoder-decoder (the step this benchmark builds)."""
-    if model.kind != Translation.kind:
-      raise ConfigError(f"jaxformer bench times the encoder-decoder train step, not model.kind={model.kind}; "
-                        "use an encoder_decoder config such as configs/multi30k_small.yaml")
+    """These options for `model`: a decoder-only model reads `tgt_length` tokens per row (its
+    `src_length` is set to that). Raises ConfigError (one line) for sizes that cannot run, or
+    a model kind other than the encoder-decoder and the decoder-only LM."""
+    if model.kind not in (Translation.kind, "decoder_only"):
+      raise ConfigError(f"jaxformer bench times encoder_decoder and decoder_only train steps, not "
+                        f"model.kind={model.kind}; use e.g. configs/multi30k_small.yaml or configs/decoder_1b.yaml")
+    if model.kind == "decoder_only" and self.src_length != self.tgt_length:
+      return dataclasses.replace(self, src_length=self.tgt_length).validate(model)
     for name in ("batch_size", "src_length", "tgt_length", "steps"):
       if getattr(self, name) < 1:
         raise ConfigError(f"bench --{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -87,21 +90,28 @@ class BenchOptions:
 
 
 def forward_flops_per_pair(m: ModelConfig, src_length: int, tgt_length: int) -> int:
-  """Matmul FLOPs of one forward pass over one sentence pair (2 FLOPs per multiply-add).
+  """Matmul FLOPs of one forward pass over one sentence pair, or one decoder-only row of
+  `tgt_length` tokens (2 FLOPs per multiply-add).
 
-  With S = src_length, T = tgt_length, D = d_model, F = d_ff, V = vocab_size:
-    encoder layer, per source token:  8·D² (Q, K, V, output projections) + 4·D·F (FFN)
+  With S = src_length, T = tgt_length, D = d_model, F = d_ff, V = vocab_size, C = key/value
+  heads x head_dim (= D without grouped-query heads), G = 3 for a gated FFN (SwiGLU, GeGLU), else 2:
+    encoder layer, per source token:  4·D² + 4·D·C (Q, output; K, V projections) + 2·G·D·F (FFN)
                                       + 4·S·D (scores q·k and the weighted sum of v)
-    decoder layer, per target token:  8·D² + 4·T·D (masked self-attention, full T×T as computed)
-                                      + 4·D² + 4·S·D (cross-attention Q and output, scores, sum)
-                                      + 4·D·F (FFN)
-                  and per source token: 4·D² (cross-attention K and V of the encoder output)
+    decoder layer, per target token:  4·D² + 4·D·C + 4·T·D (masked self-attention, full T×T as computed)
+                                      + 2·G·D·F (FFN); with an encoder also
+                                      4·D² + 4·S·D (cross-attention Q and output, scores, sum)
+                  and per source token: 4·D·C (cross-attention K and V of the encoder output)
     output logits, per target token:  2·D·V
-  Embedding gathers, LayerNorm, softmax, dropout and the optimizer are not counted.
+  For the paper's model (C = D, G = 2) the layers are 8·D² + 4·D·F per token plus attention.
+  Embedding gathers, norms, softmax, dropout and the optimizer are not counted.
   """
   d, f, s, t = m.d_model, m.d_ff, src_length, tgt_length
-  encoder = s * m.num_encoder_layers * (8 * d * d + 4 * d * f + 4 * s * d)
-  decoder = m.num_decoder_layers * (t * (12 * d * d + 4 * t * d + 4 * s * d + 4 * d * f) + s * 4 * d * d)
+  c, g = m.kv_heads * m.head_dim, 3 if m.ffn in ("swiglu", "geglu") else 2
+  block = 4 * d * d + 4 * d * c + 2 * g * d * f
+  if m.kind != Translation.kind:
+    return m.num_decoder_layers * t * (block + 4 * t * d) + t * 2 * d * m.vocab_size
+  encoder = s * m.num_encoder_layers * (block + 4 * s * d)
+  decoder = m.num_decoder_layers * (t * (block + 4 * t * d + 4 * d * d + 4 * s * d) + s * 4 * d * c)
   return encoder + decoder + t * 2 * d * m.vocab_size
 
 
@@ -217,24 +227,25 @@ class PreparedStep:
 def prepare_step(config: Config, options: BenchOptions) -> PreparedStep:
   """Builds the mesh and lowers the train step for sharded abstract inputs (not compiled).
   Raises ConfigError for sizes the mesh or model cannot take."""
-  options.validate(config.model)
+  options = options.validate(config.model)
   config = dataclasses.replace(config, train=dataclasses.replace(config.train, batch_size=options.batch_size))
   mesh = build_mesh(config)
-  model = EncoderDecoder(config.model)
+  model = get_task(config).make_model()
   tx = make_optimizer(config.optim, config.model.d_model)
-  abstract, shardings = state_shardings(model, tx, mesh)
+  rules = sh.rules_for(config.mesh)
+  abstract, shardings = state_shardings(model, tx, mesh, rules)
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
   k = config.train.steps_per_call
   lead = (k,) if k > 1 else ()
   batch = {name: jax.ShapeDtypeStruct(lead + (options.batch_size, length), jnp.int32,
-                                      sharding=sh.batch_sharding(mesh, stacked=k > 1))
+                                      sharding=sh.batch_sharding(mesh, stacked=k > 1, rules=rules))
            for name, length in (("inputs", options.src_length), ("targets", options.tgt_length))}
   train_step = make_train_call(model, tx, config, mesh, shardings)
   start = time.perf_counter()
-  with jax.set_mesh(mesh), sh.axis_rules():
+  with sh.bind(mesh, rules):
     lowered = train_step.jitted.lower(abstract, batch, jax.random.key(config.runtime.seed))
   lower_time = time.perf_counter() - start
-  return PreparedStep(config, mesh, lambda: create_state(model, tx, mesh, config.runtime.seed, shardings),
+  return PreparedStep(config, mesh, lambda: create_state(model, tx, mesh, config.runtime.seed, shardings, rules=rules),
                       lowered, lower_time)
 
 
@@ -253,6 +264,7 @@ def run_bench(config: Config, options: BenchOptions) -> dict[str, Any]:
   and `warmup` and `steps` are rounded up to whole calls (`steps` reports the steps run).
   Raises ConfigError for sizes the mesh or model cannot take.
   """
+  options = options.validate(config.model)
   prepared = prepare_step(config, options)
   config, mesh, lowered = prepared.config, prepared.mesh, prepared.lowered
   start = time.perf_counter()
@@ -264,7 +276,7 @@ def run_bench(config: Config, options: BenchOptions) -> dict[str, Any]:
                                config.model.vocab_size, config.runtime.seed)
   k = config.train.steps_per_call
   call_batch = {name: np.stack([a] * k) for name, a in host_batch.items()} if k > 1 else host_batch
-  trainer = _JaxTrainer(compiled, prepared.create_state(), global_batch(call_batch, mesh),
+  trainer = _JaxTrainer(compiled, prepared.create_state(), global_batch(call_batch, mesh, sh.rules_for(config.mesh)),
                         jax.random.key(config.runtime.seed))
   peer = _make_peer(config, host_batch) if options.peer else None
   warmup_calls, calls = -(-options.warmup // k), -(-options.steps // k)
@@ -309,7 +321,7 @@ def run_bench(config: Config, options: BenchOptions) -> dict[str, Any]:
 def _make_peer(config: Config, host_batch: dict[str, np.ndarray]):
   """The torch peer when PyTorch is installed, the backend is CPU (it runs on the host) and
   the model is one `torch.nn.Transformer` can express (the paper's options)."""
-  if importlib.util.find_spec("torch") is None or jax.default_backend() != "cpu":
+  if importlib.util.find_spec("torch") is None or jax.default_backend() != "cpu" or config.model.kind != Translation.kind:
     return None
   m = config.model
   if (m.position, m.norm, m.ffn, m.attention, m.kv_heads, m.attn_logit_softcap, m.sliding_window) != (

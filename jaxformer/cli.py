@@ -1,4 +1,4 @@
-"""`jaxformer train | eval | translate | generate | bench | config`: thin wiring of config, runtime and the library.
+"""`jaxformer train | eval | translate | generate | bench | compile | config`: thin wiring of config, runtime and the library.
 `jaxformer plot | attention` live in cli_plots.py, `jaxformer export | import` in cli_interop.py.
 
 User mistakes (bad config, mesh, paths, missing checkpoints) print one `error:` line and
@@ -118,6 +118,16 @@ def _parser() -> argparse.ArgumentParser:
   b.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
   b.add_argument("--output", help="also write the JSON result to this file")
   b.add_argument("overrides", nargs="*", help="dotted overrides, e.g. precision.policy=compute=bfloat16 runtime.num_cpu_devices=2")
+
+  co = sub.add_parser("compile", help="compile the train step ahead of time for N simulated devices (or a TPU "
+                      "topology) without running it: per-device memory and whether it fits --hbm")
+  co.add_argument("--config", required=True)
+  where = co.add_mutually_exclusive_group(required=True)
+  where.add_argument("--devices", type=_positive, help="simulated CPU devices, e.g. 256 (sets runtime.num_cpu_devices)")
+  where.add_argument("--topology", help="a TPU topology for jax.experimental.topologies, e.g. v5e:16x16 "
+                     "(needs libtpu; optional)")
+  co.add_argument("--hbm", help="device memory to check against, e.g. 80GiB or 16GB")
+  co.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.fsdp=64 mesh.tensor=4 train.batch_size=512")
   cli_plots.add_parsers(sub)
   cli_interop.add_parsers(sub, _positive)
   return p
@@ -326,6 +336,19 @@ def cmd_bench(args) -> None:
   print(json.dumps(result), flush=True)
 
 
+def cmd_compile(args) -> None:
+  cpu = [f"runtime.num_cpu_devices={args.devices}", "runtime.platform=cpu"] if args.devices else []
+  config = load_config(_config_path(args.config), [*args.overrides, *cpu])
+  from jaxformer import aot
+  hbm = aot.parse_size(args.hbm) if args.hbm else None
+  from jaxformer.runtime import init_runtime
+  init_runtime(config.runtime)
+  devices = aot.topology_devices(args.topology) if args.topology else None
+  result = aot.compile_train_step(config, devices, hbm)
+  print(aot.format_report(result), flush=True)
+  print(json.dumps(result), flush=True)
+
+
 def _config_path(name: str) -> str:
   """A config path as given, or a shipped config's name (`tiny`, `multi30k_small`)."""
   shipped = CONFIGS_DIR / f"{name}.yaml"
@@ -363,8 +386,8 @@ def cmd_config(args) -> None:
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   commands = {"train": cmd_train, "eval": cmd_eval, "translate": cmd_translate, "generate": cmd_generate, "serve": cmd_serve,
-              "average": cmd_average, "bench": cmd_bench, "config": cmd_config, **cli_plots.COMMANDS,
-              **cli_interop.COMMANDS}
+              "average": cmd_average, "bench": cmd_bench, "compile": cmd_compile, "config": cmd_config,
+              **cli_plots.COMMANDS, **cli_interop.COMMANDS}
   try:
     commands[args.command](args)
   except (ConfigError, CheckpointError, NonFiniteError, FileNotFoundError, ValueError) as e:

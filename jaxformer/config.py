@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from jaxformer.model_options import ROPE_SCALINGS, validate_architecture, validate_with_data
+from jaxformer.mesh_config import MeshConfig
 from jaxformer.policy import Policy, parse_policy
 from jaxformer.remat import POLICY_NAMES as REMAT_POLICIES
 from jaxformer.schema import ConfigError, apply_overrides, build, parse_override, to_plain
@@ -28,7 +29,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "position": ("sinusoidal", "learned", "rope", "alibi", "t5", "none"),
     "norm": ("layernorm", "rmsnorm"),
     "ffn": ("relu", "gelu", "swiglu", "geglu"),
-    "attention": ("dense", "blockwise", "linformer"),
+    "attention": ("dense", "blockwise", "linformer", "fused"),
     "rope_scaling": ROPE_SCALINGS,
 }
 
@@ -71,7 +72,7 @@ class ModelConfig:
   attn_logit_softcap: float = 0.0  # c > 0: attention scores become c * tanh(score / c); 0 = off
   sliding_window: int = 0       # causal self-attention sees the last w tokens (itself included); 0 = all
   global_tokens: int = 0        # with sliding_window: positions < N see every key and every query sees them
-  attention: str = "dense"      # dense | blockwise (memory-linear exact attention) | linformer (encoder)
+  attention: str = "dense"      # dense | blockwise (memory-linear) | linformer (encoder) | fused (jax.nn)
   linformer_k: int = 64         # linformer: keys/values projected along the sequence to this many rows
   attention_block_size: int = 128  # blockwise: keys/values per block, tokens
   remat: str = "none"           # per-block rematerialisation: none | full | save_dots | minimal (remat.py)
@@ -108,23 +109,6 @@ class ModelConfig:
   def kv_heads(self) -> int:
     """Key/value heads: `num_kv_heads`, or `num_heads` when it is 0."""
     return self.num_kv_heads or self.num_heads
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-  """Device mesh sizes; one of them may be -1 (use the remaining devices)."""
-  data: int = -1                # devices on the data axis (batch only); -1 = the rest
-  fsdp: int = 1                 # devices on the fsdp axis (batch and every parameter, ZeRO-3)
-  tensor: int = 1               # devices on the tensor axis (heads, d_ff, vocabulary)
-  rules: str = ""               # overrides of sharding.LOGICAL_RULES, e.g. "embed=none,act_batch=data"
-
-  def validate(self) -> None:
-    sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
-    if list(sizes.values()).count(-1) > 1:
-      raise ConfigError("at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
-    for name, size in sizes.items():
-      if size == 0 or size < -1:
-        raise ConfigError(f"mesh.{name} must be a positive size or -1, got {size}")
 
 
 @dataclasses.dataclass(frozen=True)

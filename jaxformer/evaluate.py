@@ -34,8 +34,7 @@ from jaxformer.train.step import make_eval_step
 
 def _round_batch(restored: Restored, batch_size: int) -> int:
   """`batch_size` rounded down to a multiple of the data-parallel size (at least one row per shard)."""
-  with sh.axis_rules(restored.rules):
-    dp = sh.data_parallel_size(restored.mesh)
+  dp = sh.data_parallel_size(restored.mesh, restored.rules)
   return max(dp, batch_size // dp * dp)
 
 
@@ -58,12 +57,12 @@ def decode_sources(restored: Restored, sources: Sequence[str], batch_size: int =
   batch_size = _round_batch(restored, batch_size)
   data = tokenize_split(restored.source_tokenizer, list(sources), list(sources), cfg.data.max_length,
                         overlong="truncate")
-  decode = make_decode_fn(restored.model, restored.mesh, cfg.model.max_length, search, draft)
+  decode = make_decode_fn(restored.model, restored.mesh, cfg.model.max_length, search, draft, restored.rules)
   batches = eval_batches(data, batch_size, cfg.data.buckets)
 
   def run(batch):
-    with sh.axis_rules(restored.rules):
-      return np.asarray(jax.device_get(decode(restored.params, global_batch(batch, restored.mesh)["inputs"])))
+    inputs = global_batch(batch, restored.mesh, restored.rules)["inputs"]
+    return np.asarray(jax.device_get(decode(restored.params, inputs)))
 
   if warmup:
     for b in {b["inputs"].shape: b for b in batches}.values():
@@ -149,9 +148,8 @@ def batches_loss(restored: Restored, batches) -> dict[str, float]:
   exp(loss), `accuracy` and `num_tokens` of the restored model over host `batches` (dropout off)."""
   params = jax.jit(dequantize_params)(restored.params)   # int8 (`--quantize`): the loss in float
   param_shardings = jax.tree.map(lambda x: x.sharding, params)
-  with sh.axis_rules(restored.rules):
-    eval_step = make_eval_step(restored.model, restored.config, restored.mesh, param_shardings)
-    totals = evaluate_loss(eval_step, params, batches, restored.mesh)
+  eval_step = make_eval_step(restored.model, restored.config, restored.mesh, param_shardings)
+  totals = evaluate_loss(eval_step, params, batches, restored.mesh, restored.rules)
   return {"loss": totals["nll"], "perplexity": float(np.exp(totals["nll"])), "accuracy": totals["accuracy"],
           "num_tokens": int(totals["num_tokens"])}
 

@@ -25,9 +25,12 @@ def validate_architecture(m: Any) -> None:
       raise ConfigError(f"model.{name} must be >= 0 (0 turns it off), got {getattr(m, name)}")
   if m.attention_block_size <= 0:
     raise ConfigError(f"model.attention_block_size must be positive, got {m.attention_block_size}")
-  if m.attention == "blockwise" and m.attention_dropout_rate > 0:
-    raise ConfigError("model.attention=blockwise does not support attention dropout; "
+  if m.attention in ("blockwise", "fused") and m.attention_dropout_rate > 0:
+    raise ConfigError(f"model.attention={m.attention} does not support attention dropout; "
                       "set model.attention_dropout_rate=0 or model.attention=dense")
+  if m.attention == "fused" and m.attn_logit_softcap > 0:
+    raise ConfigError("model.attention=fused has no score soft-cap; set model.attn_logit_softcap=0 "
+                      "or model.attention=dense")
   if m.position == "rope" and m.head_dim % 2:
     raise ConfigError(f"model.position=rope needs an even head_dim, got {m.head_dim}; "
                       "change model.d_model or model.num_heads")

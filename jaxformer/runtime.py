@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Sequence
 
 import jax
 from jax.sharding import Mesh
 
 from jaxformer import sharding as sh
 from jaxformer.config import PLATFORMS, Config, ConfigError, RuntimeConfig
-
 
 # XLA:CPU results are bitwise stable run to run on one machine, under any load, but change
 # with the machine: with the size of the intra-op thread pool (one thread per usable CPU;
@@ -78,16 +78,18 @@ def _check_platform(platform: str) -> None:
                     f"{' and '.join(present)}; set runtime.platform to one of those or leave it empty (JAX's default)")
 
 
-def build_mesh(config: Config) -> Mesh:
-  """The run's mesh over all (global) devices; checks divisibility of the model and batch.
+def build_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """The run's mesh over `devices` (default: all global devices); checks, once and before anything is compiled,
+  that the model, the sequence length and the batch divide over it (`check_model_fits_mesh`).
 
   Raises:
-    ConfigError: the mesh does not fit the devices, or the global batch does not split
-      evenly over the data-parallel axes.
+    ConfigError: the mesh does not fit the devices, a sharded model dimension or the length
+      does not split over its axis, or the global batch does not split evenly over the
+      data-parallel axes (one line each).
   """
-  mesh = sh.make_mesh(config.mesh)
-  check_model_fits_mesh(config, mesh.shape["fsdp"], mesh.shape["tensor"])
-  dp = sh.data_parallel_size(mesh)
+  mesh = sh.make_mesh(config.mesh, devices)
+  check_model_fits_mesh(config, mesh.shape["fsdp"], mesh.shape["tensor"], mesh.shape["context"])
+  dp = sh.data_parallel_size(mesh, sh.rules_for(config.mesh))
   if config.train.batch_size % dp:
     raise ConfigError(
         f"train.batch_size={config.train.batch_size} is not divisible by the data-parallel size "
@@ -99,11 +101,12 @@ def _divisors(n: int) -> list[int]:
   return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_model_fits_mesh(config: Config, fsdp: int, tensor: int) -> None:
+def check_model_fits_mesh(config: Config, fsdp: int, tensor: int, context: int = 1) -> None:
   """Fails before compiling if a sharded dimension does not split evenly.
 
   The tensor axis splits num_heads, the key/value heads, d_ff and vocab_size; the fsdp
-  axis splits d_model.
+  axis splits d_model; the context axis splits the sequence length (data.max_length and,
+  for translation, every length bucket).
 
   Raises:
     ConfigError: naming the axis, the sizes and the valid choices.
@@ -117,3 +120,8 @@ def check_model_fits_mesh(config: Config, fsdp: int, tensor: int) -> None:
   if m.d_model % fsdp:
     raise ConfigError(f"mesh.fsdp={fsdp} does not divide model.d_model={m.d_model}; "
                       f"use mesh.fsdp in {[d for d in _divisors(m.d_model) if d <= 64]}")
+  lengths = (config.data.max_length, *(config.data.buckets if m.kind == "encoder_decoder" else ()))
+  if any(length % context for length in lengths):
+    raise ConfigError(f"mesh.context={context} does not divide the sequence lengths {sorted(set(lengths))} "
+                      f"(data.max_length, data.buckets); use mesh.context in "
+                      f"{[d for d in _divisors(config.data.max_length) if all(n % d == 0 for n in lengths)]}")

@@ -3,22 +3,30 @@
 Every parameter is created with logical axis names (`param_with_axes`) and activations
 are constrained by logical name at block boundaries (`constrain`). `LOGICAL_RULES` turns
 those names into mesh axes, so changing the parallelism never touches model code.
+
+The mesh and the rules are values passed explicitly: a run builds its mesh from
+`mesh.*` (`make_mesh`) and its rules from `mesh.rules` (`rules_for`) once, and hands both
+to every function that maps logical names (`logical_to_sharding`, `batch_sharding`,
+`data_parallel_size`) and to every jitted-function factory, which fixes them when it is
+built. Model code sees them only while such a function traces, through `bind` (the one
+place that sets Flax's logical-axis rules), so a function built for some rules can never
+trace with others.
 The mesh uses `AxisType.Auto`: jit propagates shardings from the annotations
 (the "automatic" mode), rather than JAX's newer default of explicit sharding types.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
 
 import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxformer.config import ConfigError, MeshConfig
-
-MESH_AXES = ("data", "fsdp", "tensor")
+from jaxformer.config import ConfigError
+from jaxformer.mesh_config import MESH_AXES, MeshConfig
 
 # Weight axes.
 VOCAB = "vocab"
@@ -27,6 +35,7 @@ HEADS = "heads"
 KV = "kv"          # head_dim
 MLP = "mlp"
 LAYERS = "layers"  # leading axis of params stacked by nn.scan (model.scan_layers)
+EXPERTS = "experts"  # the experts of a mixture-of-experts layer (reserved for the expert axis)
 # Activation axes.
 ACT_BATCH = "act_batch"
 ACT_LENGTH = "act_length"
@@ -36,12 +45,13 @@ ACT_KV = "act_kv"
 ACT_MLP = "act_mlp"
 ACT_VOCAB = "act_vocab"
 
-# Logical axis -> mesh axis (or axes, or None = replicated). Batch over data+fsdp;
-# weights fully sharded over fsdp along embed (ZeRO-3); heads/d_ff/vocab over tensor.
+# Logical axis -> mesh axis (or axes, or None = replicated). Batch over data+fsdp; the length of
+# activations over context; weights fully sharded over fsdp along embed (ZeRO-3); heads/d_ff/vocab
+# over tensor; experts over expert. `stage` splits the layer stack, not a named array dimension.
 Rules = tuple[tuple[str, Any], ...]
 LOGICAL_RULES: Rules = (
     (ACT_BATCH, ("data", "fsdp")),
-    (ACT_LENGTH, None),
+    (ACT_LENGTH, "context"),
     (ACT_EMBED, None),
     (ACT_HEADS, "tensor"),
     (ACT_KV, None),
@@ -53,6 +63,7 @@ LOGICAL_RULES: Rules = (
     (KV, None),
     (MLP, "tensor"),
     (LAYERS, None),
+    (EXPERTS, "expert"),
 )
 
 
@@ -62,37 +73,26 @@ def param_with_axes(init: Callable[..., jax.Array], axes: Sequence[str]) -> Call
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
-  """Constrains an activation's sharding by logical names (no-op outside a mesh)."""
+  """Constrains an activation's sharding by logical names, by the rules of the enclosing `bind`
+  (model code; a no-op outside a mesh)."""
   return nn.with_logical_constraint(x, tuple(axes))
 
 
-def resolve_mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int]:
-  """Fills a -1 entry and checks that data * fsdp * tensor equals the device count.
+def resolve_mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, ...]:
+  """The mesh's sizes in `MESH_AXES` order, -1 filled (`MeshConfig.resolve`).
 
   Raises:
     ConfigError: the sizes do not multiply to `num_devices`.
   """
-  sizes = [config.data, config.fsdp, config.tensor]
-  if -1 in sizes:
-    known = int(np.prod([s for s in sizes if s != -1]))
-    if num_devices % known:
-      raise ConfigError(
-          f"mesh sizes {dict(zip(MESH_AXES, sizes))} cannot fill {num_devices} devices: "
-          f"{known} does not divide {num_devices}")
-    sizes[sizes.index(-1)] = num_devices // known
-  if int(np.prod(sizes)) != num_devices:
-    raise ConfigError(
-        f"mesh data*fsdp*tensor = {'*'.join(map(str, sizes))} = {int(np.prod(sizes))} but there are "
-        f"{num_devices} devices; e.g. use mesh.data={num_devices} mesh.fsdp=1 mesh.tensor=1 "
-        "(or runtime.num_cpu_devices to simulate more CPU devices)")
-  return tuple(sizes)  # type: ignore[return-value]
+  return tuple(config.resolve(num_devices).values())
 
 
 def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Builds a `[data, fsdp, tensor]` mesh with Auto axis types over `devices` (default: all)."""
+  """Builds the mesh over `MESH_AXES` (all six; unused ones have size 1) with Auto axis
+  types over `devices` (default: all)."""
   devices = list(jax.devices() if devices is None else devices)
   shape = resolve_mesh_shape(config, len(devices))
-  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
 def parse_rules(overrides: str) -> Rules:
@@ -117,26 +117,38 @@ def parse_rules(overrides: str) -> Rules:
   return tuple(table.items())
 
 
-def current_rules() -> Rules:
-  """The rules of the enclosing `axis_rules(...)` context, or `LOGICAL_RULES` outside one."""
-  return tuple(nn.get_logical_axis_rules()) or LOGICAL_RULES
+def rules_for(config: MeshConfig) -> Rules:
+  """The run's rules: `LOGICAL_RULES` with `config.rules` applied (`parse_rules`)."""
+  return parse_rules(config.rules)
 
 
-def logical_to_sharding(logical_specs: Any, mesh: Mesh) -> Any:
-  """Maps a tree of logical PartitionSpecs to NamedShardings on `mesh` by `current_rules()`."""
-  return nn.logical_to_mesh_sharding(logical_specs, mesh, current_rules())
+def logical_to_sharding(logical_specs: Any, mesh: Mesh, rules: Rules = LOGICAL_RULES) -> Any:
+  """Maps a tree of logical PartitionSpecs to NamedShardings on `mesh` by `rules`."""
+  return nn.logical_to_mesh_sharding(logical_specs, mesh, rules)
 
 
-def axis_rules(rules: Rules | None = None):
-  """Context manager that makes `constrain` and the functions here use `rules`
-  (default: `current_rules()`); a run enters it once with its `mesh.rules`."""
-  return nn.logical_axis_rules(current_rules() if rules is None else rules)
+@contextlib.contextmanager
+def bind(mesh: Mesh, rules: Rules) -> Iterator[None]:
+  """Makes `mesh` the current mesh and `rules` the ones `constrain` resolves by, for tracing a
+  jitted function (its factory calls this with the mesh and rules it was built for)."""
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    yield
 
 
-def batch_sharding(mesh: Mesh, stacked: bool = False) -> NamedSharding:
-  """Sharding of a `[batch, length]` input array: batch over the data-parallel axes.
-  `stacked`: of a `[steps, batch, length]` stack of batches (the steps axis is not split)."""
-  spec = nn.logical_to_mesh_axes((ACT_BATCH, ACT_LENGTH), current_rules())
+def with_mesh(fn: Callable[..., Any], mesh: Mesh, rules: Rules) -> Callable[..., Any]:
+  """`fn` (a jitted function) called inside `bind(mesh, rules)`; `.jitted` is `fn` itself
+  (for `.lower`, also inside `bind`)."""
+  def wrapped(*args):
+    with bind(mesh, rules):
+      return fn(*args)
+  wrapped.jitted = fn
+  return wrapped
+
+
+def batch_sharding(mesh: Mesh, stacked: bool = False, rules: Rules = LOGICAL_RULES) -> NamedSharding:
+  """Sharding of a `[batch, length]` input array: batch over the data-parallel axes, length over
+  context. `stacked`: of a `[steps, batch, length]` stack of batches (the steps axis is not split)."""
+  spec = nn.logical_to_mesh_axes((ACT_BATCH, ACT_LENGTH), rules)
   return NamedSharding(mesh, PartitionSpec(None, *spec) if stacked else spec)
 
 
@@ -158,9 +170,9 @@ def check_divisible(abstract: Any, shardings: Any) -> None:
             f"{'*'.join(names)} = {ways}; change the mesh sizes or mesh.rules")
 
 
-def data_parallel_size(mesh: Mesh) -> int:
-  """How many ways the batch dimension is split (data * fsdp under the default rules)."""
-  axes = batch_sharding(mesh).spec[0] or ()
+def data_parallel_size(mesh: Mesh, rules: Rules = LOGICAL_RULES) -> int:
+  """How many ways the batch dimension is split by `rules` (data * fsdp under the default rules)."""
+  axes = batch_sharding(mesh, rules=rules).spec[0] or ()
   return int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
 
 

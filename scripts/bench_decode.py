@@ -123,11 +123,11 @@ def compare_on_split(restored: inference_restore.Restored, sources: list[str], a
   model, mesh = restored.model, restored.mesh
   score = jax.jit(lambda p, x, t: evaluate.hypothesis_scores(model, p, x, t, args.alpha))
   scores = {name: [] for name in runs}
-  with jax.set_mesh(mesh), sh.axis_rules():
+  rows = sh.batch_sharding(mesh, rules=restored.rules)
+  with sh.bind(mesh, restored.rules):
     for name, batches in runs.items():
       for b in batches:
-        s = np.asarray(score(restored.params, jax.device_put(b["inputs"], sh.batch_sharding(mesh)),
-                             jax.device_put(b["tokens"], sh.batch_sharding(mesh))))
+        s = np.asarray(score(restored.params, jax.device_put(b["inputs"], rows), jax.device_put(b["tokens"], rows)))
         scores[name].append(s[b["index"] >= 0])
   greedy, beam = (np.concatenate(v) for v in scores.values())
   same = np.concatenate([np.all(g["tokens"] == k["tokens"], axis=1)[g["index"] >= 0]

@@ -75,8 +75,7 @@ def jaxformer_params(cfg: Config, seed: int) -> Any:
   """A random init (float32 params pytree) of `cfg`'s model."""
   model = get_task(cfg).make_model()
   ids = jnp.ones((1, 1), jnp.int32)
-  with sh.axis_rules(sh.parse_rules(cfg.mesh.rules)):
-    return jax.jit(lambda k: nn.meta.unbox(model.init(k, ids, ids)["params"]))(jax.random.key(seed))
+  return jax.jit(lambda k: nn.meta.unbox(model.init(k, ids, ids)["params"]))(jax.random.key(seed))
 
 
 def jaxformer_decoder(cfg: Config, params: Any, beam_size: int, src_len: int, new_tokens: int) -> Decoder:
@@ -92,15 +91,12 @@ def jaxformer_decoder(cfg: Config, params: Any, beam_size: int, src_len: int, ne
   if not src_len <= new_tokens <= cfg.model.max_length:
     raise ConfigError(f"jaxformer decodes src_len + extra tokens: --new-tokens must be in [--src-len={src_len}, "
                       f"model.max_length={cfg.model.max_length}], got {new_tokens}")
-  rules = sh.parse_rules(cfg.mesh.rules)
-  with sh.axis_rules(rules):
-    mesh = build_mesh(cfg)
   options = SearchOptions(beam_size=beam_size, extra_tokens=new_tokens - src_len, eos_id=-1)  # -1: never argmax
-  decode = make_decode_fn(get_task(cfg).make_model(), mesh, cfg.model.max_length, options)
+  decode = make_decode_fn(get_task(cfg).make_model(), build_mesh(cfg), cfg.model.max_length, options,
+                          rules=sh.rules_for(cfg.mesh))
 
   def run(inputs: np.ndarray) -> np.ndarray:
-    with sh.axis_rules(rules):
-      return np.asarray(decode(params, jnp.asarray(inputs)))
+    return np.asarray(decode(params, jnp.asarray(inputs)))
   return run
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from jaxformer.config import ConfigError, ModelConfig, config_from_dict
 from jaxformer.inference import cache as kv
-from jaxformer.layers.attention import MultiHeadAttention, dot_product_attention
+from jaxformer.layers.attention import MultiHeadAttention, dot_product_attention, fused_attention
 from jaxformer.layers.blockwise import blockwise_attention
 from jaxformer.layers.positions import alibi_bias, alibi_slopes, apply_rope
 from jaxformer.layers.scores import attention_mask, attention_scores
@@ -160,6 +160,46 @@ def test_blockwise_equals_dense_forward_and_gradients(case):
     np.testing.assert_allclose(np.asarray(x_b), np.asarray(x_d), atol=1e-5, rtol=1e-5, err_msg=name)
 
 
+FUSED_CASES = {name: c for name, c in BLOCKWISE_CASES.items() if name != "gqa_alibi_softcap"}
+FUSED_CASES["gqa_alibi"] = dict(kv_len=T, q_valid=[T, 7], kv_valid=[T, 7], causal=True, kv_heads=2, alibi=True)
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=list(FUSED_CASES))
+def test_fused_equals_dense_forward_and_gradients(case):
+  """jax.nn.dot_product_attention (XLA on CPU) against ours: padding with a fully masked row,
+  causal (by mask and by `is_causal`), sliding window, grouped-query heads with ALiBi."""
+  c = FUSED_CASES[case]
+  kv_len, kv_heads = c["kv_len"], c.get("kv_heads", N)
+  q = _normal(20, (B, T, N, H))
+  k, v = _normal(21, (B, kv_len, kv_heads, H)), _normal(22, (B, kv_len, kv_heads, H))
+  d_out = _normal(23, (B, T, N, H))
+  q_pos, kv_pos = jnp.arange(T)[None], jnp.arange(kv_len)[None]
+  causal, window = c.get("causal", False), c.get("sliding_window", 0)
+  mask = attention_mask(q_pos, kv_pos, _valid(c["q_valid"], T), _valid(c["kv_valid"], kv_len), causal, window)
+  bias = alibi_bias(jnp.asarray(alibi_slopes(N)), q_pos, kv_pos) if c.get("alibi") else None
+
+  @jax.jit
+  def outputs_and_grads(q, k, v, d_out):
+    results = []
+    for fn in (lambda q, k, v: dot_product_attention(q, k, v, mask, bias=bias),
+               lambda q, k, v: fused_attention(q, k, v, mask, bias=bias, is_causal=causal)):
+      out, vjp = jax.vjp(fn, q, k, v)
+      results.append((out, *vjp(d_out)))
+    return results
+
+  reference, fused = outputs_and_grads(q, k, v, d_out)
+  for name, x_f, x_d in zip(("out", "dq", "dk", "dv"), fused, reference):
+    assert np.abs(np.asarray(x_d)).max() > 1e-2, name
+    np.testing.assert_allclose(np.asarray(x_f), np.asarray(x_d), atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+def test_fused_refuses_dropout_and_softcap():
+  with pytest.raises(ConfigError, match="model.attention=fused does not support attention dropout"):
+    config_from_dict({"model": {"attention": "fused", "attention_dropout_rate": 0.1}})
+  with pytest.raises(ConfigError, match="model.attention=fused has no score soft-cap"):
+    config_from_dict({"model": {"attention": "fused", "attn_logit_softcap": 5.0}})
+
+
 def _grad_temp_bytes(attention, length):
   """XLA's temporary buffer size for the gradient of `attention` at `length` tokens (compile only)."""
   x = jax.ShapeDtypeStruct((1, length, 1, 8), jnp.float32)
@@ -213,6 +253,7 @@ MODEL_CASES = {
                                 sliding_window=3, global_tokens=1),
     "rope_ntk-linformer": dict(position="rope", attention="linformer", linformer_k=5, rope_scaling="ntk",
                                rope_scaling_factor=2.0),
+    "rope-fused": dict(position="rope", attention="fused", num_kv_heads=2, sliding_window=3, pre_norm=True),
 }
 
 

@@ -35,6 +35,16 @@ def test_train_flops_match_a_hand_count():
   assert bench.train_flops_per_step(m, batch_size=4, src_length=5, tgt_length=3) == 3 * 4 * 17_840
 
 
+def test_decoder_only_flops_count_gqa_and_gated_ffn():
+  """One layer, D 8, 4 heads of 2 with 2 key/value heads (C 4), SwiGLU F 12, V 37, T 3: per token
+  Q and output 2·2·64, K and V 2·2·8·4, FFN 3·2·8·12, attention 4·3·8; logits 2·8·37."""
+  m = ModelConfig(kind="decoder_only", vocab_size=37, d_model=8, num_heads=4, num_kv_heads=2, d_ff=12,
+                  num_decoder_layers=1, ffn="swiglu")
+  per_token = 2 * 2 * 64 + 2 * 2 * 8 * 4 + 3 * 2 * 8 * 12 + 4 * 3 * 8 + 2 * 8 * 37
+  assert bench.forward_flops_per_pair(m, 99, 3) == 3 * per_token == 4_944
+  assert bench.BenchOptions(4, src_length=5, tgt_length=3).validate(m).src_length == 3
+
+
 def _config(policy="params=float32,compute=float32,output=float32"):
   tree = {"model": {"vocab_size": 997, "d_model": 256, "num_heads": 4, "d_ff": 1024, "num_encoder_layers": 2,
                     "num_decoder_layers": 2, "dropout_rate": 0.0}, "precision": {"policy": policy}}
@@ -100,7 +110,7 @@ def test_bench_command_prints_a_table_and_json(bench_runs):
               "model_flops_per_token", "achieved_flops", "xla_flops_per_step", "losses"):
     assert key in r, key
   assert "torch_tokens_per_sec" not in r
-  assert r["num_devices"] == 8 and r["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
+  assert r["num_devices"] == 8 and r["mesh"] == {"data": 8, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1}
   assert math.isclose(r["tokens_per_sec"], 8 * 7 / r["step_time_s"])
   m = ModelConfig(vocab_size=37, d_model=32, num_heads=4, d_ff=48, num_encoder_layers=2, num_decoder_layers=2)
   assert r["model_flops_per_step"] == bench.train_flops_per_step(m, 8, 11, 7)
@@ -125,11 +135,11 @@ def test_bench_rejects_a_length_beyond_the_model_and_other_model_kinds():
   assert proc.returncode == 2
   assert proc.stderr.strip().splitlines() == [
       "error: bench length 500 exceeds model.max_length=128; add model.max_length=500"]
-  proc = _run_bench("--no-torch", "model.kind=decoder_only", "data.dataset=tinyshakespeare")
+  proc = _run_bench("--no-torch", "model.kind=encoder_only", "data.dataset=tinyshakespeare")
   assert proc.returncode == 2
   assert proc.stderr.strip().splitlines() == [
-      "error: jaxformer bench times the encoder-decoder train step, not model.kind=decoder_only; "
-      "use an encoder_decoder config such as configs/multi30k_small.yaml"]
+      "error: jaxformer bench times encoder_decoder and decoder_only train steps, not model.kind=encoder_only; "
+      "use e.g. configs/multi30k_small.yaml or configs/decoder_1b.yaml"]
 
 
 def test_torch_peer_has_our_parameter_count():

@@ -95,8 +95,8 @@ def test_microbatches_are_strided_rows_that_stay_on_their_devices():
   mesh = sh.make_mesh(MeshConfig(data=2, fsdp=2), jax.devices()[:4])
   rows = np.arange(16 * 3, dtype=np.int32).reshape(16, 3)   # row r holds 3r, 3r + 1, 3r + 2
   batch = global_batch({"inputs": rows, "targets": rows}, mesh)
-  with jax.set_mesh(mesh), sh.axis_rules():
-    split = jax.jit(lambda b: _microbatches(b, 4, mesh))(batch)["targets"]   # [4, 4, 3]
+  with sh.bind(mesh, sh.LOGICAL_RULES):
+    split = jax.jit(lambda b: _microbatches(b, 4, mesh, sh.LOGICAL_RULES))(batch)["targets"]   # [4, 4, 3]
   np.testing.assert_array_equal(jax.device_get(split), np.stack([rows[j::4] for j in range(4)]))
   assert split.sharding.is_equivalent_to(sh.batch_sharding(mesh, stacked=True), 3)
   held = {shard.device: set(np.asarray(shard.data)[:, 0] // 3) for shard in batch["targets"].addressable_shards}
@@ -108,7 +108,7 @@ def test_microbatches_that_do_not_divide_over_the_data_axes_are_refused():
   mesh = sh.make_mesh(MeshConfig(data=2), jax.devices()[:2])
   batch = {"targets": jnp.zeros((6, 3), jnp.int32)}
   with pytest.raises(ConfigError, match=r"microbatches .* 2 data-parallel devices .* multiple of 4"):
-    _microbatches(batch, 2, mesh)
+    _microbatches(batch, 2, mesh, sh.LOGICAL_RULES)
   with pytest.raises(ConfigError, match="train.batch_size=30 does not split into train.grad_accum_steps=4"):
     TrainConfig(batch_size=30, grad_accum_steps=4).validate()
   with pytest.raises(ConfigError, match="train.grad_accum_steps must be >= 1"):

@@ -46,7 +46,6 @@ def _sentences(lang: str, n: int = 4) -> list[str]:
 def _random_params(config, seed: int = 0):
   """A random init of `config`'s model with every leaf perturbed (float32 numpy tree)."""
   import flax.linen as nn
-  from jaxformer import sharding as sh
   from jaxformer.tasks import get_task
   model = get_task(config).make_model()
   ids = jnp.ones((1, 4), jnp.int32)
@@ -57,8 +56,7 @@ def _random_params(config, seed: int = 0):
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.fold_in(key, 1), len(leaves))
     return tree.unflatten([x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
-  with sh.axis_rules(sh.parse_rules("")):
-    return model, jax.device_get(init(jax.random.key(seed)))
+  return model, jax.device_get(init(jax.random.key(seed)))
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Sharding changes nothing but placement: the same training on every mesh, golden specs,
 and shards that really are 1/N of each array."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -43,21 +44,21 @@ def _batches():
   return out
 
 
-def _run(mesh_shape, dropout, rules="", overrides=()):
+def _run(mesh_shape, dropout, rules="", overrides=(), length=13, steps=STEPS):
   # One layer per stack: every sharded weight and collective of a layer, at half the compile time.
   config = _config(dropout, "model.num_encoder_layers=1", "model.num_decoder_layers=1", *overrides)
   devices = jax.devices()[:int(np.prod(mesh_shape))]
-  with sh.axis_rules(sh.parse_rules(rules)):  # what `train` does with mesh.rules
-    mesh = sh.make_mesh(MeshConfig(*mesh_shape), devices)
-    model = EncoderDecoder(config.model)
-    tx = make_optimizer(config.optim, config.model.d_model)
-    abstract, logical = abstract_state(model, tx)
-    shardings = sh.logical_to_sharding(logical, mesh)
-    state = create_state(model, tx, mesh, 0, shardings)
-    step = make_train_step(model, tx, config, mesh, shardings)
+  config = dataclasses.replace(config, mesh=MeshConfig(*mesh_shape, rules=rules))
+  mesh = sh.make_mesh(config.mesh, devices)
+  model = EncoderDecoder(config.model)
+  tx = make_optimizer(config.optim, config.model.d_model)
+  abstract, logical = abstract_state(model, tx)
+  shardings = sh.logical_to_sharding(logical, mesh, sh.rules_for(config.mesh))
+  state = create_state(model, tx, mesh, 0, shardings, rules=sh.rules_for(config.mesh))
+  step = make_train_step(model, tx, config, mesh, shardings)
   losses = []
-  for batch in _batches():
-    state, metrics = step(state, batch, jax.random.key(7))
+  for batch in _batches()[:steps]:
+    state, metrics = step(state, {k: v[:, :length] for k, v in batch.items()}, jax.random.key(7))
     losses.append(float(metrics["loss"] / metrics["num_tokens"]))
   return losses, state
 
@@ -94,6 +95,16 @@ def test_rules_overridden_from_config_change_placement_not_values(references):
                              atol=1e-5, rtol=1e-5)
 
 
+def test_context_axis_changes_placement_not_values():
+  """mesh.context=2 splits the length of the batch and of every activation (12 tokens: 6 per
+  device); attention gathers keys/values across it. Two steps, as on one device."""
+  ref_losses, ref_state = _run((1, 1, 1), 0.0, length=12, steps=2)
+  losses, state = _run((2, 1, 2, 1, 2), 0.0, length=12, steps=2)   # data=2, tensor=2, context=2
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(jax.device_get(ref_state.params))):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_dropout_changes_the_loss(references):
   assert not np.allclose(references[0.0][0], references[0.1][0])
 
@@ -106,8 +117,12 @@ def _specs(mesh_shape):
   return abstract, sh.logical_to_sharding(logical, mesh)
 
 
-def test_golden_partition_specs_for_tiny_on_2x2x2():
-  _, shardings = _specs((2, 2, 2))
+# (data, fsdp, tensor, stage, context, expert): the new axes split no parameter, so the specs of
+# a mesh with any of them are the 2x2x2 golden ones.
+@pytest.mark.parametrize("mesh_shape", [(2, 2, 2), (1, 2, 2, 2), (1, 2, 2, 1, 2), (1, 2, 2, 1, 1, 2)],
+                         ids=["2x2x2", "stage2", "context2", "expert2"])
+def test_golden_partition_specs_for_tiny(mesh_shape):
+  _, shardings = _specs(mesh_shape)
   flat = jax.tree_util.tree_flatten_with_path(shardings.params)[0]
   got = {"/".join(k.key for k in path): [list(a) if isinstance(a, tuple) else a for a in s.spec]
          for path, s in flat}

@@ -11,8 +11,38 @@ from jaxformer.runtime import build_mesh
 
 def test_mesh_fills_minus_one_and_uses_auto_axes():
   mesh = sh.make_mesh(MeshConfig(data=-1, fsdp=2, tensor=1))
-  assert dict(mesh.shape) == {"data": 4, "fsdp": 2, "tensor": 1}
-  assert mesh.axis_types == (AxisType.Auto,) * 3
+  assert dict(mesh.shape) == {"data": 4, "stage": 1, "fsdp": 2, "context": 1, "expert": 1, "tensor": 1}
+  assert mesh.axis_types == (AxisType.Auto,) * 6
+
+
+@pytest.mark.parametrize("sizes, expected", [
+    ({"stage": 2, "context": 2, "expert": 2}, {"data": 1, "stage": 2, "context": 2, "expert": 2}),
+    ({"context": -1, "tensor": 2}, {"data": 1, "context": 4, "tensor": 2}),
+    ({"data": 2, "expert": -1}, {"data": 2, "expert": 4}),
+])
+def test_any_axis_may_grow_and_any_one_may_be_minus_one(sizes, expected):
+  config = MeshConfig(**{"data": 1, **sizes})
+  mesh = sh.make_mesh(config)
+  assert dict(mesh.shape) == {a: expected.get(a, 1) for a in sh.MESH_AXES}
+  assert mesh.axis_names == sh.MESH_AXES and mesh.devices.size == 8
+
+
+def test_mesh_config_errors_are_one_line():
+  with pytest.raises(ConfigError, match="at most one of mesh.data, mesh.stage, mesh.fsdp"):
+    config_from_dict({}, ["mesh.data=-1", "mesh.expert=-1"])
+  with pytest.raises(ConfigError, match="mesh.context must be a positive size or -1, got 0"):
+    config_from_dict({}, ["mesh.context=0"])
+  with pytest.raises(ConfigError, match=r"mesh data\*stage\*context = 2\*2\*3 = 12 but there are 8 devices") as err:
+    sh.make_mesh(MeshConfig(data=2, stage=2, context=3))
+  assert "\n" not in str(err.value)
+
+
+def test_context_must_divide_the_sequence_lengths_before_compiling():
+  config = config_from_dict({}, ["mesh.data=2", "mesh.context=4", "train.batch_size=8"])   # buckets 12, 14, ...
+  with pytest.raises(ConfigError, match=r"mesh.context=4 does not divide the sequence lengths \[12, 14,.*use mesh.context in \[1, 2\]"):
+    build_mesh(config)
+  ok = config_from_dict({}, ["mesh.data=4", "mesh.context=2", "train.batch_size=8"])
+  assert dict(build_mesh(ok).shape)["context"] == 2
 
 
 def test_mesh_size_must_match_devices():
@@ -30,7 +60,7 @@ def test_batch_must_divide_data_parallel_size():
 
 def test_rules_map_logical_axes():
   mesh = sh.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-  assert sh.batch_sharding(mesh).spec == PartitionSpec(("data", "fsdp"), None)
+  assert sh.batch_sharding(mesh).spec == PartitionSpec(("data", "fsdp"), "context")
   specs = {"w": PartitionSpec(sh.EMBED, sh.MLP), "e": PartitionSpec(sh.VOCAB, sh.EMBED),
            "q": PartitionSpec(sh.EMBED, sh.HEADS, sh.KV)}
   out = sh.logical_to_sharding(specs, mesh)
@@ -47,11 +77,11 @@ def test_rules_overrides_parse_and_apply():
   assert rules[sh.ACT_BATCH] == ("data", "fsdp", "tensor") and rules[sh.HEADS] == "tensor"
   assert sh.parse_rules("") == sh.LOGICAL_RULES
   mesh = sh.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-  with sh.axis_rules(sh.parse_rules("act_batch=data,embed=none")):
-    assert sh.batch_sharding(mesh).spec == PartitionSpec("data", None)
-    assert sh.data_parallel_size(mesh) == 2
-    assert sh.logical_to_sharding(PartitionSpec(sh.EMBED, sh.MLP), mesh).spec == PartitionSpec(None, "tensor")
-  assert sh.data_parallel_size(mesh) == 4  # default rules again outside the context
+  rules = sh.rules_for(MeshConfig(rules="act_batch=data,embed=none,act_length=none"))
+  assert sh.batch_sharding(mesh, rules=rules).spec == PartitionSpec("data", None)
+  assert sh.data_parallel_size(mesh, rules) == 2
+  assert sh.logical_to_sharding(PartitionSpec(sh.EMBED, sh.MLP), mesh, rules).spec == PartitionSpec(None, "tensor")
+  assert sh.data_parallel_size(mesh) == 4  # the default rules when none are passed
 
 
 @pytest.mark.parametrize("text, message", [
@@ -69,7 +99,21 @@ def test_bad_rules_overrides_give_one_line_errors(text, message):
 def test_rules_overrides_that_do_not_divide_fail_before_compiling():
   abstract = {"ffn": {"wi": jax.ShapeDtypeStruct((64, 12), "float32")}}
   mesh = sh.make_mesh(MeshConfig(data=1, fsdp=8, tensor=1))
-  with sh.axis_rules(sh.parse_rules("mlp=fsdp,embed=none")):
-    shardings = sh.logical_to_sharding({"ffn": {"wi": PartitionSpec(sh.EMBED, sh.MLP)}}, mesh)
+  shardings = sh.logical_to_sharding({"ffn": {"wi": PartitionSpec(sh.EMBED, sh.MLP)}}, mesh,
+                                     sh.parse_rules("mlp=fsdp,embed=none"))
   with pytest.raises(ConfigError, match=r"\['ffn'\]\['wi'\] dimension 1 of size 12 does not split over mesh axes fsdp = 8"):
     sh.check_divisible(abstract, shardings)
+
+
+def test_new_axes_in_the_rules_table():
+  """Golden specs on a mesh using every axis: context splits the length of activations and
+  inputs, expert the (reserved) experts axis; stage names no array dimension."""
+  mesh = sh.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1, stage=2, context=2, expert=2))
+  assert sh.batch_sharding(mesh).spec == PartitionSpec(("data", "fsdp"), "context")
+  assert sh.batch_sharding(mesh, stacked=True).spec == PartitionSpec(None, ("data", "fsdp"), "context")
+  specs = {"act": PartitionSpec(sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_EMBED),
+           "moe": PartitionSpec(sh.EXPERTS, sh.EMBED, sh.MLP)}
+  out = sh.logical_to_sharding(specs, mesh)
+  assert out["act"].spec == PartitionSpec(("data", "fsdp"), "context", None)
+  assert out["moe"].spec == PartitionSpec("expert", "fsdp", "tensor")
+  assert sh.parse_rules("layers=stage+context")[-2] == (sh.LAYERS, ("stage", "context"))

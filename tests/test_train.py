@@ -193,7 +193,7 @@ def _compile_step(cfg: Config, mesh_shape, state0, batch):
     nonlocal compiled
     state = jax.device_put(state0, shardings)
     rng = jax.device_put(jax.random.key(rng_seed), sh.replicated(mesh))
-    with jax.set_mesh(mesh), sh.axis_rules():  # what the step's own wrapper does
+    with sh.bind(mesh, sh.LOGICAL_RULES):  # what the step's own wrapper does
       if compiled is None:
         compiled = train_step.jitted.lower(state, gbatch, rng).compile({"xla_backend_optimization_level": 0})
       new_state, metrics = compiled(state, gbatch, rng)

@@ -124,13 +124,14 @@ def lm_eval_batches(config, split, shift: bool, process_index: int = 0, process_
                              packing=config.data.packing, process_index=process_index, process_count=process_count)
 
 
-def global_batch(local: dict[str, np.ndarray], mesh) -> dict[str, Any]:
+def global_batch(local: dict[str, np.ndarray], mesh, rules=None) -> dict[str, Any]:
   """The global `[batch, length]` (or stacked `[steps, batch, length]`) arrays of every
-  batch key, assembled from each process's rows and sharded over the data axes."""
+  batch key, assembled from each process's rows and sharded over the data axes by `rules`
+  (the run's `sharding.rules_for(config.mesh)`; None: the default rules)."""
   import jax  # noqa: PLC0415
 
   from jaxformer import sharding as sh  # noqa: PLC0415
-  sharding = sh.batch_sharding(mesh, stacked=local["inputs"].ndim == 3)
+  sharding = sh.batch_sharding(mesh, stacked=local["inputs"].ndim == 3, rules=rules or sh.LOGICAL_RULES)
   return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items() if k != "index"}
 
 

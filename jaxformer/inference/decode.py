@@ -212,9 +212,10 @@ class Draft:
 
 
 def make_decode_fn(model: nn.Module, mesh: Mesh, max_length: int, options: SearchOptions | None = None,
-                   draft: Draft | None = None) -> Callable[[Any, jax.Array], jax.Array]:
+                   draft: Draft | None = None, rules: sh.Rules = sh.LOGICAL_RULES) -> Callable[[Any, jax.Array], jax.Array]:
   """Jitted `(params, inputs [batch, src_len]) -> int32 tokens [batch, out_len]` for the
-  strategy of `options` (default: greedy), out_len = min(src_len + extra_tokens, max_length).
+  strategy of `options` (default: greedy), out_len = min(src_len + extra_tokens, max_length),
+  traced on `mesh` with `rules` (the run's `sh.rules_for(config.mesh)`, fixed here).
 
   The batch is sharded over the data axes (beams stay with their sentence); recompiles
   once per source length. Sampling uses `jax.random.key(options.seed)` for every batch;
@@ -231,7 +232,7 @@ def make_decode_fn(model: nn.Module, mesh: Mesh, max_length: int, options: Searc
 
   @functools.partial(jax.jit, static_argnums=(2,))
   def run(params, inputs, out_len, draft_params=None):
-    inputs = jax.lax.with_sharding_constraint(inputs, sh.batch_sharding(mesh))
+    inputs = jax.lax.with_sharding_constraint(inputs, sh.batch_sharding(mesh, rules=rules))
     if draft is None:
       return decode_with(model, params, inputs, out_len, options)
     tokens, accepted, rounds = speculative_greedy(model, params, draft.model, draft_params, inputs, out_len,
@@ -240,7 +241,7 @@ def make_decode_fn(model: nn.Module, mesh: Mesh, max_length: int, options: Searc
 
   def decode_fn(params, inputs):
     out_len = default_decode_len(inputs.shape[1], max_length, options.extra_tokens)
-    with jax.set_mesh(mesh), sh.axis_rules():
+    with sh.bind(mesh, rules):
       if draft is None:
         return run(params, inputs, out_len)
       tokens, accepted, proposed = run(params, inputs, out_len, draft.params)

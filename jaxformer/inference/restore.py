@@ -85,20 +85,19 @@ def restore(workdir: str | Path, config: Config, step: int | None = None, averag
     raise ckpt.CheckpointError(f"no checkpoint in {checkpointer.directory}; train first or check --workdir")
   ckpt.run_file(workdir, ckpt.TOKENIZER_FILE)   # a one-line error if it is not a workdir
   vocab = ckpt.load_vocabulary(workdir)
-  rules = sh.parse_rules(config.mesh.rules)
-  with sh.axis_rules(rules):
-    mesh = build_mesh(config)
-    model = get_task(config).make_model()
-    tx = make_optimizer(config.optim, config.model.d_model)
-    abstract, shardings = state_shardings(model, tx, mesh)
-    target = ckpt.sharded_target(abstract.params, shardings.params)
-    if average_last:
-      averaged = average.last_steps(checkpointer, average_last)
-      restored_step = averaged[-1]
-      params = average.average_params(lambda s: layout.restore_params(checkpointer, target, model, s)[1], averaged)
-    else:
-      averaged = None
-      restored_step, params = layout.restore_params(checkpointer, target, model, step)
+  rules = sh.rules_for(config.mesh)
+  mesh = build_mesh(config)
+  model = get_task(config).make_model()
+  tx = make_optimizer(config.optim, config.model.d_model)
+  abstract, shardings = state_shardings(model, tx, mesh, rules)
+  target = ckpt.sharded_target(abstract.params, shardings.params)
+  if average_last:
+    averaged = average.last_steps(checkpointer, average_last)
+    restored_step = averaged[-1]
+    params = average.average_params(lambda s: layout.restore_params(checkpointer, target, model, s)[1], averaged)
+  else:
+    averaged = None
+    restored_step, params = layout.restore_params(checkpointer, target, model, step)
   checkpointer.close()
   if quantize == "int8":
     params = jax.jit(lambda p: quantize_params(p, min_size=1))(params)   # every kernel, even a tiny model's

@@ -1,7 +1,7 @@
 """Multi-head scaled dot-product attention (paper section 3.2) with masks and a KV cache,
 plus grouped-query heads, RoPE (with context-extension scaling) / ALiBi / T5 bias, score
-soft-capping, sliding windows with global tokens, a memory-linear blockwise implementation
-and Linformer's low-rank keys/values.
+soft-capping, sliding windows with global tokens, a memory-linear blockwise implementation, a
+fused one (`jax.nn.dot_product_attention`) and Linformer's low-rank keys/values.
 
 Masks are boolean, True where a query may attend to a key, broadcastable to
 `[batch, num_heads, q_length, kv_length]`. Masked logits get a large finite negative
@@ -59,6 +59,25 @@ def attend(weights: jax.Array, v: jax.Array, dropout_rng: jax.Array | None = Non
   return jnp.einsum("bnts,bsnh->btnh", weights.astype(v.dtype), repeat_kv(v, weights.shape[1]))
 
 
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, *,
+                    bias: jax.Array | None = None, is_causal: bool = False) -> jax.Array:
+  """`dot_product_attention` (no dropout, no soft-cap) through `jax.nn.dot_product_attention`.
+
+  On a GPU with bfloat16/float16 inputs it asks for cuDNN's fused flash attention
+  (`implementation="cudnn"`: JAX's default, None, still means XLA); elsewhere (CPU, TPU,
+  float32) JAX's XLA implementation, which keeps the logits and softmax in float32 and gives
+  masked logits a large finite negative value, as ours does. Grouped-query heads go in as they
+  are. Shapes as `dot_product_attention`; `bias` float broadcastable to
+  `[batch, num_heads, q_len, kv_len]`; `is_causal` may be set only when the mask already holds the
+  causal mask by token index (it lets cuDNN skip the masked blocks).
+  """
+  cudnn = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+  if cudnn and bias is not None:
+    bias = bias.astype(q.dtype)   # cuDNN takes the bias in the inputs' dtype
+  return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, is_causal=is_causal,
+                                      implementation="cudnn" if cudnn else None)
+
+
 def _project(x: jax.Array, w: jax.Array) -> jax.Array:
   """`[batch, length, d_model]` x `[d_model, num_heads, head_dim]` -> `[batch, length, num_heads, head_dim]`
   as one matmul over the flattened tokens: XLA:CPU runs the 2-D form's weight gradient
@@ -112,9 +131,9 @@ class MultiHeadAttention(nn.Module):
   reuses them at every step.
 
   Raises:
-    ValueError: blockwise attention with dropout; decode without `cache_state`; a
-      cross-attention decode step before the prefill; decode with segment ids or positions;
-      position t5 without `bias_table`.
+    ValueError: blockwise or fused attention with dropout, fused with a soft-cap; decode without
+      `cache_state`; a cross-attention decode step before the prefill; decode with segment ids or
+      positions; position t5 without `bias_table`.
     ConfigError: linformer attention that is causal, decodes with the cache, or gets segment ids.
   """
   num_heads: int
@@ -127,7 +146,7 @@ class MultiHeadAttention(nn.Module):
   sliding_window: int = 0    # tokens; 0 = unlimited
   position: str = "none"     # rope | alibi | t5 act here; sinusoidal / learned / none are added outside
   softcap: float = 0.0       # attention score soft-cap c (c * tanh(s / c)); 0 = off
-  implementation: str = "dense"  # dense | blockwise | linformer
+  implementation: str = "dense"  # dense | blockwise | linformer | fused
   block_size: int = 128      # blockwise: keys per block
   global_tokens: int = 0     # with a sliding window: positions < G see and are seen by all
   rope_scaling: RopeScaling = RopeScaling()  # rope: context-extension scaling
@@ -210,6 +229,13 @@ class MultiHeadAttention(nn.Module):
                                  position_bias=bias, softcap=self.softcap, block_size=self.block_size,
                                  q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                                  global_tokens=self.global_tokens)
+    if self.implementation == "fused":
+      if (not deterministic and self.dropout_rate > 0.0) or self.softcap:
+        raise ValueError("fused attention has no attention dropout or soft-cap; use dense attention for them")
+      mask = attention_mask(q_pos, kv_pos, q_valid, kv_valid, causal, window, q_segment_ids, kv_segment_ids,
+                            self.global_tokens)
+      bias = bias[0](bias[1], q_pos, kv_pos) if bias is not None else None
+      return fused_attention(q, k, v, mask, bias=bias, is_causal=causal and positions is None)
     if deterministic or self.dropout_rate == 0.0:
       dropout_rng = None
     elif dropout_rng is None:

@@ -117,5 +117,6 @@ def task_scores(task, vocab, model, mesh, params, step: int, split) -> dict[str,
   `val_<name>` scores (`vocab` is the run's `data.Vocabulary`)."""
   from jaxformer.inference.restore import Restored  # noqa: PLC0415  (restore imports the train state)
   from jaxformer import sharding as sh  # noqa: PLC0415
-  restored = Restored(task.config, vocab.target, model, mesh, params, step, sh.current_rules(), vocab.source)
+  restored = Restored(task.config, vocab.target, model, mesh, params, step, sh.rules_for(task.config.mesh),
+                      vocab.source)
   return {f"val_{name}": value for name, value in task.score_validation(restored, split).items()}

@@ -100,11 +100,12 @@ def call_length(step: int, train: TrainConfig) -> int:
   return min(*ends, train.num_steps) - step
 
 
-def evaluate_loss(eval_step, params, batches, mesh) -> dict[str, float]:
-  """Token-averaged validation loss, NLL and accuracy over `batches` (dropout off)."""
+def evaluate_loss(eval_step, params, batches, mesh, rules: sh.Rules = sh.LOGICAL_RULES) -> dict[str, float]:
+  """Token-averaged validation loss, NLL and accuracy over `batches` (dropout off), placed on
+  `mesh` by `rules` (those `eval_step` was built with)."""
   totals: dict[str, float] = {}
   for batch in batches:
-    sums = jax.device_get(eval_step(params, global_batch(batch, mesh)))
+    sums = jax.device_get(eval_step(params, global_batch(batch, mesh, rules)))
     for k, v in sums.items():
       totals[k] = totals.get(k, 0.0) + float(v)
   n = max(totals["num_tokens"], 1.0)
@@ -191,7 +192,7 @@ def train(config: Config, workdir: str | Path, dry_run: bool = False, verbose: b
   """
   # One run per workdir: process 0 holds its lock until the last checkpoint is written.
   lock = workdir_lock.hold(workdir) if not dry_run and jax.process_index() == 0 else contextlib.nullcontext()
-  with sh.axis_rules(sh.parse_rules(config.mesh.rules)), lock:
+  with lock:
     return _train(config, Path(workdir), dry_run, verbose)
 
 
@@ -207,7 +208,8 @@ def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[
   model = task.make_model()
   tx = make_optimizer(config.optim, config.model.d_model)
   abstract, logical = abstract_state(model, tx)
-  shardings = sh.logical_to_sharding(logical, mesh)
+  rules = sh.rules_for(config.mesh)
+  shardings = sh.logical_to_sharding(logical, mesh, rules)
   sh.check_divisible(abstract, shardings)
   if jax.process_index() == 0:
     print(format_summary(abstract, logical, shardings, mesh, table=dry_run or verbose),
@@ -227,7 +229,7 @@ def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[
   checkpointer = ckpt.Checkpointer(workdir, config.train.checkpoint_every, config.train.keep_checkpoints,
                                    config.train.async_checkpoint)
   if checkpointer.latest_step() is None:
-    state = create_state(model, tx, mesh, config.runtime.seed, shardings, config.precision.start_scale)
+    state = create_state(model, tx, mesh, config.runtime.seed, shardings, config.precision.start_scale, rules)
     start = 0
   else:
     # The newest intact step: damaged newer ones are reported and moved to damaged_checkpoints/.
@@ -258,7 +260,7 @@ def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[
       local = [next(stream) for _ in range(n)]
       local = stack_batches(local) if stacked else local[0]
       padding += [padding_fraction(local)] * n
-      state, metrics = train_step(state, global_batch(local, mesh), rng)
+      state, metrics = train_step(state, global_batch(local, mesh, rules), rng)
       interrupt.loop_active.set()   # from the first call on (compiled): Ctrl-C stops at a step boundary
       pending.append(metrics)
       guard.add(step, metrics["nonfinite"])
@@ -272,7 +274,7 @@ def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[
         # Time the queued steps, not the evaluation: wait for them, then pause the clock.
         jax.block_until_ready(state)
         seconds += time.perf_counter() - last_time
-        scores = {f"val_{k}": v for k, v in evaluate_loss(eval_step, state.params, val_batches, mesh).items()}
+        scores = {f"val_{k}": v for k, v in evaluate_loss(eval_step, state.params, val_batches, mesh, rules).items()}
         if config.train.keep_best.removeprefix("val_") in task.validation_scores:
           scores.update(task_scores(task, vocab, model, mesh, state.params, step, splits["validation"]))
         logger.write({"step": step, **scores}, prefix="validation")

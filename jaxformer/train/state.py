@@ -58,26 +58,27 @@ def abstract_state(model: nn.Module, tx: optax.GradientTransformation) -> tuple[
   return abstract, specs
 
 
-def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh) -> tuple[TrainState, TrainState]:
-  """(abstract state, NamedSharding tree) for `mesh` via the logical-axis rules.
+def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,
+                    rules: sh.Rules = sh.LOGICAL_RULES) -> tuple[TrainState, TrainState]:
+  """(abstract state, NamedSharding tree) for `mesh` by `rules` (the run's `sh.rules_for(config.mesh)`).
 
   Raises:
     ConfigError: a dimension does not split evenly over its mesh axes.
   """
   abstract, specs = abstract_state(model, tx)
-  shardings = sh.logical_to_sharding(specs, mesh)
+  shardings = sh.logical_to_sharding(specs, mesh, rules)
   sh.check_divisible(abstract, shardings)
   return abstract, shardings
 
 
 def create_state(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, seed: int,
-                 shardings: TrainState, loss_scale: float = 1.0) -> TrainState:
+                 shardings: TrainState, loss_scale: float = 1.0, rules: sh.Rules = sh.LOGICAL_RULES) -> TrainState:
   """Initialises the state directly into `shardings`: no device ever holds the full,
   unsharded parameters unless the mesh says so. `loss_scale` is the starting dynamic
-  loss scale (`PrecisionConfig.start_scale`)."""
+  loss scale (`PrecisionConfig.start_scale`); `rules` those `shardings` were made by."""
   def init(rng):
     params = nn.meta.unbox(model.init(rng, *_dummy_batch(1, 8))["params"])
     return TrainState(jnp.array(0, jnp.int32), params, tx.init(params), initial_loss_scale(loss_scale))
 
-  with jax.set_mesh(mesh), sh.axis_rules():
+  with sh.bind(mesh, rules):
     return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))

@@ -78,9 +78,10 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, config: 
   scale this step used; 1.0 without scaling).
   """
   step = _step_function(model, tx, config, mesh, state_shardings.params)
-  jitted = jax.jit(step, in_shardings=(state_shardings, sh.batch_sharding(mesh), sh.replicated(mesh)),
+  rules = sh.rules_for(config.mesh)
+  jitted = jax.jit(step, in_shardings=(state_shardings, sh.batch_sharding(mesh, rules=rules), sh.replicated(mesh)),
                    out_shardings=(state_shardings, sh.replicated(mesh)), donate_argnums=(0,))
-  return _with_mesh(jitted, mesh)
+  return sh.with_mesh(jitted, mesh, rules)
 
 
 def make_multi_step(model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh,
@@ -101,10 +102,11 @@ def make_multi_step(model: nn.Module, tx: optax.GradientTransformation, config: 
   def steps(state: TrainState, batches: Batch, rng: jax.Array):
     return jax.lax.scan(lambda s, batch: step(s, batch, rng), state, batches)
 
-  stacked = sh.batch_sharding(mesh, stacked=True)  # one sharding for every key of the batch dict
+  rules = sh.rules_for(config.mesh)
+  stacked = sh.batch_sharding(mesh, stacked=True, rules=rules)  # one sharding for every key of the batch dict
   jitted = jax.jit(steps, in_shardings=(state_shardings, stacked, sh.replicated(mesh)),
                    out_shardings=(state_shardings, sh.replicated(mesh)), donate_argnums=(0,))
-  return _with_mesh(jitted, mesh)
+  return sh.with_mesh(jitted, mesh, rules)
 
 
 def make_train_call(model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh,
@@ -124,6 +126,7 @@ def _step_function(model: nn.Module, tx: optax.GradientTransformation, config: C
   precision = config.precision
   dynamic = precision.dynamic_loss_scale
   accum = config.train.grad_accum_steps
+  rules = sh.rules_for(config.mesh)
 
   def scaled_loss(params, batch, rng, factor, per_token=True):
     loss, sums = loss_fn(task, model, params, batch, rng, label_smoothing, z_loss)
@@ -148,7 +151,7 @@ def _step_function(model: nn.Module, tx: optax.GradientTransformation, config: C
       return jax.tree.map(jnp.add, total, grads), sums
 
     zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), param_shardings)
-    grads, sums = jax.lax.scan(microstep, zeros, (jnp.arange(accum), _microbatches(batch, accum, mesh)))
+    grads, sums = jax.lax.scan(microstep, zeros, (jnp.arange(accum), _microbatches(batch, accum, mesh, rules)))
     sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), sums)
     return jax.tree.map(lambda g: g * (positions / jnp.maximum(sums["num_tokens"], 1.0)), grads), sums
 
@@ -177,7 +180,7 @@ def _step_function(model: nn.Module, tx: optax.GradientTransformation, config: C
   return step
 
 
-def _microbatches(batch: Batch, k: int, mesh: Mesh) -> Batch:
+def _microbatches(batch: Batch, k: int, mesh: Mesh, rules: sh.Rules) -> Batch:
   """Each `[rows, ...]` array of `batch` as `[k, rows / k, ...]`: microbatch j holds rows j, j + k, j + 2k, ...
 
   The data axes shard the rows in contiguous blocks, one per device; a block of a multiple of k
@@ -189,12 +192,12 @@ def _microbatches(batch: Batch, k: int, mesh: Mesh) -> Batch:
     ConfigError: the rows are not a multiple of k times the data-parallel size.
   """
   rows = batch["targets"].shape[0]
-  dp = sh.data_parallel_size(mesh)
+  dp = sh.data_parallel_size(mesh, rules)
   if rows % (k * dp):
     raise ConfigError(f"train.grad_accum_steps={k} splits the batch of {rows} rows into microbatches that do not "
                       f"divide over the {dp} data-parallel devices (mesh.data*mesh.fsdp); use a train.batch_size "
                       f"that is a multiple of {k * dp}, or fewer train.grad_accum_steps")
-  sharding = sh.batch_sharding(mesh, stacked=True)
+  sharding = sh.batch_sharding(mesh, stacked=True, rules=rules)
 
   def split(x):
     x = x.reshape(rows // k, k, *x.shape[1:]).swapaxes(0, 1)  # [k, rows / k, ...]
@@ -212,18 +215,7 @@ def make_eval_step(model: nn.Module, config: Config, mesh: Mesh,
   def step(params, batch: Batch):
     return loss_fn(task, model, params, batch, None, label_smoothing, z_loss)[1]
 
-  jitted = jax.jit(step, in_shardings=(param_shardings, sh.batch_sharding(mesh)),
+  rules = sh.rules_for(config.mesh)
+  jitted = jax.jit(step, in_shardings=(param_shardings, sh.batch_sharding(mesh, rules=rules)),
                    out_shardings=sh.replicated(mesh))
-  return _with_mesh(jitted, mesh)
-
-
-def _with_mesh(fn, mesh: Mesh):
-  """Runs `fn` with the mesh and the logical-axis rules active at construction time (the
-  run's `mesh.rules`), so `constrain` resolves the same way at every call."""
-  rules = sh.current_rules()
-
-  def wrapped(*args):
-    with jax.set_mesh(mesh), sh.axis_rules(rules):
-      return fn(*args)
-  wrapped.jitted = fn
-  return wrapped
+  return sh.with_mesh(jitted, mesh, rules)
