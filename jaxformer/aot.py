@@ -83,7 +83,8 @@ def abstract_batch(config: Config, mesh, rules: sh.Rules) -> dict[str, jax.Shape
   return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in keys}
 
 
-def compile_train_step(config: Config, devices: list[Any] | None = None, hbm_bytes: int | None = None) -> dict[str, Any]:
+def compile_train_step(config: Config, devices: list[Any] | None = None,
+                       hbm_bytes: int | None = None) -> dict[str, Any]:
   """Lowers and compiles `config`'s train step on a mesh over `devices` (default: all JAX
   devices) without running it; nothing is allocated but the compiled program.
 

@@ -4,8 +4,9 @@ each does what its `jaxformer` command does, on Python values instead of flags a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from jaxformer import evaluate
 from jaxformer.config import Config, runtime_from_overrides
@@ -27,6 +28,7 @@ def fit(config: Config, workdir: str | Path) -> dict[str, Any]:
   Returns:
     The last logged training metrics (`loss`, `learning_rate`, ... at the final `step`);
     empty when the run was already complete.
+
   Raises:
     ConfigError: a mesh or batch that does not fit the devices, or a workdir that holds
       another model's run.
@@ -46,6 +48,7 @@ def restore(workdir: str | Path, *, step: int | None = None, average_last: int |
     quantize: "int8" stores the weights as int8 with per-channel scales for decoding.
     overrides: runtime.* and mesh.* settings for this machine, e.g. ["mesh.data=1"]; the
       runtime ones are applied first (as the CLI does), the run's own are not.
+
   Raises:
     ConfigError: an override of anything else (the model must match the checkpoint).
     CheckpointError: no (such) checkpoint, or none intact.
@@ -79,6 +82,7 @@ def score(model: Restored, *, split: str | None = None, src: str | None = None, 
 
   Returns:
     The result dict `jaxformer eval` prints as JSON (`step`, `split`, the scores, ...).
+
   Raises:
     ValueError: a split other than val/test or one the dataset lacks, src without ref, invalid
       search options.

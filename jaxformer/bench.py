@@ -20,7 +20,8 @@ import re
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +29,8 @@ import numpy as np
 
 from jaxformer import sharding as sh
 from jaxformer.config import Config, ConfigError, ModelConfig
-from jaxformer.runtime import build_mesh
 from jaxformer.data import global_batch
+from jaxformer.runtime import build_mesh
 from jaxformer.tasks import get_task
 from jaxformer.tasks.translation import Translation
 from jaxformer.train.optim import make_optimizer
@@ -66,7 +67,7 @@ class BenchOptions:
   warmup: int = 3
   peer: bool = True              # also time torch.nn.Transformer when PyTorch is installed
 
-  def validate(self, model: ModelConfig) -> "BenchOptions":
+  def validate(self, model: ModelConfig) -> BenchOptions:
     """These options for `model`: a decoder-only model reads `tgt_length` tokens per row (its
     `src_length` is set to that). Raises ConfigError (one line) for sizes that cannot run, or
     a model kind other than the encoder-decoder and the decoder-only LM."""
@@ -321,7 +322,8 @@ def run_bench(config: Config, options: BenchOptions) -> dict[str, Any]:
 def _make_peer(config: Config, host_batch: dict[str, np.ndarray]):
   """The torch peer when PyTorch is installed, the backend is CPU (it runs on the host) and
   the model is one `torch.nn.Transformer` can express (the paper's options)."""
-  if importlib.util.find_spec("torch") is None or jax.default_backend() != "cpu" or config.model.kind != Translation.kind:
+  if (importlib.util.find_spec("torch") is None or jax.default_backend() != "cpu"
+      or config.model.kind != Translation.kind):
     return None
   m = config.model
   if (m.position, m.norm, m.ffn, m.attention, m.kv_heads, m.attn_logit_softcap, m.sliding_window) != (

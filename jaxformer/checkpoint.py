@@ -33,8 +33,9 @@ import re
 import shutil
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -169,6 +170,7 @@ class Checkpointer:
 
     Returns:
       (step, params).
+
     Raises:
       CheckpointError: as `restore`.
     """
@@ -277,7 +279,7 @@ def _cause(error: BaseException) -> str:
 
 def _mute_orbax_noise() -> None:
   """Mutes what Orbax and TensorStore print on their own, since the checkpointer reports every
-  problem in one line instead (installed once per process):
+  problem in one line instead (installed once per process).
 
   * Orbax's log lines (a failed background save logs the same error five times, with tracebacks);
   * after a failed restore, the reads Orbax abandoned: TensorStore still finishes them, their

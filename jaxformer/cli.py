@@ -1,4 +1,5 @@
-"""`jaxformer train | eval | translate | generate | bench | compile | config`: thin wiring of config, runtime and the library.
+"""`jaxformer train | eval | translate | generate | bench | compile | config`: thin wiring of config, runtime and
+the library.
 `jaxformer plot | attention` live in cli_plots.py, `jaxformer export | import` in cli_interop.py.
 
 User mistakes (bad config, mesh, paths, missing checkpoints) print one `error:` line and
@@ -15,9 +16,8 @@ import sys
 from pathlib import Path
 
 from jaxformer import cli_interop, cli_plots
-from jaxformer.errors import CheckpointError, NonFiniteError
 from jaxformer.config import ConfigError, load_config, parse_override, runtime_from_overrides
-
+from jaxformer.errors import CheckpointError, NonFiniteError
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIG_HINT = ("configs: `jaxformer config --list` lists the shipped configs; `jaxformer config --show CONFIG "
@@ -117,7 +117,8 @@ def _parser() -> argparse.ArgumentParser:
   b.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
   b.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
   b.add_argument("--output", help="also write the JSON result to this file")
-  b.add_argument("overrides", nargs="*", help="dotted overrides, e.g. precision.policy=compute=bfloat16 runtime.num_cpu_devices=2")
+  b.add_argument("overrides", nargs="*",
+                 help="dotted overrides, e.g. precision.policy=compute=bfloat16 runtime.num_cpu_devices=2")
 
   co = sub.add_parser("compile", help="compile the train step ahead of time for N simulated devices (or a TPU "
                       "topology) without running it: per-device memory and whether it fits --hbm")
@@ -205,8 +206,8 @@ def cmd_train(args) -> None:
   from jaxformer import interrupt
   interrupt.install()   # before any library starts a thread (they inherit the blocked SIGINT/SIGTERM)
   config = load_config(args.config, args.overrides)   # before any JAX import: a typo fails fast
-  from jaxformer.runtime import init_runtime
   from jaxformer.distributed import initialize_from_args
+  from jaxformer.runtime import init_runtime
   initialize_from_args(args)  # before any other JAX use
   init_runtime(config.runtime)
   from jaxformer.train.loop import train
@@ -385,8 +386,9 @@ def cmd_config(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
-  commands = {"train": cmd_train, "eval": cmd_eval, "translate": cmd_translate, "generate": cmd_generate, "serve": cmd_serve,
-              "average": cmd_average, "bench": cmd_bench, "compile": cmd_compile, "config": cmd_config,
+  commands = {"train": cmd_train, "eval": cmd_eval, "translate": cmd_translate, "generate": cmd_generate,
+              "serve": cmd_serve, "average": cmd_average, "bench": cmd_bench, "compile": cmd_compile,
+              "config": cmd_config,
               **cli_plots.COMMANDS, **cli_interop.COMMANDS}
   try:
     commands[args.command](args)

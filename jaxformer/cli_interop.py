@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Callable
+from collections.abc import Callable
 
 
 def add_parsers(sub, positive_int: Callable[[str], int]) -> None:

@@ -16,13 +16,12 @@ from typing import Any
 
 import yaml
 
-from jaxformer.model_options import ROPE_SCALINGS, validate_architecture, validate_with_data
 from jaxformer.mesh_config import MeshConfig
+from jaxformer.model_options import ROPE_SCALINGS, validate_architecture, validate_with_data
 from jaxformer.policy import Policy, parse_policy
 from jaxformer.remat import POLICY_NAMES as REMAT_POLICIES
 from jaxformer.schema import ConfigError, apply_overrides, build, parse_override, to_plain
 from jaxformer.tasks import TASKS
-
 
 # Valid names of the string-valued model options.
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -230,7 +229,7 @@ class DataConfig:
 
   For language models `max_length` is the context (window) length and `buckets` are unused.
   """
-  dataset: str = "multi30k"            # multi30k | tinyshakespeare | files | tfds:NAME (e.g. tfds:wmt14_translate/de-en)
+  dataset: str = "multi30k"            # multi30k | tinyshakespeare | files | tfds:NAME (tfds:wmt14_translate/de-en)
   train_files: str = ""                # files: comma-separated; translation SRC,TGT or one .jsonl/.tsv; LMs paths/globs
   validation_files: str = ""           # files: as train_files; empty = hold out the end of train
   test_files: str = ""                 # files: as train_files (eval --split test)
@@ -303,7 +302,8 @@ class TrainConfig:
   grad_accum_steps: int = 1     # microbatches per step (a lax.scan, token-weighted); batch_size must divide by it
   nan_policy: str = "abort"     # non-finite loss/gradients: abort (stop, naming the step) | skip (drop that update)
   max_consecutive_skips: int = 10  # nan_policy=skip: stop once this many steps in a row were non-finite
-  keep_best: str = ""           # val_loss | val_nll | val_accuracy | val_bleu (translation): keep the best step in WORKDIR/best
+  # val_loss | val_nll | val_accuracy | val_bleu (translation): keep the best step in WORKDIR/best
+  keep_best: str = ""
   early_stop_patience: int = 0  # stop after this many evaluations without improving keep_best (or val_loss); 0 = off
 
   def validate(self) -> None:

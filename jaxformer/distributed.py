@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable, Mapping, TypeVar
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 T = TypeVar("T")
 

@@ -12,8 +12,9 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -108,13 +109,15 @@ def hypothesis_scores(model: nn.Module, params: Any, inputs: jax.Array, tokens: 
   score(Y) = sum_t log p(y_t | y_<t, X) / length_penalty(|Y|, alpha), the sum over the
   tokens through the first EOS (EOS included; all `out_len` tokens if there is none), so
   greedy and beam outputs are compared on what beam search maximises (`decode.beam_search`
-  reports the same number for its hypotheses: both leave PAD, never a target, out of the softmax). Jittable (`alpha`, `eos_id` static).
+  reports the same number for its hypotheses: both leave PAD, never a target, out of the softmax).
+  Jittable (`alpha`, `eos_id` static).
 
   Args:
     inputs: int `[batch, src_len]` source ids, PAD (0) padded.
     tokens: int `[batch, out_len]` hypotheses as decoding returns them (tokens through EOS,
       then PAD). A PAD id before a row's end would be read as padding by teacher forcing.
     alpha: GNMT length-penalty exponent >= 0 (paper: 0.6).
+
   Returns:
     float32 `[batch]` length-normalised log-probabilities (<= 0).
   """

@@ -10,7 +10,6 @@ it; a step whose gradients are not finite is skipped and the scale halved, and a
 
 from __future__ import annotations
 
-
 import flax.struct
 import jax
 import jax.numpy as jnp

@@ -47,6 +47,7 @@ def remat_block(block: Any, policy: str, static_argnums: tuple[int, ...], preven
       `decode`), counting `self` as 0.
     prevent_cse: keep XLA from merging the recomputation with the forward pass; may be
       False inside `nn.scan`, whose loop already prevents it.
+
   Raises:
     ValueError: unknown policy name (configs are checked earlier by `ModelConfig.validate`).
   """

@@ -258,7 +258,7 @@ class Server:
       while not all(r.done for r in requests):
         try:
           await asyncio.wait_for(queue.get(), timeout=0.2)
-        except asyncio.TimeoutError:
+        except TimeoutError:
           if await http.is_disconnected():
             raise asyncio.CancelledError from None
           if asyncio.get_running_loop().time() > deadline:

@@ -18,7 +18,8 @@ The mesh uses `AxisType.Auto`: jit propagates shardings from the annotations
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -112,7 +113,8 @@ def parse_rules(overrides: str) -> Rules:
     axes = tuple(a.strip() for a in value.split("+")) if value.lower() != "none" else ()
     bad = [a for a in axes if a not in MESH_AXES]
     if bad or not value:
-      raise ConfigError(f"mesh.rules: {name}={value!r} names no mesh axis of {MESH_AXES}; use one or more joined by + or none")
+      raise ConfigError(f"mesh.rules: {name}={value!r} names no mesh axis of {MESH_AXES}; "
+                        "use one or more joined by + or none")
     table[name] = None if not axes else axes[0] if len(axes) == 1 else axes
   return tuple(table.items())
 

@@ -25,8 +25,8 @@ import json
 import os
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from jaxformer.errors import CheckpointError
 

@@ -82,13 +82,13 @@ def pipeline(args) -> dict:
   import jax  # noqa: PLC0415
 
   from jaxformer import data as D  # noqa: PLC0415
+  from jaxformer import sharding as sh  # noqa: PLC0415
   from jaxformer.config import load_config  # noqa: PLC0415
   from jaxformer.runtime import build_mesh  # noqa: PLC0415
   from jaxformer.tasks import get_task  # noqa: PLC0415
   from jaxformer.train.optim import make_optimizer  # noqa: PLC0415
   from jaxformer.train.state import abstract_state, create_state  # noqa: PLC0415
   from jaxformer.train.step import make_train_call  # noqa: PLC0415
-  from jaxformer import sharding as sh  # noqa: PLC0415
 
   base = load_config(args.config, ["train.steps_per_call=1"])
   settings = {"bucketed": base, "packed": dataclasses.replace(
@@ -119,7 +119,7 @@ def pipeline(args) -> dict:
                  "batch_size": config.train.batch_size,
                  "tokens_per_step": float(np.mean([_tokens(b) for b in host]))}
   for i in range(args.steps):   # interleaved, so background load hits both alike
-    for name, run in runs.items():
+    for run in runs.values():
       step, state, host, times = run
       batch = D.global_batch(host[i], mesh)
       start = time.perf_counter()
@@ -127,7 +127,7 @@ def pipeline(args) -> dict:
       jax.block_until_ready(metrics)
       times.append(time.perf_counter() - start)
       run[1] = state
-  for name, (_, _, host, times) in runs.items():
+  for name, (_, _, _, times) in runs.items():
     step_time = statistics.median(times)
     consumed = out[name]["tokens_per_step"] / step_time
     out[name].update(step_time_s=step_time, train_tokens_per_sec=consumed,

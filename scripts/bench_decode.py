@@ -32,7 +32,8 @@ import json
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -40,13 +41,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer import evaluate
-from jaxformer.inference import restore as inference_restore
 from jaxformer import sharding as sh
 from jaxformer.config import load_config
-from jaxformer.inference.decode import greedy_decode
-from jaxformer.models.transformer import BOS_ID, EncoderDecoder
-from jaxformer.inference.decode import SearchOptions
+from jaxformer.inference import restore as inference_restore
+from jaxformer.inference.decode import SearchOptions, greedy_decode
 from jaxformer.inference.search import LENGTH_PENALTY
+from jaxformer.models.transformer import BOS_ID, EncoderDecoder
 from jaxformer.tasks import get_task
 
 NO_EOS = -1  # an id no argmax can return: decoding runs the full output length

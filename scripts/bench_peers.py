@@ -41,8 +41,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import ctranslate2
 import flax.linen as nn
@@ -86,7 +87,10 @@ def jaxformer_decoder(cfg: Config, params: Any, beam_size: int, src_len: int, ne
     ConfigError: new_tokens < src_len or > model.max_length (today's API sets the output length
       to src_len + extra_tokens, capped by the cache size).
   """
-  from jaxformer.inference.decode import SearchOptions, make_decode_fn   # here, so a change of decoding API touches one function
+  from jaxformer.inference.decode import (  # here, so a change of decoding API touches one function
+    SearchOptions,
+    make_decode_fn,
+  )
 
   if not src_len <= new_tokens <= cfg.model.max_length:
     raise ConfigError(f"jaxformer decodes src_len + extra tokens: --new-tokens must be in [--src-len={src_len}, "

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Speculative decoding on test2016: acceptance rate and speed of greedy decoding with a draft
+r"""Speculative decoding on test2016: acceptance rate and speed of greedy decoding with a draft
 model against plain greedy decoding of the same target, compiles excluded (one warm-up batch
 per shape), at several batch sizes; checks the hypotheses are identical.
 
-  PYTHONPATH=. python scripts/bench_speculative.py --workdir runs/main_check --draft-workdir runs/draft \\
+  PYTHONPATH=. python scripts/bench_speculative.py --workdir runs/main_check --draft-workdir runs/draft \
       --sentences 200 --batch-sizes 1 16 --draft-tokens 2 4
 
 Prints a table; the last stdout line is one JSON object.

@@ -19,12 +19,29 @@ import numpy as np
 
 from jaxformer.data.binpack import first_fit
 from jaxformer.data.packing import PackedBatches, pack_rows
-from jaxformer.data.pipeline import (DEFAULT_BUCKETS, TokenizedSplit, TrainBatches, eval_batches, make_buckets,
-                                     padding_fraction, shard_rows, stack_batches, tokenize_split)
+from jaxformer.data.pipeline import (
+  DEFAULT_BUCKETS,
+  TokenizedSplit,
+  TrainBatches,
+  eval_batches,
+  make_buckets,
+  padding_fraction,
+  shard_rows,
+  stack_batches,
+  tokenize_split,
+)
 from jaxformer.data.prepare import PreparedPairs, PreparedText, prepare_pairs, prepare_text
 from jaxformer.data.sources import PAIRS, SOURCES, SPLITS, TEXT, DataError, make_source, source_key
-from jaxformer.data.tokenizer import (BOS_ID, EOS_ID, PAD_ID, UNK_ID, CharTokenizer, Tokenizer,
-                                      tokenizer_from_bytes, train_tokenizer)
+from jaxformer.data.tokenizer import (
+  BOS_ID,
+  EOS_ID,
+  PAD_ID,
+  UNK_ID,
+  CharTokenizer,
+  Tokenizer,
+  tokenizer_from_bytes,
+  train_tokenizer,
+)
 from jaxformer.data.vocab import Vocabulary, make_vocabulary
 from jaxformer.data.windows import ArrayStream, WindowBatches, window_eval_batches
 
@@ -44,11 +61,13 @@ def load_data(config, kind: str, reserved_ids: int = 0, vocab: Vocabulary | None
       loads them from the data settings.
     only: the splits wanted (default: all the source has); a held-out validation split
       also prepares train.
+
   Returns:
     `(Vocabulary, {"train": ..., "validation": ..., ["test": ...]})`: `PreparedPairs` or
     `PreparedText` per split (of those wanted). Without a validation split, the end of train
     is held out (`HELD_OUT_PAIRS` pairs, at most a tenth, or `HELD_OUT_TEXT_FRACTION` of the
     tokens).
+
   Raises:
     DataError, FileNotFoundError: bad data or settings (one line).
   """
@@ -137,9 +156,9 @@ def global_batch(local: dict[str, np.ndarray], mesh, rules=None) -> dict[str, An
 
 __all__ = [
     "BOS_ID", "DEFAULT_BUCKETS", "EOS_ID", "HELD_OUT_PAIRS", "PAD_ID", "PAIRS", "SOURCES", "SPLITS", "TEXT",
-    "UNK_ID", "ArrayStream", "absolute_paths", "CharTokenizer", "DataError", "PackedBatches", "PreparedPairs", "PreparedText",
-    "TokenizedSplit", "Tokenizer", "TrainBatches", "Vocabulary", "WindowBatches", "eval_batches", "first_fit", "global_batch",
-    "lm_eval_batches", "load_data", "make_buckets", "make_source", "make_vocabulary", "pack_rows", "padding_fraction", "pair_batches",
-    "prepare_pairs", "prepare_text", "shard_rows", "source_key", "stack_batches", "tokenize_split",
-    "tokenizer_from_bytes", "train_tokenizer", "window_batches",
+    "UNK_ID", "ArrayStream", "absolute_paths", "CharTokenizer", "DataError", "PackedBatches", "PreparedPairs",
+    "PreparedText", "TokenizedSplit", "Tokenizer", "TrainBatches", "Vocabulary", "WindowBatches", "eval_batches",
+    "first_fit", "global_batch", "lm_eval_batches", "load_data", "make_buckets", "make_source", "make_vocabulary",
+    "pack_rows", "padding_fraction", "pair_batches", "prepare_pairs", "prepare_text", "shard_rows", "source_key",
+    "stack_batches", "tokenize_split", "tokenizer_from_bytes", "train_tokenizer", "window_batches",
 ]

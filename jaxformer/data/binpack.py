@@ -40,10 +40,12 @@ def first_fit(src_lengths: np.ndarray, tgt_lengths: np.ndarray, length: int) -> 
   Args:
     src_lengths, tgt_lengths: int `[n]`, tokens of each pair's source and target.
     length: the row length on each side, in tokens.
+
   Returns:
     Rows as lists of pair indices, every pair in exactly one row; first-fit decreasing:
     pairs are placed longest first (source + target tokens), each into the first row with
     room on both sides.
+
   Raises:
     ValueError: a pair is longer than `length` on either side.
   """
@@ -74,10 +76,12 @@ def pack_pairs(src_lengths: np.ndarray, tgt_lengths: np.ndarray, length: int, *,
     length: the row length on each side, in tokens.
     rounds: repair rounds at most (0: first fit alone).
     pool_rows: rows emptied into the pool each round.
+
   Returns:
     Rows as lists of pair indices, every pair in exactly one row, each row's sources and
     targets within `length` tokens; at most as many rows as `first_fit`, and a deterministic
     function of the arguments.
+
   Raises:
     ValueError: a pair is longer than `length` on either side.
   """

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 

@@ -27,8 +27,9 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -113,7 +114,7 @@ def _remove_abandoned(final: Path) -> None:
 
 
 def prepare_pairs(source: Source, split: str, vocab, root: Path, max_length: int,
-                  overlong: str = "truncate") -> "PreparedPairs":
+                  overlong: str = "truncate") -> PreparedPairs:
   """Tokenized sentence pairs of `split` (cached; see the module docstring).
 
   Args:
@@ -170,7 +171,7 @@ def prepare_pairs(source: Source, split: str, vocab, root: Path, max_length: int
   return PreparedPairs(_build(final, fill))
 
 
-def prepare_text(source: Source, split: str, tokenizer, root: Path, append_eos: bool) -> "PreparedText":
+def prepare_text(source: Source, split: str, tokenizer, root: Path, append_eos: bool) -> PreparedText:
   """The documents of `split` as one token stream (cached; see the module docstring).
 
   `append_eos`: end every document with EOS (SentencePiece; the character vocabulary has none).
@@ -248,7 +249,7 @@ class PreparedPairs:
   def __len__(self) -> int:
     return self.stop - self.start
 
-  def subset(self, start: int, stop: int) -> "PreparedPairs":
+  def subset(self, start: int, stop: int) -> PreparedPairs:
     """The pairs `[start, stop)` of this view."""
     return PreparedPairs(self.folder, self.start + start, self.start + stop)
 
@@ -302,7 +303,7 @@ class PreparedText:
   def __len__(self) -> int:
     return self.stop - self.start
 
-  def subset(self, start: int, stop: int) -> "PreparedText":
+  def subset(self, start: int, stop: int) -> PreparedText:
     return PreparedText(self.folder, self.start + start, self.start + stop)
 
   def windows(self, starts: np.ndarray, length: int) -> np.ndarray:

@@ -14,8 +14,8 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 import sentencepiece as spm
@@ -42,7 +42,7 @@ class Tokenizer:
     self._sp = processor
 
   @classmethod
-  def from_bytes(cls, serialized: bytes) -> "Tokenizer":
+  def from_bytes(cls, serialized: bytes) -> Tokenizer:
     """Build from a serialized SentencePiece ``ModelProto`` (bytes)."""
     processor = spm.SentencePieceProcessor()
     try:
@@ -53,7 +53,7 @@ class Tokenizer:
     return cls(processor)
 
   @classmethod
-  def load(cls, path: str | os.PathLike) -> "Tokenizer":
+  def load(cls, path: str | os.PathLike) -> Tokenizer:
     """Load a ``.model`` file written by :meth:`save`."""
     path = Path(path)
     if not path.is_file() or path.stat().st_size == 0:
@@ -196,11 +196,11 @@ class CharTokenizer:
     self._table = np.array([""] + list(chars), dtype=object)
 
   @classmethod
-  def from_text(cls, text: str) -> "CharTokenizer":
+  def from_text(cls, text: str) -> CharTokenizer:
     return cls("".join(sorted(set(text))))
 
   @classmethod
-  def from_bytes(cls, serialized: bytes) -> "CharTokenizer":
+  def from_bytes(cls, serialized: bytes) -> CharTokenizer:
     try:
       return cls(json.loads(serialized.decode("utf-8"))["chars"])
     except (ValueError, KeyError, TypeError) as e:
@@ -235,4 +235,6 @@ class CharTokenizer:
 
 def tokenizer_from_bytes(serialized: bytes):
   """A workdir's tokenizer file: a `CharTokenizer` (JSON) or a SentencePiece model."""
-  return CharTokenizer.from_bytes(serialized) if serialized.startswith(b'{"type": "char"') else Tokenizer.from_bytes(serialized)
+  if serialized.startswith(b'{"type": "char"'):
+    return CharTokenizer.from_bytes(serialized)
+  return Tokenizer.from_bytes(serialized)

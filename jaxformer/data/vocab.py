@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import random
 import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 from jaxformer.data.prepare import cache_key
 from jaxformer.data.sources.base import PAIRS, DataError, Source
@@ -88,9 +89,11 @@ def make_vocabulary(data, source: Source, vocab_size: int, root: Path, reserved:
     vocab_size: ids the model has for tokens (`model.vocab_size`, less [MASK] for the masked LM).
     root: cache folder (`data.data_dir`).
     reserved: ids the model keeps beyond `vocab_size` (the masked LM's [MASK]), for messages.
+
   Returns:
     A `Vocabulary`: one tokenizer for both sides, or (`data.shared_vocab=false`, sentence
     pairs) one trained on each side's sentences.
+
   Raises:
     DataError: the tokenizer file is missing, invalid or has more ids than `vocab_size`, or
       the character vocabulary does not fit.

@@ -13,7 +13,7 @@ documents as one text (nanoGPT style).
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 

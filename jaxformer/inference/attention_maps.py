@@ -51,9 +51,9 @@ class AttentionMaps:
 
 
 def token_labels(tokenizer: Any, ids) -> list[str]:
-  """Readable labels of token ids: `<s>`/`</s>` for BOS/EOS, else the token's text (a
+  r"""Readable labels of token ids: `<s>`/`</s>` for BOS/EOS, else the token's text (a
   SentencePiece piece without its word-start mark, the bare mark as `▁`; a space or newline
-  of a character vocabulary as `␣`/`\\n`)."""
+  of a character vocabulary as `␣`/`\n`)."""
   special = {BOS_ID: "<s>", EOS_ID: "</s>"}
   # A piece that decodes to nothing on its own is SentencePiece's bare word-start mark.
   return [special.get(i) or tokenizer.decode([i]).replace("\n", "\\n").replace(" ", "␣") or "▁"

@@ -127,4 +127,5 @@ def reorder_beams(cache: Any, parent: jax.Array, batch_axis: int = 0) -> Any:
     if any(getattr(p, "key", None) == "cross_attention" for p in path):
       return x
     return gather(x, batch_axis)
-  return KVCache(jax.tree_util.tree_map_with_path(layer, cache.layers), jax.tree.map(lambda x: gather(x, 0), cache.state))
+  return KVCache(jax.tree_util.tree_map_with_path(layer, cache.layers),
+                 jax.tree.map(lambda x: gather(x, 0), cache.state))

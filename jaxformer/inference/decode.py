@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -20,9 +21,19 @@ from jax.sharding import Mesh
 from jaxformer import sharding as sh
 from jaxformer.inference import cache as kv
 from jaxformer.inference.quantize import dequantize_params
-from jaxformer.inference.search import (BEAM_SIZE, EOS_ID, EXTRA_TOKENS, LENGTH_PENALTY, beam_search_core,
-                                        check_sampling, check_seed, greedy_core, sample_core,
-                                        sampling_values, source_row_keys)
+from jaxformer.inference.search import (
+  BEAM_SIZE,
+  EOS_ID,
+  EXTRA_TOKENS,
+  LENGTH_PENALTY,
+  beam_search_core,
+  check_sampling,
+  check_seed,
+  greedy_core,
+  sample_core,
+  sampling_values,
+  source_row_keys,
+)
 from jaxformer.inference.speculative import speculative_greedy
 
 
@@ -93,9 +104,11 @@ def beam_search(model: nn.Module, params: Any, inputs: jax.Array, beam_size: int
     max_decode_len: tokens per hypothesis at most, EOS included; None gives
       min(src_len + 50, model max_length) (paper section 6.1); must not exceed max_length.
     alpha: GNMT length-penalty exponent (paper: 0.6), >= 0.
+
   Returns:
     (int32 `[batch, max_decode_len]` best hypothesis per row, float32 `[batch]` its
     length-normalised log-probability).
+
   Raises:
     ValueError: malformed inputs or options (one line).
   """
@@ -131,7 +144,7 @@ def sample_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_l
 
 @dataclasses.dataclass(frozen=True)
 class SearchOptions:
-  """How to decode. The strategy follows from the fields:
+  """How to decode. The strategy follows from the fields.
 
     * `beam_size` > 1: beam search (with `length_penalty`);
     * else any of `temperature`, `top_k`, `top_p` set (not None): sampling with `seed`
@@ -161,7 +174,7 @@ class SearchOptions:
       return "beam"
     return "sample" if self.sampling else "greedy"
 
-  def validate(self) -> "SearchOptions":
+  def validate(self) -> SearchOptions:
     """Returns self; raises ValueError (one line) for inconsistent or out-of-range options."""
     if not isinstance(self.beam_size, int) or self.beam_size < 1:
       raise ValueError(f"beam size must be an integer >= 1 (1 = greedy), got {self.beam_size!r}")
@@ -212,7 +225,8 @@ class Draft:
 
 
 def make_decode_fn(model: nn.Module, mesh: Mesh, max_length: int, options: SearchOptions | None = None,
-                   draft: Draft | None = None, rules: sh.Rules = sh.LOGICAL_RULES) -> Callable[[Any, jax.Array], jax.Array]:
+                   draft: Draft | None = None,
+                   rules: sh.Rules = sh.LOGICAL_RULES) -> Callable[[Any, jax.Array], jax.Array]:
   """Jitted `(params, inputs [batch, src_len]) -> int32 tokens [batch, out_len]` for the
   strategy of `options` (default: greedy), out_len = min(src_len + extra_tokens, max_length),
   traced on `mesh` with `rules` (the run's `sh.rules_for(config.mesh)`, fixed here).

@@ -31,7 +31,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,8 +41,14 @@ import numpy as np
 from jaxformer.inference import cache as kv
 from jaxformer.inference.pages import PageAllocator
 from jaxformer.inference.quantize import dequantize_params
-from jaxformer.inference.search import (EOS_ID, check_sampling, check_seed, sample_tokens, sampling_values,
-                                        source_row_keys)
+from jaxformer.inference.search import (
+  EOS_ID,
+  check_sampling,
+  check_seed,
+  sample_tokens,
+  sampling_values,
+  source_row_keys,
+)
 from jaxformer.models.transformer import PAD_ID
 
 _ids = itertools.count()
@@ -65,7 +72,7 @@ class Request:
   top_p: float | None = None
   seed: int = 0
   eos_id: int = EOS_ID
-  on_token: Callable[["Request", int | None], None] | None = None
+  on_token: Callable[[Request, int | None], None] | None = None
   id: int = dataclasses.field(default_factory=lambda: next(_ids))
   tokens: list[int] = dataclasses.field(default_factory=list)
   done: bool = False
@@ -93,6 +100,7 @@ class Engine:
     max_input_len: longest request input, tokens (sources / prompts); default max_length.
     batching: "continuous" (admit into any free slot at every step) or "static" (admit only
       when the whole running batch has finished).
+
   Raises:
     ValueError: bad sizes or batching (one line).
   """
@@ -205,7 +213,8 @@ class Engine:
     request.tokens.append(token)
     self._emit(request, token)
     self.next_token[slot] = token
-    if token == request.eos_id or len(request.tokens) >= request.max_new_tokens or self.lengths[slot] >= self.max_length:
+    if (token == request.eos_id or len(request.tokens) >= request.max_new_tokens
+        or self.lengths[slot] >= self.max_length):
       self._retire(slot)
 
   def _padded(self, tokens: list[int]) -> np.ndarray:
@@ -236,7 +245,8 @@ class Engine:
       self.slots[slot] = request
       t, k, p = request.options()
       token, self.layers, lengths, source_lengths, keys = self._prefill(
-          self.params, self.layers, self._padded(request.inputs), self._padded(fed) if fed else np.zeros((1, 0), np.int32),
+          self.params, self.layers, self._padded(request.inputs),
+          self._padded(fed) if fed else np.zeros((1, 0), np.int32),
           self.pages.table[slot:slot + 1], self.source_pages.table[slot:slot + 1], jax.random.key(request.seed),
           jnp.asarray([request.sampling]), (jnp.float32(t), jnp.int32(k), jnp.float32(p)))
       self.lengths[slot], self.source_lengths[slot] = int(lengths[0]), int(source_lengths[0])

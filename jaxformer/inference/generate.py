@@ -42,6 +42,7 @@ def generate(restored: Restored, prompt: str, max_new_tokens: int, *, temperatur
   Returns:
     The generated texts (without the prompt): each sample is decoded together with the
     prompt and the prompt's decoded text cut off, so word boundaries at the seam are kept.
+
   Raises:
     ValueError: an empty prompt, a character outside the vocabulary, bad sampling options.
   """

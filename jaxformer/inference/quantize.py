@@ -14,7 +14,8 @@ while the memory held between calls, and moved host -> device, is the int8 tree.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import flax.struct
 import jax
@@ -90,6 +91,7 @@ def quantize_array(w: jax.Array, reduced_axes: tuple[int, ...]) -> QuantizedArra
   Args:
     w: float kernel, any shape.
     reduced_axes: the contracted (input) axes of `w`; every other index is an output channel.
+
   Returns:
     `QuantizedArray` with `scale = max |w| / 127` over `reduced_axes` (kept as size-1 axes)
     and `values = round(w / scale)`, so `|w - values * scale| <= scale / 2` elementwise. An
@@ -113,8 +115,10 @@ def quantize_params(params: Mapping[str, Any], min_size: int = 4096) -> Any:
   Args:
     params: the model's params, e.g. `{"embed": {"embedding": [vocab, d_model]}, "encoder_0": ...}`.
     min_size: elements below which a kernel stays float (its scales would cost more than they save).
+
   Returns:
     A tree of the same structure with `QuantizedArray` nodes in place of the quantized kernels.
+
   Raises:
     ValueError: the tree is already quantized, or holds no float kernel of `min_size` elements.
   """

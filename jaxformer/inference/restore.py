@@ -7,8 +7,9 @@ shardings).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 
@@ -59,7 +60,8 @@ def workdir_config(workdir: str | Path, overrides: Sequence[str] = ()) -> Config
   """
   for o in overrides:
     if not o.startswith(RUNTIME_SECTIONS):
-      raise ConfigError(f"override {o!r} is not allowed at eval time; only runtime.*, mesh.*, train.batch_size and data.data_dir")
+      raise ConfigError(f"override {o!r} is not allowed at eval time; "
+                        "only runtime.*, mesh.*, train.batch_size and data.data_dir")
   saved = to_dict(load_config(ckpt.run_file(workdir, ckpt.CONFIG_FILE)))
   # The training mesh rarely fits the evaluating machine: default to data parallelism over
   # whatever devices are here, unless mesh.* overrides say otherwise.

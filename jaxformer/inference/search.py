@@ -15,7 +15,8 @@ alpha = 0.6, maximum output length = input length + 50.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -47,10 +47,12 @@ def speculative_greedy(target: nn.Module, target_params: Any, draft: nn.Module, 
     inputs: int `[batch, len]` sources (encoder-decoder) or prompts (decoder-only), PAD padded.
     max_decode_len: tokens to generate at most per row, EOS included.
     num_draft_tokens: k >= 1 tokens the draft proposes per round.
+
   Returns:
     int32 `[batch, max_decode_len]` tokens through EOS then PAD (equal to the target's greedy
     output), int32 `[batch]` draft tokens accepted and int32 `[batch]` rounds run per row
     (acceptance rate = accepted / (k * rounds)).
+
   Raises:
     ValueError: num_draft_tokens < 1.
   """

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from jaxformer.config import Config, ConfigError, to_dict
-from jaxformer.interop import hf_bert, hf_gpt2, hf_llama, hf_marian, links as L
+from jaxformer.interop import hf_bert, hf_gpt2, hf_llama, hf_marian
+from jaxformer.interop import links as L
 from jaxformer.interop.hf_tokenizer import save_tokenizer
 
 MAPPINGS: tuple[ModuleType, ...] = (hf_marian, hf_llama, hf_gpt2, hf_bert)
@@ -92,7 +93,8 @@ def hf_model(config: Config, params: Any):
   return model
 
 
-def export_params(config: Config, params: Any, tokenizer, out: str | Path, origin: dict | None = None) -> dict[str, Any]:
+def export_params(config: Config, params: Any, tokenizer, out: str | Path,
+                  origin: dict | None = None) -> dict[str, Any]:
   """Writes our model as a Hugging Face directory `out` (config, safetensors weights,
   generation config, tokenizer), under a temporary name renamed when complete.
 
@@ -100,8 +102,10 @@ def export_params(config: Config, params: Any, tokenizer, out: str | Path, origi
     config: the run config; params: its params (float32 pytree, either layer layout);
     tokenizer: the run's (shared) SentencePiece tokenizer.
     origin: written as `jaxformer_export.json` (which workdir and step), if given.
+
   Returns:
     `{"out", "architecture", "files"}`: what was written.
+
   Raises:
     ConfigError: the model has no Hugging Face counterpart, or `out` exists.
   """
@@ -129,8 +133,9 @@ def export_workdir(workdir: str | Path, out: str | Path, step: int | None = None
   Raises:
     ConfigError, CheckpointError: no mapping, `out` exists, no such checkpoint; one line each.
   """
-  from jaxformer.inference import restore as inference_restore  # noqa: PLC0415
   import jax  # noqa: PLC0415
+
+  from jaxformer.inference import restore as inference_restore  # noqa: PLC0415
   if Path(out).exists():   # before reading any checkpoint
     raise ConfigError(f"--out {out} already exists; remove it or pass another --out")
   config = inference_restore.workdir_config(workdir, overrides)

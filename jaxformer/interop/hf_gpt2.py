@@ -14,7 +14,7 @@ import numpy as np
 from jaxformer.config import Config, ModelConfig
 from jaxformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from jaxformer.interop import links as L
-from jaxformer.interop.hf_llama import generation, output_links   # noqa: F401  (the same generation settings)
+from jaxformer.interop.hf_llama import generation, output_links  # noqa: F401  (the same generation settings)
 
 MODEL_TYPE = "gpt2"
 ARCHITECTURE = "GPT2LMHeadModel"

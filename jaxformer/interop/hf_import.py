@@ -90,6 +90,7 @@ def write_workdir(config: Config, params: Any, tokenizer, workdir: str | Path, o
   """
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
+
   from jaxformer import checkpoint as ckpt  # noqa: PLC0415
   from jaxformer.precision import initial_loss_scale  # noqa: PLC0415
   from jaxformer.train.optim import make_optimizer  # noqa: PLC0415
@@ -116,6 +117,7 @@ def import_hf(hf_dir: str | Path, workdir: str | Path) -> dict[str, Any]:
 
   Returns:
     `{"workdir", "architecture", "from_hf"}`.
+
   Raises:
     ConfigError, ValueError, FileNotFoundError: one line naming the problem.
   """

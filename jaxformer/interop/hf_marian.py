@@ -89,7 +89,8 @@ def model_config(hf) -> dict:
     raise ValueError(f"this Marian model has options jaxformer has no counterpart for: {', '.join(bad)}")
   return dict(kind="encoder_decoder", vocab_size=hf.vocab_size - 1, d_model=hf.d_model,
               num_heads=hf.encoder_attention_heads, d_ff=hf.encoder_ffn_dim, num_encoder_layers=hf.encoder_layers,
-              num_decoder_layers=hf.decoder_layers, dropout_rate=hf.dropout, attention_dropout_rate=hf.attention_dropout,
+              num_decoder_layers=hf.decoder_layers, dropout_rate=hf.dropout,
+              attention_dropout_rate=hf.attention_dropout,
               pre_norm=False, tie_embeddings=bool(hf.tie_word_embeddings and hf.share_encoder_decoder_embeddings),
               max_length=hf.max_position_embeddings, position="sinusoidal", norm="layernorm",
               ffn=hf.activation_function)

@@ -29,6 +29,7 @@ def fast_tokenizer(tokenizer: Tokenizer, *, add_eos: bool, extra_pad: str | None
       its pad as the last id); None: our id 0 is the pad token.
     mask_id: the masked LM's [MASK] id (the model's last), made the token `<mask>`; ids between
       the tokenizer's last piece and it become unused tokens `<unused_N>`.
+
   Raises:
     ValueError: the tokenizer is not a SentencePiece unigram or BPE model.
   """

@@ -17,7 +17,8 @@ FFN, LayerNorm and the logits are equivariant under it, so the model's function 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -156,7 +157,8 @@ def from_hf(links: Sequence[Link], consts: Sequence[Const], tensors: dict[str, A
   for c in consts:
     if c.hf in tensors and not np.array_equal(tensors[c.hf], np.broadcast_to(c.value, tensors[c.hf].shape)):
       raise ValueError(f"{c.hf} holds values jaxformer's model has no counterpart for (it expects "
-                       f"{'zeros' if not np.any(c.value) else 'a fixed value'}); this checkpoint cannot be imported exactly")
+                       f"{'zeros' if not np.any(c.value) else 'a fixed value'}); "
+                       "this checkpoint cannot be imported exactly")
   out = {}
   for link in links:
     if link.from_hf is None:

@@ -36,6 +36,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
     mask: bool, broadcastable to `[batch, num_heads, q_len, kv_len]`, or None.
     dropout_rng: key for dropout on the attention weights; None disables it.
     bias, softcap: see `scores.attention_scores`.
+
   Returns:
     `[batch, q_len, num_heads, head_dim]` in q's dtype.
   """

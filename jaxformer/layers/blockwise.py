@@ -16,7 +16,8 @@ average all values).
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,8 +55,10 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions
     block_size: keys per block; S is padded up to a multiple (padded keys get weight 0).
     q_segment_ids, kv_segment_ids: int `[batch, T]` / `[batch, S]` packed-example ids, both
       or neither, as in `scores.attention_mask`.
+
   Returns:
     `[batch, T, num_heads, head_dim]` in q's dtype.
+
   Raises:
     ValueError: only one of the segment ids given.
   """

@@ -36,6 +36,7 @@ def threefry_2x32(key: tuple[jax.Array, jax.Array], x0: jax.Array, x1: jax.Array
   Args:
     key: two uint32 words `(k0, k1)`, scalars or arrays broadcastable against x0 / x1.
     x0, x1: uint32 counter words of one (broadcastable) shape.
+
   Returns:
     `(y0, y1)`, uint32 of the broadcast shape.
   """
@@ -103,10 +104,12 @@ def dropout(x: jax.Array, rate: float, key: jax.Array) -> jax.Array:
     x: float array of any shape (see `random_words` for how positions become counters).
     rate: Python float in [0, 1], the drop probability. 0 returns x without drawing; 1 zeros.
     key: a typed `jax.random.key` (any impl; its first two data words are used) or raw uint32[2].
+
   Returns:
     Array of x's shape and dtype: kept elements are `x * (1 / (1 - rate))`, the scale
     rounded to x's dtype (within an ulp of `x / (1 - rate)`; in float32 when the scale
     overflows x's dtype), dropped ones 0.
+
   Raises:
     TypeError: x is not floating point, or the key is not one key.
     ValueError: rate outside [0, 1].

@@ -15,6 +15,7 @@ def sinusoidal_positions(positions: jax.Array, d_model: int) -> jax.Array:
   Args:
     positions: int `[batch, length]` token positions (0-based).
     d_model: even model width.
+
   Returns:
     float32 `[batch, length, d_model]`.
   """

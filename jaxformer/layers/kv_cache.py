@@ -96,6 +96,7 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
     causal, sliding_window, global_tokens: as in `scores.position_mask`.
     position_bias: (bias function, its params) as in `positions.PositionBias` (ALiBi, T5), or None.
     softcap: as in `scores.attention_scores`.
+
   Returns:
     `[batch, T, num_heads, head_dim]` in q's dtype. Grouped-query heads share their key head
     without copying it (query head j*G + g reads key head j).

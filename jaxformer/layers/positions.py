@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -94,8 +94,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, base: float = 10000.0,
     x: `[batch, length, heads, head_dim]` queries or keys; head_dim must be even.
     positions: int `[batch, length]` absolute token positions.
     scaling: context-extension scaling of the frequencies (`RopeScaling`).
+
   Returns:
     `[batch, length, heads, head_dim]` in x's dtype (the rotation is computed in float32).
+
   Raises:
     ValueError: odd head_dim.
   """

@@ -53,6 +53,7 @@ def attention_mask(q_positions: jax.Array, kv_positions: jax.Array, q_valid: jax
     q_segment_ids, kv_segment_ids: int `[batch, T]` / `[batch, S]` packed-example ids (1, 2,
       ... per example of a row, 0 on padding), both or neither: a query sees only keys of
       its own segment. None = one example per row.
+
   Raises:
     ValueError: only one of the segment ids given.
   """

@@ -25,7 +25,7 @@ and `nn.scan`'s broadcast arguments treat them like the masks.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax

@@ -26,8 +26,18 @@ from jaxformer.layers.norm import make_norm
 from jaxformer.layers.positions import LearnedPositions
 from jaxformer.models.blocks import BLOCK_AXES, EncoderBlock
 from jaxformer.models.layout import StackedInit, layer_rngs
-from jaxformer.models.transformer import (PAD_ID, advance, bias_table, cache_positions, embed_tokens, layer_stack,
-                                          output_logits, resolve_positions, run_stack, untied_output_proj)
+from jaxformer.models.transformer import (
+  PAD_ID,
+  advance,
+  bias_table,
+  cache_positions,
+  embed_tokens,
+  layer_stack,
+  output_logits,
+  resolve_positions,
+  run_stack,
+  untied_output_proj,
+)
 
 
 class SelfAttentionStack(StackedInit, nn.Module):
@@ -102,8 +112,10 @@ class DecoderOnly(SelfAttentionStack):
         mutable): row b's tokens go to positions `cache_state.lengths[b]`, ...; a prefill
         feeds the prompt (PAD-padded at the end), each later call one token. PAD tokens are
         not cached. No segment ids or positions then.
+
     Returns:
       float32 `[batch, length, vocab_size]`.
+
     Raises:
       ValueError: `segment_ids` or `positions` with `cache_state`.
     """

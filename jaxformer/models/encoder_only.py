@@ -31,6 +31,7 @@ class EncoderOnly(SelfAttentionStack):
         packed; None = derived from `segment_ids`, or 0..length-1.
       segment_ids: int `[batch, length]` packed-example ids (1, 2, ... per example of a
         row, 0 on padding): attention stays inside a segment. None = one example per row.
+
     Returns:
       float32 `[batch, length, vocab_size]`.
     """

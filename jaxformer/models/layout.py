@@ -19,8 +19,9 @@ layer count), ...)`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import flax.linen as nn
 import jax

@@ -242,6 +242,7 @@ class EncoderDecoder(StackedInit, nn.Module):
       cache_state: decode with the KV cache (`jaxformer.inference`): the "cache" collection
         must be mutable; row b's tokens sit at positions `cache_state.lengths[b]`, ... and
         PAD tokens are not cached. No segment ids or positions then.
+
     Raises:
       ValueError: segment ids or positions with `cache_state`.
     """

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -27,8 +28,9 @@ class EvalOptions:
   instead of a split (translation);
   batch_size: sentences per decoding batch; search: `inference.decode.SearchOptions`; output: the
   hypotheses file, or a folder (the workdir) where it is named after the split and the
-  search, or None (not written: the Python API's `score`); workdir: the run's folder, whose tokenizers encode the evaluation data; draft: None,
-  or a function restoring the draft model of speculative greedy decoding.
+  search, or None (not written: the Python API's `score`); workdir: the run's folder, whose
+  tokenizers encode the evaluation data; draft: None, or a function restoring the draft model of
+  speculative greedy decoding.
   """
   split: str | None = None
   src: str | None = None
@@ -65,7 +67,8 @@ class Task(abc.ABC):
   def __init__(self, config):
     self.config = config
 
-  def validate(self) -> None:
+  # A hook, not abstract: by default a task accepts every setting.
+  def validate(self) -> None:  # noqa: B027
     """Raises ConfigError (one line) for settings this task cannot use; `Config.validate` calls it."""
 
   @abc.abstractmethod

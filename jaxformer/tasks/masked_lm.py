@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer import data as D
+from jaxformer.inference.search import source_row_keys
 from jaxformer.models.encoder_only import EncoderOnly
 from jaxformer.models.transformer import PAD_ID
-from jaxformer.inference.search import source_row_keys
 from jaxformer.tasks.causal_lm import CausalLM, lm_outputs
 
 _EVAL_MASK_KEY = 0        # eval masks: this key folded with each row's tokens

@@ -19,7 +19,6 @@ from jaxformer.data.sources.base import read_lines
 from jaxformer.models.transformer import PAD_ID, EncoderDecoder
 from jaxformer.tasks.base import EvalOptions, Task, apply_model
 
-
 # The extra keys of a packed batch (`data/packing.py`), passed to the model as they are.
 PACKED_KEYS = ("inputs_segment_ids", "inputs_positions", "targets_segment_ids", "targets_positions")
 

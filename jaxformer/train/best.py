@@ -115,8 +115,8 @@ class BestCheckpoint:
 def task_scores(task, vocab, model, mesh, params, step: int, split) -> dict[str, float]:
   """`task.score_validation` of the training `params` on the validation `split`, as
   `val_<name>` scores (`vocab` is the run's `data.Vocabulary`)."""
-  from jaxformer.inference.restore import Restored  # noqa: PLC0415  (restore imports the train state)
   from jaxformer import sharding as sh  # noqa: PLC0415
+  from jaxformer.inference.restore import Restored  # noqa: PLC0415  (restore imports the train state)
   restored = Restored(task.config, vocab.target, model, mesh, params, step, sh.rules_for(task.config.mesh),
                       vocab.source)
   return {f"val_{name}": value for name, value in task.score_validation(restored, split).items()}

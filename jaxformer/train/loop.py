@@ -20,23 +20,21 @@ import numpy as np
 import tqdm
 
 from jaxformer import checkpoint as ckpt
-from jaxformer import interrupt
+from jaxformer import interrupt, workdir_lock
 from jaxformer import sharding as sh
-from jaxformer import workdir_lock
+from jaxformer.average import AVERAGE_FILE
 from jaxformer.config import Config, ConfigError, TrainConfig, check_directory, dump_config, load_config
+from jaxformer.data import PAIRS, absolute_paths, global_batch, padding_fraction, stack_batches
 from jaxformer.distributed import main_process_first, max_over_processes
 from jaxformer.errors import NonFiniteError
-from jaxformer.data import PAIRS, absolute_paths, global_batch, padding_fraction, stack_batches
+from jaxformer.models import layout
 from jaxformer.runtime import build_mesh
-from jaxformer.average import AVERAGE_FILE
+from jaxformer.summary import format_summary
+from jaxformer.tasks import get_task
 from jaxformer.train.best import BEST_FILE, BestCheckpoint, task_scores
 from jaxformer.train.optim import make_optimizer
-from jaxformer.summary import format_summary
-from jaxformer.models import layout
 from jaxformer.train.state import abstract_state, create_state
 from jaxformer.train.step import make_eval_step, make_train_call
-from jaxformer.tasks import get_task
-
 
 # Data settings that choose the tokenizer: a workdir's checkpoints only work with the one it saved.
 TOKENIZER_KEYS = ("tokenizer", "tokenizer_model", "shared_vocab", "input_sentence_size")
@@ -48,6 +46,7 @@ def _check_resume_config(workdir: Path, config: Config) -> bool:
 
   Returns:
     Whether that run is complete: its latest checkpoint is at `train.num_steps` (nothing to train).
+
   Raises:
     ConfigError: the workdir is a file or read-only, or it holds a run with another model or
       tokenizer, another steps_per_call (bucketed pairs), or a checkpoint past train.num_steps.
@@ -186,7 +185,8 @@ def train(config: Config, workdir: str | Path, dry_run: bool = False, verbose: b
   """Trains `config` in `workdir`, resuming from its latest checkpoint if there is one.
 
   Prints the sharding summary first: the parameter table and per-device totals to stdout
-  and nothing else when `dry_run`; else the totals (and with `verbose` the table) to stderr. Returns the last logged training metrics. Raises ConfigError for a mesh,
+  and nothing else when `dry_run`; else the totals (and with `verbose` the table) to stderr.
+  Returns the last logged training metrics. Raises ConfigError for a mesh,
   `mesh.rules` or batch that does not fit the devices, or a workdir that holds a
   different model.
   """

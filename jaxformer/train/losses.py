@@ -55,6 +55,7 @@ def cross_entropy_sums(logits: jax.Array, targets: jax.Array, weights: jax.Array
     weights: float `[batch, length]`, 1 for real tokens and 0 for padding.
     label_smoothing: epsilon in [0, 1).
     z_loss: weight of log(Z)^2 (>= 0; 0 = off).
+
   Returns:
     float32 scalars: `loss` (smoothed cross-entropy plus z-loss sum, nats), `nll` (unsmoothed
     negative log-likelihood sum, nats), `correct` (argmax hits), `num_tokens`.

@@ -8,7 +8,7 @@ across devices, batches and processes.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -19,11 +19,11 @@ from jax.sharding import Mesh
 from jaxformer import sharding as sh
 from jaxformer.config import Config, ConfigError
 from jaxformer.precision import all_finite, next_loss_scale, select_tree
+from jaxformer.tasks import get_task
+from jaxformer.tasks.base import Task
 from jaxformer.train.losses import cross_entropy_sums
 from jaxformer.train.optim import make_schedule
 from jaxformer.train.state import TrainState
-from jaxformer.tasks import get_task
-from jaxformer.tasks.base import Task
 
 Batch = dict[str, jax.Array]
 

@@ -18,8 +18,9 @@ import glob
 import gzip
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 PAIRS, TEXT = "pairs", "text"
 SPLITS = ("train", "validation", "test")

@@ -13,11 +13,19 @@ are separated by blank lines, or `.jsonl` files with the field `data.text_field`
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
-from jaxformer.data.sources.base import (PAIRS, DataError, Source, expand_paths, field, file_fingerprint,
-                                         read_jsonl, read_lines)
+from jaxformer.data.sources.base import (
+  PAIRS,
+  DataError,
+  Source,
+  expand_paths,
+  field,
+  file_fingerprint,
+  read_jsonl,
+  read_lines,
+)
 
 _SPLIT_KEYS = {"train": "train_files", "validation": "validation_files", "test": "test_files"}
 

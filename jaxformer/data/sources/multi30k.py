@@ -9,8 +9,8 @@ sentences, one document each.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from jaxformer.data.sources.base import PAIRS, DataError, Source, file_fingerprint, read_lines
 
@@ -34,7 +34,8 @@ class Multi30k(Source):
     return tuple(SPLIT_FILES)
 
   def _paths(self, split: str) -> list[Path]:
-    paths = [self.raw_dir / f"{SPLIT_FILES[split]}.{lang}.gz" for lang in (self.data.source_lang, self.data.target_lang)]
+    langs = (self.data.source_lang, self.data.target_lang)
+    paths = [self.raw_dir / f"{SPLIT_FILES[split]}.{lang}.gz" for lang in langs]
     for p in paths:
       if not p.is_file():
         raise FileNotFoundError(f"Multi30k file {p} is missing; reinstall jaxformer or restore it from the repository")

@@ -12,8 +12,8 @@ language models. The split `validation` is also found as `dev`.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from jaxformer.data.sources.base import PAIRS, DataError, Source, field
 

@@ -8,8 +8,8 @@ split, the last 10% the validation split; each split is one document.
 from __future__ import annotations
 
 import gzip
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from jaxformer.data.sources.base import PAIRS, DataError, Source, file_fingerprint
 
