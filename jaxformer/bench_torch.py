@@ -72,6 +72,8 @@ class PeerTransformer(nn.Module):
     return self.dropout(x)
 
   def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Logits `[batch, tgt_len, vocab_size]` of int `inputs` `[batch, src_len]` and `targets`
+    `[batch, tgt_len]` (teacher forcing: the decoder reads BOS + targets shifted right)."""
     decoder_inputs = torch.cat([torch.full_like(targets[:, :1], BOS_ID), targets[:, :-1]], dim=1)
     decoder_inputs = decoder_inputs.masked_fill(targets == PAD_ID, PAD_ID)
     src_pad, tgt_pad = inputs == PAD_ID, decoder_inputs == PAD_ID   # True = masked out
@@ -111,6 +113,7 @@ class TorchTrainer:
     self.losses: list[float] = []
 
   def __call__(self) -> float:
+    """Runs one training step on the fixed batch; returns its loss (float)."""
     self.optimizer.zero_grad(set_to_none=True)
     logits = self.model(self.inputs, self.targets)
     loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), self.targets.reshape(-1),
@@ -123,5 +126,6 @@ class TorchTrainer:
     return self.losses[-1]
 
   def info(self) -> dict:
+    """`torch_version`, `torch_threads` and `torch_parameters` (trainable scalars) for the bench report."""
     return {"torch_version": torch.__version__, "torch_threads": self.threads,
             "torch_parameters": count_parameters(self.model)}

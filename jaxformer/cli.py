@@ -203,6 +203,7 @@ def _search_options(args):
 
 
 def cmd_train(args) -> None:
+  """`jaxformer train`: trains (or resumes) `--config` in `--workdir`."""
   from jaxformer import interrupt
   interrupt.install()   # before any library starts a thread (they inherit the blocked SIGINT/SIGTERM)
   config = load_config(args.config, args.overrides)   # before any JAX import: a typo fails fast
@@ -215,6 +216,7 @@ def cmd_train(args) -> None:
 
 
 def cmd_eval(args) -> None:
+  """`jaxformer eval`: scores a workdir's checkpoint on a split; prints one JSON line last."""
   for o in args.overrides:
     parse_override(o)
   from jaxformer.runtime import init_runtime
@@ -253,6 +255,7 @@ def cmd_eval(args) -> None:
 
 
 def cmd_average(args) -> None:
+  """`jaxformer average`: writes the mean of a run's last N checkpoints as a workdir of its own."""
   from jaxformer.runtime import init_runtime
   init_runtime(runtime_from_overrides(args.overrides))
   from jaxformer import average
@@ -267,6 +270,7 @@ def cmd_average(args) -> None:
 
 
 def cmd_translate(args) -> None:
+  """`jaxformer translate`: translates the UTF-8 lines of stdin with a workdir's model, one per line."""
   from jaxformer.runtime import init_runtime
   init_runtime(runtime_from_overrides(args.overrides))
   from jaxformer import evaluate
@@ -296,6 +300,7 @@ def cmd_translate(args) -> None:
 
 
 def cmd_generate(args) -> None:
+  """`jaxformer generate`: continues a prompt with a workdir's language model."""
   from jaxformer.runtime import init_runtime
   init_runtime(runtime_from_overrides(args.overrides))
   from jaxformer.inference import generate as lm
@@ -312,6 +317,7 @@ def cmd_generate(args) -> None:
 
 
 def cmd_serve(args) -> None:
+  """`jaxformer serve`: serves a workdir's model over HTTP until interrupted."""
   from jaxformer.runtime import init_runtime
   init_runtime(runtime_from_overrides(args.overrides))
   from jaxformer import serve
@@ -324,6 +330,7 @@ def cmd_serve(args) -> None:
 
 
 def cmd_bench(args) -> None:
+  """`jaxformer bench`: times the train step of `--config`; prints one JSON line."""
   config = load_config(args.config, args.overrides)
   from jaxformer.runtime import init_runtime
   init_runtime(config.runtime)
@@ -338,6 +345,7 @@ def cmd_bench(args) -> None:
 
 
 def cmd_compile(args) -> None:
+  """`jaxformer compile`: compiles `--config`'s train step ahead of time and reports its memory."""
   cpu = [f"runtime.num_cpu_devices={args.devices}", "runtime.platform=cpu"] if args.devices else []
   config = load_config(_config_path(args.config), [*args.overrides, *cpu])
   from jaxformer import aot
@@ -357,6 +365,7 @@ def _config_path(name: str) -> str:
 
 
 def cmd_config(args) -> None:
+  """`jaxformer config`: lists the shipped configs, or prints every key of one (value, type, default, help)."""
   if args.list:
     configs = []
     for path in sorted(CONFIGS_DIR.glob("*.yaml")):
@@ -385,6 +394,11 @@ def cmd_config(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+  """Runs the `jaxformer` command line `argv` (default: `sys.argv[1:]`).
+
+  Returns:
+    The exit status: 0, or 2 after printing a user mistake as one `error:` line on stderr.
+  """
   args = _parser().parse_args(argv)
   commands = {"train": cmd_train, "eval": cmd_eval, "translate": cmd_translate, "generate": cmd_generate,
               "serve": cmd_serve, "average": cmd_average, "bench": cmd_bench, "compile": cmd_compile,

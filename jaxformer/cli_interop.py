@@ -32,6 +32,7 @@ def add_parsers(sub, positive_int: Callable[[str], int]) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
+  """`jaxformer export --format hf`: writes a workdir's model as a Hugging Face directory."""
   from jaxformer.config import runtime_from_overrides
   from jaxformer.runtime import init_runtime
   init_runtime(runtime_from_overrides(args.overrides))
@@ -40,6 +41,7 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_import(args: argparse.Namespace) -> None:
+  """`jaxformer import --from-hf`: builds a workdir from a local Hugging Face directory."""
   from jaxformer.config import runtime_from_overrides
   from jaxformer.runtime import init_runtime
   init_runtime(runtime_from_overrides([]))

@@ -28,12 +28,14 @@ def add_parsers(sub) -> None:
 
 
 def cmd_plot(args: argparse.Namespace) -> None:
+  """`jaxformer plot`: draws the training curves of the workdirs to `--out` (PNG)."""
   from jaxformer import plots
   plots.plot_training(args.workdir, args.out)
   print(json.dumps({"out": args.out, "workdirs": args.workdir}), flush=True)
 
 
 def cmd_attention(args: argparse.Namespace) -> None:
+  """`jaxformer attention`: draws the attention maps of one sentence (pair) to `--out` (PNG)."""
   from jaxformer import plots
   from jaxformer.config import runtime_from_overrides
   from jaxformer.runtime import init_runtime

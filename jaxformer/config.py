@@ -78,6 +78,7 @@ class ModelConfig:
   scan_layers: bool = False     # nn.scan over each layer stack (shorter compile; params get a leading layers axis)
 
   def validate(self) -> None:
+    """Raises ConfigError (one line) for an unknown kind, dtype or option, a size <= 0 or a rate outside [0, 1)."""
     if self.kind not in MODEL_KINDS:
       raise ConfigError(f"model.kind={self.kind!r} is unknown; use one of {', '.join(MODEL_KINDS)}")
     if self.d_model % self.num_heads:
@@ -102,6 +103,7 @@ class ModelConfig:
 
   @property
   def head_dim(self) -> int:
+    """`d_model // num_heads`."""
     return self.d_model // self.num_heads
 
   @property
@@ -141,6 +143,7 @@ class PrecisionConfig:
     return self.initial_scale if self.dynamic_loss_scale else 1.0
 
   def validate(self) -> None:
+    """Raises ConfigError (one line) for an unparsable policy or a bad loss-scale setting."""
     self.parsed  # noqa: B018  parsing raises ConfigError for bad text
     if self.loss_scale not in ("auto", "dynamic", "none"):
       raise ConfigError(f"precision.loss_scale={self.loss_scale!r} is unknown; use auto, dynamic or none")
@@ -172,6 +175,7 @@ class OptimConfig:
   label_smoothing: float = 0.1  # epsilon_ls of the loss (paper section 5.4: 0.1)
 
   def validate(self) -> None:
+    """Raises ConfigError (one line) for a non-finite or out-of-range optimizer setting."""
     for name in ("learning_rate", "min_learning_rate", "b1", "b2", "eps", "weight_decay", "clip_grad_norm",
                  "label_smoothing"):
       if not math.isfinite(getattr(self, name)):
@@ -251,6 +255,7 @@ class DataConfig:
   mask_probability: float = 0.15       # masked LM: fraction of tokens selected (BERT: 15%)
 
   def validate(self) -> None:
+    """Raises ConfigError (one line) for an unknown dataset or a bad data setting."""
     from jaxformer.data.sources import DataError, source_key  # noqa: PLC0415  (no JAX import)
     try:
       key = source_key(self.dataset)
@@ -307,6 +312,7 @@ class TrainConfig:
   early_stop_patience: int = 0  # stop after this many evaluations without improving keep_best (or val_loss); 0 = off
 
   def validate(self) -> None:
+    """Raises ConfigError (one line) for a count < 1, a batch that grad_accum_steps does not split, or a bad policy."""
     if not 0.0 <= self.z_loss < math.inf:   # written so that NaN fails too
       raise ConfigError(f"train.z_loss must be a finite number >= 0, got {self.z_loss}")
     for name in ("num_steps", "batch_size", "log_every", "eval_every", "checkpoint_every",
@@ -333,6 +339,7 @@ class RuntimeConfig:
   cpu_threads: int = 2          # XLA:CPU threads when deterministic (results depend on it); fast mode: all CPUs
 
   def validate(self) -> None:
+    """Raises ConfigError (one line) for an unknown platform, a negative device count or cpu_threads < 1."""
     if self.platform not in ("", *PLATFORMS):
       raise ConfigError(f"runtime.platform={self.platform!r} is unknown; use {' | '.join(PLATFORMS)}, "
                         "or leave it empty for JAX's default")
@@ -363,6 +370,7 @@ class Config:
     object.__setattr__(self, "model", dataclasses.replace(self.model, dtype=compute))
 
   def validate(self) -> None:
+    """Validates every section, the task, and the settings that span sections; raises ConfigError (one line)."""
     for field in dataclasses.fields(self):
       section = getattr(self, field.name)
       if hasattr(section, "validate"):

@@ -43,6 +43,7 @@ class MeshConfig:
     return {name: getattr(self, name) for name in MESH_AXES}
 
   def validate(self) -> None:
+    """Raises ConfigError (one line) for more than one -1 axis or a size that is neither positive nor -1."""
     if list(self.sizes.values()).count(-1) > 1:
       raise ConfigError(f"at most one of {', '.join('mesh.' + a for a in MESH_AXES)} may be -1")
     for name, size in self.sizes.items():

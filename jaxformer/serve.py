@@ -74,6 +74,7 @@ class EngineWorker:
       self.cond.notify()
 
   def stop(self) -> None:
+    """Asks the engine thread to finish and waits for it."""
     with self.cond:
       self.stopping = True
       self.cond.notify()
@@ -138,6 +139,7 @@ class Server:
     done.wait()
 
   async def health(self, http: HttpRequest) -> JSONResponse:
+    """GET /health: `{"status": "ok", "model", "step"}` plus the engine's counters."""
     return JSONResponse({"status": "ok", "model": self.restored.config.model.kind, "step": self.restored.step,
                          **self.engine.stats()})
 
@@ -151,9 +153,11 @@ class Server:
     return body
 
   async def translate(self, http: HttpRequest):
+    """POST /translate: `{"text": str | [str]}` -> translations (400 on a bad body)."""
     return await self._answer(http, self._translate)
 
   async def generate(self, http: HttpRequest):
+    """POST /generate: `{"prompt": str}` -> the continuation (400 on a bad body)."""
     return await self._answer(http, self._generate)
 
   async def _answer(self, http: HttpRequest, handler):

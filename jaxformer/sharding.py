@@ -179,4 +179,5 @@ def data_parallel_size(mesh: Mesh, rules: Rules = LOGICAL_RULES) -> int:
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
+  """A sharding that keeps a full copy of an array on every device of `mesh`."""
   return NamedSharding(mesh, PartitionSpec())

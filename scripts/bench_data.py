@@ -55,6 +55,7 @@ def make_corpus(folder: Path, pairs: int, seed: int = 0) -> tuple[Path, Path]:
 
 
 def prepare(args) -> dict:
+  """The `prepare` benchmark (see the module docstring): pairs/s and the child's peak RSS."""
   folder = Path(args.dir)
   src, tgt = make_corpus(folder, args.pairs)
   code = ("import sys, time; from jaxformer.config import config_from_dict; from jaxformer.tasks import get_task\n"
@@ -77,6 +78,7 @@ def _tokens(batch) -> int:
 
 
 def pipeline(args) -> dict:
+  """The `pipeline` benchmark (see the module docstring): tokens/s delivered and consumed."""
   import dataclasses  # noqa: PLC0415
 
   import jax  # noqa: PLC0415
@@ -138,6 +140,7 @@ def pipeline(args) -> dict:
 
 
 def main() -> None:
+  """Runs the benchmark the command line names and prints its JSON result."""
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = p.add_subparsers(dest="command", required=True)
   pr = sub.add_parser("prepare")

@@ -161,6 +161,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+  """Runs the benchmark (see the module docstring); returns the exit status."""
   args = _parser().parse_args(argv)
   result: dict[str, Any] = {"device": str(jax.devices()[0].device_kind), "num_devices": jax.device_count()}
   if args.workdir:

@@ -54,6 +54,7 @@ def _perplexity(workdir: Path, scaling: str, factor: float, trained: int, length
 
 
 def main() -> None:
+  """Runs the benchmark (see the module docstring)."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--root", default="runs/extrap", help="folder of the base and fine-tuned workdirs")
   parser.add_argument("--trained", type=int, default=64, help="training context, tokens")

@@ -24,6 +24,7 @@ def _cli(*args: str) -> str:
 
 
 def main() -> None:
+  """Runs the benchmark (see the module docstring)."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--root", default="runs/linformer", help="folder of the two workdirs")
   parser.add_argument("--steps", type=int, default=1000, help="training steps of each run")

@@ -87,11 +87,8 @@ def jaxformer_decoder(cfg: Config, params: Any, beam_size: int, src_len: int, ne
     ConfigError: new_tokens < src_len or > model.max_length (today's API sets the output length
       to src_len + extra_tokens, capped by the cache size).
   """
-  from jaxformer.inference.decode import (  # here, so a change of decoding API touches one function
-    SearchOptions,
-    make_decode_fn,
-  )
-
+  # Imported here, so a change of decoding API touches one function.
+  from jaxformer.inference.decode import SearchOptions, make_decode_fn
   if not src_len <= new_tokens <= cfg.model.max_length:
     raise ConfigError(f"jaxformer decodes src_len + extra tokens: --new-tokens must be in [--src-len={src_len}, "
                       f"model.max_length={cfg.model.max_length}], got {new_tokens}")
@@ -198,6 +195,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+  """Runs the benchmark (see the module docstring); returns the exit status."""
   args = _parser().parse_args(argv)
   os.environ["NPROC"] = str(args.threads)   # XLA:CPU sizes its thread pool from it when the backend starts
   torch.set_num_threads(args.threads)

@@ -101,6 +101,7 @@ class ServerProcess:
     shutil.rmtree(self.log.parent, ignore_errors=True)
 
   def get(self, path: str, timeout: float = 5.0) -> tuple[int, dict]:
+    """(HTTP status, JSON body) of GET `path` on the server."""
     conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
     try:
       conn.request("GET", path)
@@ -209,6 +210,7 @@ ROWS = [("completed", "completed", "{:d}"), ("failed", "failed", "{:d}"), ("sent
 
 
 def table(figures: dict[str, dict]) -> str:
+  """A Markdown table of the figures per batching mode (and their ratio for two modes)."""
   modes = list(figures)
   ratio = len(modes) == 2
   head = "| | " + " | ".join(modes) + (f" | {modes[0]}/{modes[1]} |" if ratio else " |")
@@ -223,6 +225,7 @@ def table(figures: dict[str, dict]) -> str:
 
 
 def main() -> None:
+  """Runs the benchmark (see the module docstring)."""
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--workdir", required=True, help="a trained translation run (its newest checkpoint is served)")
   p.add_argument("--modes", default="continuous,static", help="batching modes, run in this order")

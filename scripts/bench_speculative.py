@@ -21,6 +21,7 @@ from jaxformer.tasks.base import EvalOptions
 
 
 def main() -> None:
+  """Runs the benchmark (see the module docstring)."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--workdir", required=True, help="the target model's workdir")
   parser.add_argument("--draft-workdir", required=True, help="a smaller model with the same tokenizer")

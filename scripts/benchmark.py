@@ -131,6 +131,7 @@ def summarise(matrix: str, results: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+  """Runs the benchmark matrix the command line names; returns the exit status."""
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("matrix", choices=("targets", "remat", "mesh", "custom"))
   p.add_argument("--steps", type=int, default=10, help="timed steps per row (median reported)")

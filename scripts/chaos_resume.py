@@ -76,6 +76,7 @@ def _params(workdir: Path):
 
 
 def main() -> int:
+  """Runs the check (see the module docstring); returns the exit status."""
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config", default=str(ROOT / "configs" / "tiny.yaml"))
   parser.add_argument("--dir", required=True, help="folder for the data cache and both workdirs (emptied first)")

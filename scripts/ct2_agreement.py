@@ -47,6 +47,7 @@ def compare(workdir: str, sources: list[str], batch_size: int = 64, threads: int
 
 
 def main(argv: list[str] | None = None) -> int:
+  """Runs the comparison (see the module docstring); returns the exit status."""
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--workdir", required=True, help="a trained encoder-decoder workdir")
   p.add_argument("--src", default=None, help="source sentences, one a line (default: test2016 of the source side)")

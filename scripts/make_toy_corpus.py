@@ -37,11 +37,13 @@ def pig_latin(sentence: str) -> str:
 
 
 def read(name: str) -> list[str]:
+  """The non-empty, stripped lines of the gzipped shipped file `name`."""
   with gzip.open(RAW / name, "rt", encoding="utf-8") as f:
     return [line.strip() for line in f if line.strip()]
 
 
 def main() -> None:
+  """Writes the corpus (see the module docstring)."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("out", type=Path)
   parser.add_argument("--train-pairs", type=int, default=29000, help="train pairs to write (at most 29000)")

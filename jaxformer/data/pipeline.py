@@ -132,6 +132,13 @@ def _check_buckets(buckets: Sequence[int], data) -> tuple[int, ...]:
 
 def shard_rows(batch_size: int, process_index: int,
                 process_count: int) -> slice:
+  """The rows `[start, stop)` of a global batch of `batch_size` that process `process_index` of
+  `process_count` feeds.
+
+  Raises:
+    ValueError: a process index outside `[0, process_count)`, or a batch size that is not a
+      positive multiple of `process_count`.
+  """
   if process_count < 1 or not 0 <= process_index < process_count:
     raise ValueError(f"process_index={process_index} must be in "
                      f"[0, process_count={process_count}).")
@@ -226,6 +233,7 @@ class TrainBatches(StepBatches):
 
   @property
   def buckets(self) -> tuple[int, ...]:
+    """The padded lengths (tokens) a batch may have, ascending."""
     return self._buckets
 
   def _epoch_plan(self, epoch: int) -> np.ndarray:

@@ -276,10 +276,12 @@ class PreparedPairs:
 
   @property
   def source_texts(self) -> list[str]:
+    """The source side of every pair in this view, as text."""
     return self.texts(range(len(self)))[0]
 
   @property
   def target_texts(self) -> list[str]:
+    """The target side of every pair in this view, as text."""
     return self.texts(range(len(self)))[1]
 
 
@@ -304,6 +306,7 @@ class PreparedText:
     return self.stop - self.start
 
   def subset(self, start: int, stop: int) -> PreparedText:
+    """The tokens `[start, stop)` of this view."""
     return PreparedText(self.folder, self.start + start, self.start + stop)
 
   def windows(self, starts: np.ndarray, length: int) -> np.ndarray:

@@ -197,10 +197,16 @@ class CharTokenizer:
 
   @classmethod
   def from_text(cls, text: str) -> CharTokenizer:
+    """A tokenizer over the distinct characters of `text`, in code point order."""
     return cls("".join(sorted(set(text))))
 
   @classmethod
   def from_bytes(cls, serialized: bytes) -> CharTokenizer:
+    """The tokenizer `serialized` holds (JSON, as written by `serialized`).
+
+    Raises:
+      ValueError: the bytes are not a character tokenizer file.
+    """
     try:
       return cls(json.loads(serialized.decode("utf-8"))["chars"])
     except (ValueError, KeyError, TypeError) as e:
@@ -208,6 +214,7 @@ class CharTokenizer:
 
   @property
   def serialized(self) -> bytes:
+    """The tokenizer as JSON bytes (`{"type": "char", "chars": ...}`), read back by `from_bytes`."""
     return json.dumps({"type": "char", "chars": self.chars}).encode("utf-8")
 
   @property

@@ -43,6 +43,7 @@ class Vocabulary(NamedTuple):
 
   @property
   def shared(self) -> bool:
+    """Whether source and target use one tokenizer (the same object)."""
     return self.source is self.target
 
 

@@ -32,9 +32,11 @@ class ArrayStream:
     return len(self.tokens)
 
   def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+    """int32 `[len(starts), length]`: row i holds tokens `starts[i] .. starts[i] + length - 1`."""
     return self.tokens[np.asarray(starts)[:, None] + np.arange(length)]
 
   def read(self) -> np.ndarray:
+    """The whole token stream, int32 `[num_tokens]`."""
     return self.tokens
 
 
@@ -91,6 +93,7 @@ class WindowBatches:
     return _batch(self._stream, starts, self.context, self.shift, self.packing)
 
   def iterate(self, start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
+    """The batches of steps `start_step`, `start_step + 1`, ... (endless)."""
     step = start_step
     while True:
       yield self[step]

@@ -165,6 +165,7 @@ class SearchOptions:
 
   @property
   def sampling(self) -> bool:
+    """Whether any of `temperature`, `top_k`, `top_p` is set (sampling rather than greedy search)."""
     return self.temperature is not None or self.top_k is not None or self.top_p is not None
 
   @property

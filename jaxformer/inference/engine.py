@@ -81,6 +81,7 @@ class Request:
 
   @property
   def sampling(self) -> bool:
+    """Whether any of `temperature`, `top_k`, `top_p` is set (sampling rather than greedy)."""
     return self.temperature is not None or self.top_k is not None or self.top_p is not None
 
   def options(self) -> tuple[float, int, float]:
@@ -192,6 +193,7 @@ class Engine:
 
   @property
   def busy(self) -> bool:
+    """Whether any request is waiting or running."""
     return bool(self.waiting) or any(r is not None for r in self.slots)
 
   def _emit(self, request: Request, token: int | None) -> None:

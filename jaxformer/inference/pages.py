@@ -25,6 +25,7 @@ class PageAllocator:
 
   @property
   def pages_in_use(self) -> int:
+    """Pages held by slots (the null page 0 not counted)."""
     return self.num_pages - 1 - len(self.free)
 
   def pages_for(self, tokens: int) -> int:

@@ -183,6 +183,8 @@ def sample_strategy(row_keys: jax.Array, max_decode_len: int, temperature: float
 
 
 class BeamState(NamedTuple):
+  """The beam search loop state: per row, `beam` live hypotheses with their log-probabilities,
+  `beam` finished ones with their scores, and whether the row is done (shapes in the comments)."""
   live_seqs: jax.Array    # int32 [batch, beam, L]
   live_logp: jax.Array    # float32 [batch, beam]
   fin_seqs: jax.Array     # int32 [batch, beam, L]

@@ -54,9 +54,11 @@ class Basis:
     self.inverse = None if perm is None else np.argsort(perm)
 
   def to_hf(self, x: Array, axis: int) -> Array:
+    """`x` with its d_model axis `axis` in Hugging Face's order."""
     return x if self.perm is None else np.take(x, self.perm, axis=axis)
 
   def from_hf(self, x: Array, axis: int) -> Array:
+    """`x` with its d_model axis `axis` back in our order (inverts `to_hf`)."""
     return x if self.inverse is None else np.take(x, self.inverse, axis=axis)
 
 

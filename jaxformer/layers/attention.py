@@ -165,6 +165,15 @@ class MultiHeadAttention(nn.Module):
                q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None, dropout_rng: jax.Array | None = None,
                cache_state: kvc.CacheState | None = None, bias_table: jax.Array | None = None) -> jax.Array:
+    """Attention of `x` over `kv` (or itself); see the class docstring for the arguments.
+
+    Returns:
+      `[batch, q_len, d_model]` in `dtype`.
+
+    Raises:
+      ConfigError: linformer attention that is causal, cross or cached.
+      ValueError: `decode=True` with segment ids or positions, or without `cache_state`.
+    """
     if self.implementation == "linformer" and not self.is_cross and (self.causal or decode):
       raise ConfigError("model.attention=linformer is for non-causal self-attention without a KV cache (encoder, "
                         "encoder-only); use model.attention=dense or blockwise for causal or cached decoding")

@@ -150,6 +150,7 @@ class Dropout(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, deterministic: bool, rng: jax.Array | None = None) -> jax.Array:
+    """`x` with each element zeroed with probability `rate` and the rest scaled by 1 / (1 - rate)."""
     if deterministic or self.rate == 0.0:
       return x
     return dropout(x, self.rate, self.make_rng("dropout") if rng is None else rng)

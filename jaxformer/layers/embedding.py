@@ -39,11 +39,13 @@ class Embed(nn.Module):
   dtype: jnp.dtype = jnp.float32
 
   def setup(self):
+    """Creates the `[vocab_size, d_model]` table, initialised N(0, 1/d_model)."""
     init = nn.initializers.normal(stddev=self.d_model ** -0.5)
     self.embedding = self.param(
         "embedding", sh.param_with_axes(init, (sh.VOCAB, sh.EMBED)), (self.vocab_size, self.d_model))
 
   def __call__(self, ids: jax.Array) -> jax.Array:
+    """int `[batch, length]` ids -> `[batch, length, d_model]` vectors times sqrt(d_model), in `dtype`."""
     # Gather the table over the vocab (tensor) axis first: a lookup into a vocab-sharded
     # table would make XLA replicate it anyway, with a warning and extra copies.
     table = sh.constrain(self.embedding, (None, sh.EMBED))
@@ -51,6 +53,7 @@ class Embed(nn.Module):
     return (x * np.sqrt(self.d_model)).astype(self.dtype)
 
   def attend(self, x: jax.Array) -> jax.Array:
+    """`[batch, length, d_model]` -> float32 logits `[batch, length, vocab_size]` (the tied output layer)."""
     # One 2-D matmul over the flattened tokens: from the 3-D form XLA:CPU computes the
     # weight gradient through a transposed copy of the whole [batch, length, vocab]
     # logits gradient, which doubles the logits' share of the train step.

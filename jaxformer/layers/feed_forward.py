@@ -44,6 +44,7 @@ class FeedForward(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
+    """`[batch, length, d_model]` -> `[batch, length, d_model]`; see the class docstring."""
     if self.activation not in ACTIVATIONS:
       raise ValueError(f"unknown activation {self.activation!r}; use one of {', '.join(ACTIVATIONS)}")
     act, gated = ACTIVATIONS[self.activation]

@@ -48,6 +48,7 @@ class CacheState:
 
   @property
   def paged(self) -> bool:
+    """Whether the self-attention cache uses pages (a `page_table`) rather than contiguous rows."""
     return self.page_table is not None
 
 

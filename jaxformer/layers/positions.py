@@ -29,6 +29,7 @@ class LearnedPositions(nn.Module):
 
   @nn.compact
   def __call__(self, positions: jax.Array) -> jax.Array:
+    """int `[batch, length]` positions -> `[batch, length, d_model]` table rows in `dtype`."""
     table = self.param("embedding", sh.param_with_axes(nn.initializers.normal(0.02), (None, sh.EMBED)),
                        (self.max_length, self.d_model))
     return jnp.take(table, positions, axis=0).astype(self.dtype)

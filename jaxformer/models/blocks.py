@@ -50,6 +50,8 @@ class Residual(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, fn: Callable[[jax.Array], jax.Array], deterministic: bool,
                rng: jax.Array | None = None) -> jax.Array:
+    """`x + dropout(fn(norm(x)))` (pre-norm) or `norm(x + dropout(fn(x)))` (post-norm, the paper's);
+    `[batch, length, d_model]` -> same."""
     dtype = jnp.dtype(self.config.dtype)
     norm = make_norm(self.config.norm, dtype, name="norm")
     drop = Dropout(self.config.dropout_rate)
@@ -107,6 +109,7 @@ class EncoderBlock(nn.Module):
                segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
                cache_state: CacheState | None = None, bias_table: jax.Array | None = None,
                rng: jax.Array | None = None) -> jax.Array:
+    """One block over `x` `[batch, length, d_model]`; see the class docstring for the arguments."""
     attn = _attention(self.config, "self_attention", causal=self.causal)
     ffn = _ffn(self.config)
     x = Residual(self.config, name="attention_sublayer")(
@@ -135,6 +138,7 @@ class DecoderBlock(nn.Module):
   @nn.compact
   def __call__(self, y, encoded, tgt_valid, src_valid, deterministic: bool, decode: bool = False,
                tgt_segment_ids=None, src_segment_ids=None, positions=None, cache_state=None, bias_table=None, rng=None):
+    """One block over `y` `[batch, tgt_len, d_model]`; see the class docstring for the arguments."""
     cfg = self.config
     self_attn = _attention(cfg, "self_attention", causal=True)
     cross_attn = _attention(cfg, "cross_attention", is_cross=True)

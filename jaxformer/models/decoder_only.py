@@ -52,6 +52,7 @@ class SelfAttentionStack(StackedInit, nn.Module):
   STACKS: ClassVar[tuple]
 
   def setup(self):
+    """Creates the embedding, positions, layer stack and final norm for `config`."""
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     self.embed = Embed(cfg.vocab_size, cfg.d_model, dtype, name="embed")

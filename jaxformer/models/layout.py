@@ -118,6 +118,7 @@ class StackedInit:
 
   @nn.nowrap
   def init_with_output(self, rngs, *args, **kwargs):
+    """`nn.Module.init_with_output`; with `scan_layers`, inits the unrolled model and stacks its layers."""
     if not self.config.scan_layers:
       return super().init_with_output(rngs, *args, **kwargs)
     unrolled = self.clone(config=dataclasses.replace(self.config, scan_layers=False))

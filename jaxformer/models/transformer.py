@@ -178,6 +178,7 @@ class EncoderDecoder(StackedInit, nn.Module):
   ENCODES_SOURCE: ClassVar[bool] = True   # `prefill` caches the encoded source, then BOS
 
   def setup(self):
+    """Creates the embeddings, positions, encoder and decoder stacks for `config`."""
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     if cfg.tie_embeddings:

@@ -35,17 +35,25 @@ class CausalLM(Task):
   shift = True
 
   def validate(self) -> None:
+    """`Task.validate`.
+
+    Raises:
+      ConfigError: Linformer attention, which is non-causal.
+    """
     if self.config.model.attention == "linformer" and self.make_model().CAUSAL:   # (the masked LM is not)
       raise ConfigError("model.attention=linformer is non-causal (keys are mixed along the sequence); use it with "
                         "model.kind=encoder_only or encoder_decoder (its encoder), or model.attention=dense|blockwise")
 
   def make_model(self) -> DecoderOnly:
+    """`Task.make_model`: a `DecoderOnly` model."""
     return DecoderOnly(self.config.model)
 
   def make_batches(self, splits, process_index: int = 0, process_count: int = 1):
+    """`Task.make_batches`: windows of the token stream (`data.window_batches`)."""
     return D.window_batches(self.config, splits, self.shift, process_index, process_count)
 
   def outputs(self, model, params, batch, rng):
+    """`Task.outputs`: next-token logits, targets and weights (1 on non-PAD targets)."""
     logits = lm_outputs(model, params, batch, rng, batch["inputs"])
     return logits, batch["targets"], (batch["targets"] != PAD_ID).astype(jnp.float32)
 

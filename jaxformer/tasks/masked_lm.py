@@ -54,10 +54,12 @@ class MaskedLM(CausalLM):
   shift = False
 
   def make_model(self) -> EncoderOnly:
+    """`Task.make_model`: an `EncoderOnly` model."""
     return EncoderOnly(self.config.model)
 
   @property
   def mask_id(self) -> int:
+    """The [MASK] token id: the last id of the vocabulary."""
     return self.config.model.vocab_size - 1
 
   def outputs(self, model, params, batch, rng):

@@ -50,6 +50,11 @@ class Translation(Task):
   validation_scores = ("bleu",)
 
   def validate(self) -> None:
+    """`Task.validate`: the data buckets (unless packed), the tokenizer and the shared vocabulary.
+
+    Raises:
+      ConfigError: a setting a translation model cannot use.
+    """
     data = self.config.data
     if not data.packing:   # packed rows are data.max_length long: no buckets
       data.validate_buckets()
@@ -62,12 +67,15 @@ class Translation(Task):
       raise ConfigError("data.tokenizer_model is one model for both sides; drop it or set data.shared_vocab=true")
 
   def make_model(self) -> EncoderDecoder:
+    """`Task.make_model`: an `EncoderDecoder` model."""
     return EncoderDecoder(self.config.model)
 
   def make_batches(self, splits, process_index: int = 0, process_count: int = 1):
+    """`Task.make_batches`: bucketed or packed sentence pairs (`data.pair_batches`)."""
     return D.pair_batches(self.config, splits, process_index, process_count)
 
   def outputs(self, model, params, batch, rng):
+    """`Task.outputs`: teacher-forced logits, targets and weights (1 on non-PAD targets)."""
     packed = {k: batch[k] for k in PACKED_KEYS if k in batch}
     logits = apply_model(model, params, rng, batch["inputs"], batch["targets"], **packed)
     return logits, batch["targets"], (batch["targets"] != PAD_ID).astype(jnp.float32)

@@ -56,6 +56,7 @@ class BestCheckpoint:
 
   @property
   def enabled(self) -> bool:
+    """Whether a best checkpoint is kept or early stopping is on."""
     return self.keep or self.patience > 0
 
   def _better(self, a: float, b: float) -> bool:
@@ -72,6 +73,7 @@ class BestCheckpoint:
     return top
 
   def evaluations_since_best(self) -> int:
+    """Evaluations after the best one (0 before any)."""
     top = self.best()
     return 0 if top is None else sum(1 for step, _ in self.history if step > top[0])
 
@@ -80,6 +82,7 @@ class BestCheckpoint:
     return self.patience > 0 and self.evaluations_since_best() >= self.patience
 
   def stop_message(self) -> str:
+    """The one line that explains an early stop (the metric, the patience, the best value and step)."""
     step, value = self.best()
     return (f"early stop: {self.metric} has not improved for {self.evaluations_since_best()} evaluations "
             f"(train.early_stop_patience={self.patience}); the best was {value:.4f} at step {step}")

@@ -41,6 +41,11 @@ class Files(Source):
   name = "files"
 
   def splits(self) -> tuple[str, ...]:
+    """`Source.splits`: train plus each split whose `data.*_files` is set.
+
+    Raises:
+      DataError: `data.train_files` is empty.
+    """
     if not self.data.train_files:
       raise DataError("data.dataset=files needs data.train_files, e.g. data.train_files=train.fr,train.en")
     return tuple(s for s, key in _SPLIT_KEYS.items() if getattr(self.data, key))
@@ -54,14 +59,17 @@ class Files(Source):
     return paths
 
   def fingerprint(self, split: str) -> dict:
+    """`Source.fingerprint`: the files' sizes and times, the field names and the languages."""
     d = self.data
     return {"files": file_fingerprint(self._paths(split)), "fields": [d.source_field, d.target_field, d.text_field],
             "langs": [d.source_lang, d.target_lang]}
 
   def describe(self, split: str) -> str:
+    """`Source.describe`: the split's file paths."""
     return ", ".join(map(str, self._paths(split)))
 
   def examples(self, split: str) -> Iterator:
+    """`Source.examples`: aligned lines or .jsonl/.tsv records (pairs), or documents (text)."""
     paths = self._paths(split)
     if self.kind == PAIRS:
       return self._aligned(*paths) if len(paths) == 2 else self._records(paths[0], split)

@@ -31,6 +31,7 @@ class Multi30k(Source):
                       f"data.target_lang={data.target_lang!r} (use en,de or de,en)")
 
   def splits(self) -> tuple[str, ...]:
+    """`Source.splits`: the shipped train, validation and test2016 files."""
     return tuple(SPLIT_FILES)
 
   def _paths(self, split: str) -> list[Path]:
@@ -42,9 +43,15 @@ class Multi30k(Source):
     return paths
 
   def fingerprint(self, split: str) -> dict:
+    """`Source.fingerprint`: the split's two files (size and modification time)."""
     return {"files": file_fingerprint(self._paths(split))}
 
   def examples(self, split: str) -> Iterator:
+    """`Source.examples`: aligned `(source, target)` lines of the split.
+
+    Raises:
+      DataError: the two files have different numbers of lines.
+    """
     src, tgt = (list(line for _, line in read_lines(p)) for p in self._paths(split))
     while src and not src[-1] and tgt and not tgt[-1]:  # trailing blank lines
       src.pop(), tgt.pop()

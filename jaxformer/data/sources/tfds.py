@@ -65,9 +65,11 @@ class Tfds(Source):
       raise DataError(f"TFDS dataset {self.dataset!r} has no train split (it has {', '.join(sorted(available))})")
 
   def splits(self) -> tuple[str, ...]:
+    """`Source.splits`: the splits of the TFDS dataset this source maps."""
     return tuple(self._splits)
 
   def fingerprint(self, split: str) -> dict:
+    """`Source.fingerprint`: the dataset, its folder, version and `dataset_info.json` time, and the fields."""
     info = Path(self._builder.data_dir) / "dataset_info.json"
     stamp = info.stat().st_mtime_ns if info.is_file() else 0
     d = self.data
@@ -76,9 +78,11 @@ class Tfds(Source):
             "langs": [d.source_lang, d.target_lang]}
 
   def describe(self, split: str) -> str:
+    """`Source.describe`: the TFDS dataset, split and folder."""
     return f"TFDS {self.dataset} [{self._splits[split]}] in {self._builder.data_dir}"
 
   def examples(self, split: str) -> Iterator:
+    """`Source.examples`: the split's records as `(source, target)` pairs or document strings."""
     source = self._builder.as_data_source(split=self._splits[split])
     d = self.data
     where = f"TFDS {self.dataset}"

@@ -46,11 +46,14 @@ class TinyShakespeare(Source):
                       "a translation model needs multi30k, files or a tfds: dataset")
 
   def splits(self) -> tuple[str, ...]:
+    """`Source.splits`: train and validation (a split of the one shipped text)."""
     return ("train", "validation")
 
   def fingerprint(self, split: str) -> dict:
+    """`Source.fingerprint`: the shipped file and the train fraction."""
     return {"files": file_fingerprint([RAW_FILE]), "train_fraction": TRAIN_FRACTION}
 
   def examples(self, split: str) -> Iterator[str]:
+    """`Source.examples`: the split's text as one document."""
     train, validation = split_text(read_text())
     yield train if split == "train" else validation
