@@ -1,6 +1,7 @@
 """`jaxformer train | eval | translate | generate | bench | compile | config`: thin wiring of config, runtime and
 the library.
-`jaxformer plot | attention` live in cli_plots.py, `jaxformer export | import` in cli_interop.py.
+`jaxformer plot | attention` live in cli_plots.py, `jaxformer export | import` in cli_interop.py,
+the shared flags and argument types in cli_args.py.
 
 User mistakes (bad config, mesh, paths, missing checkpoints) print one `error:` line and
 exit with status 2; results are JSON lines on stdout (the last line of `eval` is one
@@ -16,12 +17,19 @@ import sys
 from pathlib import Path
 
 from jaxformer import cli_interop, cli_plots
+from jaxformer.cli_args import (
+  CONFIG_HINT,
+  CONFIGS_DIR,
+  add_checkpoint_args,
+  add_distributed_args,
+  add_draft_args,
+  add_search_args,
+  config_path,
+  positive_int,
+  search_options,
+)
 from jaxformer.config import ConfigError, load_config, parse_override, runtime_from_overrides
 from jaxformer.errors import CheckpointError, NonFiniteError
-
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
-CONFIG_HINT = ("configs: `jaxformer config --list` lists the shipped configs; `jaxformer config --show CONFIG "
-               "[key=value ...]` prints every key with its value, type, default and description")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--workdir", required=True, help="directory for checkpoints, logs, config and tokenizer")
   t.add_argument("--dry-run", action="store_true", help="print the sharding summary and exit without training")
   t.add_argument("--verbose", action="store_true", help="print every parameter's sharding at the start (as --dry-run)")
-  _add_distributed_args(t)
+  add_distributed_args(t)
   t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.num_steps=100 mesh.data=4 "
                  "(`jaxformer config --show CONFIG` lists every key)")
 
@@ -49,29 +57,29 @@ def _parser() -> argparse.ArgumentParser:
   e = sub.add_parser("eval", help="restore a checkpoint and report BLEU/chrF (translation) or validation "
                      "loss and perplexity (causal LM) or masked-token loss and accuracy (masked LM)")
   e.add_argument("--workdir", required=True)
-  _add_checkpoint_args(e)
+  add_checkpoint_args(e)
   e.add_argument("--split", choices=("val", "test"), default=None,
                  help="the split to evaluate (default: test for translation, val for language models)")
   e.add_argument("--src", help="source file (one sentence per line) instead of --split")
   e.add_argument("--ref", help="reference file, line-aligned with --src")
-  e.add_argument("--batch-size", type=_positive, default=64, help="sentences per decoding batch")
+  e.add_argument("--batch-size", type=positive_int, default=64, help="sentences per decoding batch")
   e.add_argument("--output", help="hypotheses file (default: WORKDIR/hypotheses.<split>.<greedy|beamK|sampleS>.txt; "
                  "a read-only WORKDIR gets them in a new temporary folder, named on stderr)")
-  _add_search_args(e)
-  _add_draft_args(e)
+  add_search_args(e)
+  add_draft_args(e)
   e.add_argument("overrides", nargs="*", help="runtime/mesh overrides, e.g. runtime.num_cpu_devices=4 mesh.data=4")
 
   tr = sub.add_parser("translate", help="translate stdin lines to stdout")
   tr.add_argument("--workdir", required=True)
-  _add_checkpoint_args(tr)
-  tr.add_argument("--batch-size", type=_positive, default=64)
-  _add_search_args(tr)
-  _add_draft_args(tr)
+  add_checkpoint_args(tr)
+  tr.add_argument("--batch-size", type=positive_int, default=64)
+  add_search_args(tr)
+  add_draft_args(tr)
   tr.add_argument("overrides", nargs="*")
 
   g = sub.add_parser("generate", help="sample text from a causal LM (decoder_only) with the KV cache")
   g.add_argument("--workdir", required=True)
-  _add_checkpoint_args(g)
+  add_checkpoint_args(g)
   g.add_argument("--prompt", required=True, help="text to continue, e.g. $'\\n' or 'ROMEO:'")
   g.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per sample")
   g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature > 0")
@@ -79,19 +87,19 @@ def _parser() -> argparse.ArgumentParser:
   g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = all)")
   g.add_argument("--seed", type=int, default=0, help="sampling seed: same seed, same text")
   g.add_argument("--num-samples", type=int, default=1, help="independent samples, separated by a '---' line")
-  _add_draft_args(g)
+  add_draft_args(g)
   g.add_argument("overrides", nargs="*")
 
   s = sub.add_parser("serve", help="serve a trained model over HTTP: /v1/translate or /v1/generate with "
                      "continuous batching, streaming (server-sent events) and /health")
   s.add_argument("--workdir", required=True)
-  _add_checkpoint_args(s)
+  add_checkpoint_args(s)
   s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
   s.add_argument("--port", type=int, default=8000)
-  s.add_argument("--max-batch", type=_positive, default=8, help="requests decoded together per step")
-  s.add_argument("--max-queue", type=_positive, default=64, help="waiting requests at most; more get 503")
-  s.add_argument("--page-size", type=_positive, default=16, help="tokens per KV-cache page")
-  s.add_argument("--num-pages", type=_positive, default=None,
+  s.add_argument("--max-batch", type=positive_int, default=8, help="requests decoded together per step")
+  s.add_argument("--max-queue", type=positive_int, default=64, help="waiting requests at most; more get 503")
+  s.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV-cache page")
+  s.add_argument("--num-pages", type=positive_int, default=None,
                  help="KV-cache pages per pool (default: enough for --max-batch requests at model.max_length)")
   s.add_argument("--request-timeout", type=float, default=120.0, help="seconds before a request is cancelled (504)")
   s.add_argument("--batching", choices=("continuous", "static"), default="continuous",
@@ -102,14 +110,14 @@ def _parser() -> argparse.ArgumentParser:
   a = sub.add_parser("average", help="write the mean params of a run's last N checkpoints (paper section 6.1) "
                      "as a workdir that eval, translate and generate read")
   a.add_argument("--workdir", required=True)
-  a.add_argument("--last", type=_positive, required=True, help="how many of the newest checkpoints to average")
+  a.add_argument("--last", type=positive_int, required=True, help="how many of the newest checkpoints to average")
   a.add_argument("--output", default=None, help="the new workdir (default: WORKDIR/average-last-N)")
   a.add_argument("overrides", nargs="*", help="runtime/mesh overrides, e.g. runtime.num_cpu_devices=4")
 
   b = sub.add_parser("bench", help="time the train step on synthetic batches: compile time, tokens/s, MFU, "
                      "memory; also torch.nn.Transformer when PyTorch is installed")
   b.add_argument("--config", required=True)
-  b.add_argument("--batch-size", type=_positive, default=None,
+  b.add_argument("--batch-size", type=positive_int, default=None,
                  help="sentence pairs per step (default: train.batch_size)")
   b.add_argument("--src-length", type=int, default=32, help="source tokens per pair")
   b.add_argument("--tgt-length", type=int, default=32, help="target tokens per pair")
@@ -124,82 +132,15 @@ def _parser() -> argparse.ArgumentParser:
                       "topology) without running it: per-device memory and whether it fits --hbm")
   co.add_argument("--config", required=True)
   where = co.add_mutually_exclusive_group(required=True)
-  where.add_argument("--devices", type=_positive, help="simulated CPU devices, e.g. 256 (sets runtime.num_cpu_devices)")
+  where.add_argument("--devices", type=positive_int,
+                     help="simulated CPU devices, e.g. 256 (sets runtime.num_cpu_devices)")
   where.add_argument("--topology", help="a TPU topology for jax.experimental.topologies, e.g. v5e:16x16 "
                      "(needs libtpu; optional)")
   co.add_argument("--hbm", help="device memory to check against, e.g. 80GiB or 16GB")
   co.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.fsdp=64 mesh.tensor=4 train.batch_size=512")
   cli_plots.add_parsers(sub)
-  cli_interop.add_parsers(sub, _positive)
+  cli_interop.add_parsers(sub)
   return p
-
-
-def _positive(text: str) -> int:
-  """argparse type: an int >= 1 (a usage error names the flag otherwise)."""
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-  return value
-
-
-def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
-  """`--step N` or `--average-last N`: which params eval/translate/generate/serve restore;
-  `--quantize int8`: how they are stored for decoding."""
-  which = p.add_mutually_exclusive_group()
-  which.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-  which.add_argument("--average-last", type=_positive, default=None, metavar="N",
-                     help="the mean params of the newest N checkpoints (paper section 6.1: 5 for base, 20 for big)")
-  p.add_argument("--quantize", choices=("int8",), default=None,
-                 help="int8 weight-only quantization for decoding (per-channel scales; about 4x smaller weights)")
-
-
-def _add_draft_args(p: argparse.ArgumentParser) -> None:
-  """`--draft-workdir DIR [--draft-tokens K]`: speculative greedy decoding with a small draft model."""
-  p.add_argument("--draft-workdir", default=None, metavar="DIR",
-                 help="a small model with the same tokenizer that proposes tokens the target verifies in one pass "
-                      "(speculative decoding; greedy only; the output equals the target's greedy output)")
-  p.add_argument("--draft-tokens", type=_positive, default=4, metavar="K", help="tokens the draft proposes per round")
-
-
-def _add_distributed_args(p: argparse.ArgumentParser) -> None:
-  """Multi-process flags; without them JAXFORMER_* or SLURM variables are used (see jaxformer/distributed.py)."""
-  g = p.add_argument_group("multi-process", "give all three to run as one of several processes (one per host); "
-                           "default: JAXFORMER_COORDINATOR/_NUM_PROCESSES/_PROCESS_ID or SLURM, else one process")
-  g.add_argument("--coordinator", default=None, help="HOST:PORT of process 0's coordinator service")
-  g.add_argument("--num-processes", type=int, default=None, help="number of processes in the run")
-  g.add_argument("--process-id", type=int, default=None, help="this process's index in [0, num_processes)")
-
-
-def _add_search_args(p: argparse.ArgumentParser) -> None:
-  """Decoding flags of `eval`/`translate`. Strategy: --beam-size > 1 is beam search; else
-  any of --temperature/--top-k/--top-p turns on sampling; else greedy search."""
-  g = p.add_argument_group("decoding", "beam search if --beam-size > 1; sampling if --beam-size is 1 and any of "
-                           "--temperature/--top-k/--top-p is given; greedy otherwise")
-  g.add_argument("--beam-size", type=int, default=1, help="beams per sentence; 1 = greedy (paper: 4)")
-  g.add_argument("--length-penalty", type=float, default=0.6,
-                 help="GNMT length-penalty alpha for beam search (paper: 0.6)")
-  g.add_argument("--max-length", type=int, default=50,
-                 help="tokens allowed beyond the source length (paper: 50); capped by model.max_length")
-  g.add_argument("--temperature", type=float, default=None, help="sampling temperature > 0 (default 1.0 when sampling)")
-  g.add_argument("--top-k", type=int, default=None, help="sample among the k most probable tokens (0 = all)")
-  g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1] (1 = all)")
-  g.add_argument("--seed", type=int, default=0,
-                 help="sampling seed; a sentence's sample depends only on the seed and the sentence")
-
-
-def _search_options(args):
-  """SearchOptions from the decoding flags; ValueError (one line) on a bad combination."""
-  from jaxformer.inference.decode import SearchOptions
-  sampling = [f for f, v in (("--temperature", args.temperature), ("--top-k", args.top_k), ("--top-p", args.top_p))
-              if v is not None]
-  if args.beam_size > 1 and sampling:
-    raise ValueError(f"--beam-size {args.beam_size} cannot be combined with {'/'.join(sampling)}: "
-                     "sampling needs --beam-size 1")
-  return SearchOptions(beam_size=args.beam_size, length_penalty=args.length_penalty, extra_tokens=args.max_length,
-                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed).validate()
 
 
 def cmd_train(args) -> None:
@@ -226,7 +167,7 @@ def cmd_eval(args) -> None:
   from jaxformer.inference import restore as inference_restore
   from jaxformer.tasks import get_task
   from jaxformer.tasks.base import EvalOptions
-  search = _search_options(args)
+  search = search_options(args)
   config = inference_restore.workdir_config(args.workdir, args.overrides)
   task = get_task(config)
   output = evaluate.hypotheses_destination(args.output, args.workdir) if task.data_kind == PAIRS else None
@@ -275,7 +216,7 @@ def cmd_translate(args) -> None:
   init_runtime(runtime_from_overrides(args.overrides))
   from jaxformer import evaluate
   from jaxformer.inference import restore as inference_restore
-  search = _search_options(args)
+  search = search_options(args)
   config = inference_restore.workdir_config(args.workdir, args.overrides)
   from jaxformer.data import PAIRS
   from jaxformer.tasks import get_task
@@ -347,7 +288,7 @@ def cmd_bench(args) -> None:
 def cmd_compile(args) -> None:
   """`jaxformer compile`: compiles `--config`'s train step ahead of time and reports its memory."""
   cpu = [f"runtime.num_cpu_devices={args.devices}", "runtime.platform=cpu"] if args.devices else []
-  config = load_config(_config_path(args.config), [*args.overrides, *cpu])
+  config = load_config(config_path(args.config), [*args.overrides, *cpu])
   from jaxformer import aot
   hbm = aot.parse_size(args.hbm) if args.hbm else None
   from jaxformer.runtime import init_runtime
@@ -356,12 +297,6 @@ def cmd_compile(args) -> None:
   result = aot.compile_train_step(config, devices, hbm)
   print(aot.format_report(result), flush=True)
   print(json.dumps(result), flush=True)
-
-
-def _config_path(name: str) -> str:
-  """A config path as given, or a shipped config's name (`tiny`, `multi30k_small`)."""
-  shipped = CONFIGS_DIR / f"{name}.yaml"
-  return str(shipped) if not Path(name).is_file() and shipped.is_file() else name
 
 
 def cmd_config(args) -> None:
@@ -383,7 +318,7 @@ def cmd_config(args) -> None:
     return
   from jaxformer.config import to_dict
   from jaxformer.schema import describe
-  config = load_config(_config_path(args.show), args.overrides)
+  config = load_config(config_path(args.show), args.overrides)
   rows = describe(config)
   width = max(len(r["key"]) for r in rows)
   for r in rows:

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
+
+from jaxformer.cli_args import positive_int
 
 
-def add_parsers(sub, positive_int: Callable[[str], int]) -> None:
-  """Adds the `export` and `import` subcommands to the `jaxformer` subparsers `sub`
-  (`positive_int`: the CLI's argparse type for counts >= 1)."""
+def add_parsers(sub) -> None:
+  """Adds the `export` and `import` subcommands to the `jaxformer` subparsers `sub`."""
   x = sub.add_parser("export", help="write a workdir's model as a Hugging Face Transformers directory (config, "
                      "safetensors weights, tokenizer): MarianMTModel, LlamaForCausalLM, GPT2LMHeadModel or "
                      "XLMRobertaXLForMaskedLM, whichever its options map to")

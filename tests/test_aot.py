@@ -7,7 +7,7 @@ import jax
 import pytest
 from conftest import TINY
 
-from jaxformer import aot, cli
+from jaxformer import aot, cli, cli_args
 from jaxformer import sharding as sh
 from jaxformer.config import ConfigError, load_config
 from jaxformer.summary import per_device_bytes
@@ -71,7 +71,7 @@ def test_the_presets_are_llama_shapes():
   """decoder_1b/8b/70b hold 1.24B, 8.03B and 70.6B parameters (Llama 3.2 1B, Llama 3 8B and 70B)."""
   counts = {}
   for name in ("decoder_1b", "decoder_8b", "decoder_70b"):
-    config = load_config(cli.CONFIGS_DIR / f"{name}.yaml")
+    config = load_config(cli_args.CONFIGS_DIR / f"{name}.yaml")
     abstract, _ = abstract_state(get_task(config).make_model(), make_optimizer(config.optim, config.model.d_model))
     counts[name] = sum(x.size for x in jax.tree.leaves(abstract.params))
     assert config.model.dtype == "bfloat16" and config.model.scan_layers and config.model.remat == "full"

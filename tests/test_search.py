@@ -358,7 +358,8 @@ def test_make_decode_fn_matches_direct_calls_on_a_mesh(model_and_params, fns):
 
 
 def test_cli_decoding_flags_pick_the_strategy():
-  from jaxformer.cli import _parser, _search_options
+  from jaxformer.cli import _parser
+  from jaxformer.cli_args import search_options as _search_options
   parse = lambda *a: _search_options(_parser().parse_args(["translate", "--workdir", "w", *a]))  # noqa: E731
   assert parse() == SearchOptions()
   assert parse("--beam-size", "4", "--length-penalty", "1.0", "--max-length", "10").summary() == {
