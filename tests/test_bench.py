@@ -103,6 +103,7 @@ def bench_runs():
   return runs
 
 
+@pytest.mark.slow
 def test_bench_command_prints_a_table_and_json(bench_runs):
   lines, r = bench_runs[1]
   assert any(line.startswith("target tokens/s") for line in lines)
@@ -119,6 +120,7 @@ def test_bench_command_prints_a_table_and_json(bench_runs):
   assert len(r["losses"]) == 4 and r["losses"][-1] < r["losses"][0]   # 1 warm-up + 3 timed steps, learning
 
 
+@pytest.mark.slow
 def test_bench_with_two_steps_per_call_runs_the_same_steps(bench_runs):
   one, two = bench_runs[1][1], bench_runs[2][1]
   # Whole calls: 1 warm-up step -> 1 call (2 steps), 3 timed steps -> 2 calls (4 steps).

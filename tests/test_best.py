@@ -6,6 +6,7 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from test_cli import TINY, run_cli
 from test_own_data import TINY_MODEL, _reverse, _sentences
 
@@ -63,6 +64,7 @@ def test_lower_is_better_for_losses():
   assert best._better(0.9, 0.5) and not best._better(math.nan, 0.5)
 
 
+@pytest.mark.slow
 def test_training_stops_early_and_the_best_step_evaluates(tmp_path):
   workdir = tmp_path / "run"
   # Validation BLEU decodes the whole validation split at every evaluation: a corpus of 200

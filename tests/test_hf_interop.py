@@ -168,6 +168,7 @@ def test_import_gives_identical_params(exported, arch):
     np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
+@pytest.mark.slow
 def test_import_then_train_fine_tunes_and_export_cli(exported, tmp_path, capsys):
   from jaxformer import checkpoint as ckpt
   from jaxformer.cli import main

@@ -271,6 +271,7 @@ def _tiny_run(layers_key: str, length: int, steps: int) -> list[str]:
           f"train.checkpoint_every={steps}", "optim.warmup_steps=2", f"optim.decay_steps={steps}"]
 
 
+@pytest.mark.slow
 def test_cli_causal_lm_train_eval_generate(tmp_path):
   workdir = str(tmp_path / "lm")
   tiny = _tiny_run("num_decoder_layers", length=16, steps=6)
@@ -284,6 +285,7 @@ def test_cli_causal_lm_train_eval_generate(tmp_path):
   assert text.startswith("ROMEO:") and len(text) == len("ROMEO:") + 40 + 1
 
 
+@pytest.mark.slow
 def test_cli_masked_lm_train_eval(tmp_path):
   workdir = str(tmp_path / "mlm")
   tiny = _tiny_run("num_encoder_layers", length=32, steps=4)

@@ -256,6 +256,7 @@ SHARDED_OPTIONS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", SHARDED_OPTIONS, ids=list(SHARDED_OPTIONS))
 def test_options_train_the_same_on_a_tensor2_mesh(options):
   overrides = SHARDED_OPTIONS[options]

@@ -115,6 +115,7 @@ def _lm_run(workdir, steps_per_call: int, num_steps: int = 7):
   return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_train_with_three_steps_per_call_logs_the_same_losses(tmp_path):
   one = _lm_run(tmp_path / "one", 1)
   three = _lm_run(tmp_path / "three", 3)
@@ -142,6 +143,7 @@ def _pairs_run(workdir, data_dir, num_steps: int):
   return [json.loads(line) for line in lines if "val_loss" in line][-1]["val_loss"]
 
 
+@pytest.mark.slow
 def test_sentence_pair_run_resumed_off_the_call_grid_equals_an_uninterrupted_one(tmp_path, multi30k_dir):
   """Stopping at step 7 cuts the last call (batches 6 and 7 of the run of batches 6..8) into
   two calls; each batch still has its run's length, so the dropout masks (which depend on the

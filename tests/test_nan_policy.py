@@ -152,6 +152,7 @@ def _params(workdir, config, step: int):
   return jax.device_get(ckpt.Checkpointer(workdir).restore_params(target, step)[1])
 
 
+@pytest.mark.slow
 def test_abort_names_the_step_keeps_the_last_good_checkpoint_and_resumes(monkeypatch, tmp_path):
   config = _lm_config(6, "train.checkpoint_every=2")
   loop.train(config, tmp_path / "clean")

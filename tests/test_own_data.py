@@ -48,6 +48,7 @@ def corpus(tmp_path_factory):
   return path
 
 
+@pytest.mark.slow
 def test_aligned_files_in_another_pair_train_translate_eval_and_resume(corpus, tmp_path):
   """Train, eval, translate; then lines are added to the train files and the run resumes with
   the workdir's tokenizer (the ids its checkpoint was trained on), its paths saved absolute."""
@@ -96,6 +97,7 @@ def test_aligned_files_in_another_pair_train_translate_eval_and_resume(corpus, t
   assert f"train_files: {src},{tgt}" in saved and f"data_dir: {tmp_path}/cache" in saved
 
 
+@pytest.mark.slow
 def test_separate_vocabularies_train_and_translate(corpus, tmp_path):
   workdir = tmp_path / "separate"
   run_cli("train", "--config", "configs/tiny.yaml", "--workdir", str(workdir), *TINY_MODEL, "data.dataset=files",
@@ -107,6 +109,7 @@ def test_separate_vocabularies_train_and_translate(corpus, tmp_path):
   assert result["split"] == "val" and result["num_sentences"] == 40 and result["num_tokens"] > 40
 
 
+@pytest.mark.slow
 def test_multi30k_trains_de_to_en(tmp_path):
   workdir = str(tmp_path / "de_en")
   # SentencePiece learns from 4000 of the 58,000 sentences: the other tests share a tokenizer
@@ -124,6 +127,7 @@ def test_multi30k_trains_de_to_en(tmp_path):
   assert len(prepared) == 3 and all(p.startswith("multi30k-") for p in prepared)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,config,file", [("encoder_only", "shakespeare_mlm", "docs.jsonl"),
                                               ("decoder_only", "shakespeare_char", "docs.txt")])
 def test_language_models_train_on_own_text(corpus, tmp_path, kind, config, file):
@@ -146,6 +150,7 @@ def test_language_models_train_on_own_text(corpus, tmp_path, kind, config, file)
     assert text.startswith("cat")
 
 
+@pytest.mark.slow
 def test_tfds_dataset_trains_by_name(tmp_path):
   from test_tfds_source import JaxformerToyPairs
   tfds_dir = tmp_path / "tfds"

@@ -280,6 +280,7 @@ def _tiny_losses(compute: str, batches, state=None) -> tuple[np.ndarray, object]
   return np.array(losses), initial
 
 
+@pytest.mark.slow
 def test_bfloat16_training_tracks_float32():
   """30 steps of `tiny` from the same initial state over four fixed batches: the float32
   loss falls by > 3 nats per token (7.35 -> 3.84), and at every step the bfloat16 loss is

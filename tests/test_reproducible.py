@@ -52,6 +52,7 @@ def _one_cpu():
   os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
 def test_training_is_bitwise_reproducible_across_cpu_counts_under_load():
   env = {k: v for k, v in os.environ.items() if k not in ("NPROC", "JAX_COMPILATION_CACHE_DIR")}

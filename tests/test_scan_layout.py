@@ -102,6 +102,7 @@ def _restored(workdir, step):
   return inference_restore.restore(workdir, inference_restore.workdir_config(workdir), step).params
 
 
+@pytest.mark.slow
 def test_resume_switches_layout(tmp_path):
   _, straight = _lm_run(tmp_path / "straight", 4)
   _lm_run(tmp_path / "switched", 2)
