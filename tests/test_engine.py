@@ -354,6 +354,7 @@ def test_static_batching_starts_the_next_batch_only_when_the_running_one_has_fin
     Engine(model, params, max_batch=SLOTS, page_size=PAGE, batching="dynamic")
 
 
+@pytest.mark.slow
 def test_a_prompt_filling_the_context_is_admitted_and_stops_at_max_length():
   """A prompt of model.max_length tokens (its pages fill the slot's table) is admitted and
   gives one token; a shorter one runs until the context is full."""

@@ -129,6 +129,7 @@ def test_each_microbatch_draws_its_own_dropout_key():
   assert abs(same_key - sum(parts)) > 1e-3
 
 
+@pytest.mark.slow
 def test_float16_scaling_and_steps_per_call_work_with_accumulation():
   """Two steps in one call, float16 compute with dynamic loss scaling: k = 2 follows
   k = 1 up to float16 rounding; a forced overflow is still a skip, not a non-finite fault."""

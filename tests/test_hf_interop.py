@@ -22,6 +22,9 @@ import pytest
 from conftest import TINY
 from jaxformer.config import ConfigError, load_config
 
+# Builds and exports four models, then runs transformers: with the slow tests (CI runs them).
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 

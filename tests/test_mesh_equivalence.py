@@ -95,6 +95,7 @@ def test_rules_overridden_from_config_change_placement_not_values(references):
                              atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_context_axis_changes_placement_not_values():
   """mesh.context=2 splits the length of the batch and of every activation (12 tokens: 6 per
   device); attention gathers keys/values across it. Two steps, as on one device."""

@@ -85,6 +85,7 @@ def steps_on_two_devices():
   return single_state, single_metrics, jax.device_get(state), jax.device_get(multi_metrics)
 
 
+@pytest.mark.slow
 def test_multi_step_call_equals_single_steps(steps_on_two_devices):
   single_state, single_metrics, multi_state, multi_metrics = steps_on_two_devices
   assert int(multi_state.step) == int(single_state.step) == 3

@@ -170,6 +170,7 @@ def test_abort_names_the_step_keeps_the_last_good_checkpoint_and_resumes(monkeyp
   _assert_trees_identical(_params(tmp_path / "run", config, 6), _params(tmp_path / "clean", config, 6))
 
 
+@pytest.mark.slow
 def test_skip_drops_the_bad_update_and_counts_it(monkeypatch, tmp_path):
   config = _lm_config(5, "train.checkpoint_every=1", "train.nan_policy=skip")
   _poisoning(monkeypatch, {3})

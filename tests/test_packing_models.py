@@ -120,6 +120,7 @@ def test_packed_examples_equal_unpacked(case):
   assert np.abs(np.asarray(leaky)[r, start:start + n] - np.asarray(unpacked)[1, :n]).max() > 1e-3
 
 
+@pytest.mark.slow
 def test_encoder_decoder_gradients_of_packed_batch_equal_unpacked():
   """The packed loss (a sum over tokens) has the unpacked batch's gradient, through remat and
   the blockwise attention's custom VJP."""

@@ -90,7 +90,9 @@ def test_dropout_reference_really_drops(reference):
   assert abs(float(reference[True][0]) - float(reference[False][0])) > 1e-3
 
 
-@pytest.mark.parametrize("policy", [p for p in POLICY_NAMES if p != "none"])
+# One policy in the fast suite, the others with the slow tests.
+@pytest.mark.parametrize("policy", [p if p == "full" else pytest.param(p, marks=pytest.mark.slow)
+                                    for p in POLICY_NAMES if p != "none"])
 def test_policy_matches_no_remat_with_dropout(params, reference, policy):
   loss, grads = _loss_and_grads(_config(remat=policy, **DROPOUT), params, jax.random.key(3))
   ref_loss, ref_grads = reference[True]
@@ -145,6 +147,7 @@ def test_unknown_policy_is_a_one_line_config_error():
   assert (config.model.remat, config.model.scan_layers) == ("minimal", True)
 
 
+@pytest.mark.slow
 def test_scan_checkpoint_round_trip(tmp_path):
   config = config_from_dict({"model": {**BASE, "dropout_rate": 0.1}, "optim": {"warmup_steps": 5}},
                             ["model.scan_layers=true", "model.remat=full", "model.vocab_size=40", "model.max_length=64"])

@@ -68,6 +68,7 @@ def test_scanned_init_is_the_stacked_unrolled_init(kind):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_scanned_logits_with_dropout_equal_unrolled(kind):
   unrolled, scanned = _models(kind, remat="full")

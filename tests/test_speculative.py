@@ -37,6 +37,7 @@ def _inputs():
   return jnp.asarray(src, jnp.int32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["encoder_decoder", "decoder_only"])
 def test_output_is_the_targets_greedy_output(kind):
   target, tp, draft, dp = _models(kind)
