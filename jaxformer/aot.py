@@ -83,6 +83,20 @@ def abstract_batch(config: Config, mesh, rules: sh.Rules) -> dict[str, jax.Shape
   return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in keys}
 
 
+def memory_parts(compiled) -> dict[str, int]:
+  """XLA's per-device memory analysis of a compiled program, bytes: `argument_bytes`,
+  `output_bytes`, `alias_bytes` (outputs reusing donated arguments), `temp_bytes`, and their
+  `total_bytes` = arguments + outputs - alias + temporaries (donated state counted once).
+  Empty where the backend gives no analysis."""
+  memory = compiled.memory_analysis()
+  if memory is None:
+    return {}
+  parts = {"argument_bytes": memory.argument_size_in_bytes, "output_bytes": memory.output_size_in_bytes,
+           "alias_bytes": memory.alias_size_in_bytes, "temp_bytes": memory.temp_size_in_bytes}
+  parts["total_bytes"] = parts["argument_bytes"] + parts["output_bytes"] - parts["alias_bytes"] + parts["temp_bytes"]
+  return parts
+
+
 def compile_train_step(config: Config, devices: list[Any] | None = None,
                        hbm_bytes: int | None = None) -> dict[str, Any]:
   """Lowers and compiles `config`'s train step on a mesh over `devices` (default: all JAX
@@ -114,17 +128,16 @@ def compile_train_step(config: Config, devices: list[Any] | None = None,
   lowered_at = time.perf_counter()
   compiled = lowered.compile()
   done, cpu_done = time.perf_counter(), time.process_time()
-  memory = compiled.memory_analysis()
-  parts = {"argument_bytes": memory.argument_size_in_bytes, "output_bytes": memory.output_size_in_bytes,
-           "alias_bytes": memory.alias_size_in_bytes, "temp_bytes": memory.temp_size_in_bytes}
-  total = parts["argument_bytes"] + parts["output_bytes"] - parts["alias_bytes"] + parts["temp_bytes"]
+  parts = memory_parts(compiled)
+  total = parts.pop("total_bytes")
   result = {
       "config": config.name, "devices": mesh.devices.size, "platform": mesh.devices.flat[0].platform,
       "mesh": dict(mesh.shape), "params": sum(x.size for x in jax.tree.leaves(abstract.params)),
       "batch_size": config.train.batch_size, "length": config.data.max_length,
       "remat": config.model.remat, "scan_layers": config.model.scan_layers,
       "compute_dtype": config.model.dtype, **{k: int(v) for k, v in parts.items()},
-      "generated_code_bytes": int(memory.generated_code_size_in_bytes), "total_bytes_per_device": int(total),
+      "generated_code_bytes": int(compiled.memory_analysis().generated_code_size_in_bytes),
+      "total_bytes_per_device": int(total),
       "lower_seconds": round(lowered_at - start, 2), "compile_seconds": round(done - start, 2),
       "compile_cpu_seconds": round(cpu_done - cpu_start, 2),
   }
