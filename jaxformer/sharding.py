@@ -61,6 +61,8 @@ LOGICAL_RULES: Rules = (
     (ACT_KV, None),
     (ACT_MLP, "tensor"),
     (ACT_VOCAB, "tensor"),
+    (ACT_EXPERTS, "expert"),
+    (ACT_EXPERT_BATCH, ("data", "fsdp")),
     (VOCAB, "tensor"),
     (EMBED, "fsdp"),
     (HEADS, "tensor"),
@@ -68,8 +70,6 @@ LOGICAL_RULES: Rules = (
     (MLP, "tensor"),
     (LAYERS, None),
     (EXPERTS, "expert"),
-    (ACT_EXPERTS, "expert"),
-    (ACT_EXPERT_BATCH, ("data", "fsdp")),
 )
 
 
