@@ -228,3 +228,18 @@ def test_router_fields_in_the_log(tmp_path):
     tags |= {v.tag for v in event_pb2.Event.FromString(data[12:12 + size]).summary.value}
     data = data[16 + size:]
   assert {"train/router_load/1/0", "train/router_max_load/1", "train/router_dropped"} <= tags
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_int8_quantization_scales_each_expert(scan):
+  """Expert kernels `[(layers,) experts, in, out]` get one scale per expert and output column; the
+  router stays float; the attention kernels beside them keep their usual scales."""
+  from jaxformer.inference.quantize import QuantizedArray, quantize_params
+  _, model, params = _lm(f"model.scan_layers={scan}", "model.d_model=64", "model.d_ff=64")
+  quantized = quantize_params(params, min_size=1024)
+  ffn, attention = (quantized["layer"] if scan else quantized["layer_0"])["ffn"], \
+      (quantized["layer"] if scan else quantized["layer_0"])["self_attention"]
+  lead = (2,) if scan else ()
+  assert isinstance(ffn["wi"], QuantizedArray) and ffn["wi"].scale.shape == (*lead, 4, 1, 64)
+  assert ffn["wo"].scale.shape == (*lead, 4, 1, 64) and not isinstance(ffn["router"], QuantizedArray)
+  assert attention["query"].scale.shape == (*lead, 1, 8, 8)
