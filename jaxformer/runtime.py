@@ -80,7 +80,8 @@ def _check_platform(platform: str) -> None:
 
 def build_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
   """The run's mesh over `devices` (default: all global devices); checks, once and before anything is compiled,
-  that the model, the sequence length and the batch divide over it (`check_model_fits_mesh`).
+  that the model, the sequence length and the batch divide over it (`check_model_fits_mesh`,
+  `check_experts_fit_mesh`).
 
   Raises:
     ConfigError: the mesh does not fit the devices, a sharded model dimension or the length

@@ -76,11 +76,10 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, config: 
   overflowed, the normal way dynamic scaling finds its scale.
 
   Metrics: `loss`, `nll`, `correct`, `num_tokens` (sums; with experts also the router's, see
-  `loss_fn`), `grad_norm` (of the unscaled
-  gradients), `learning_rate` (the schedule at `step`; the optimizer's own count lags by the
-  skipped steps), `skipped` (1.0 if the update was skipped, else 0.0), `nonfinite` (1.0 if it
-  was skipped for non-finite values other than a loss-scale overflow) and `loss_scale` (the
-  scale this step used; 1.0 without scaling).
+  `loss_fn`), `grad_norm` (of the unscaled gradients), `learning_rate` (the schedule at
+  `step`; the optimizer's own count lags by the skipped steps), `skipped` (1.0 if the update
+  was skipped, else 0.0), `nonfinite` (1.0 if it was skipped for non-finite values other than
+  a loss-scale overflow) and `loss_scale` (the scale this step used; 1.0 without scaling).
   """
   step = _step_function(model, tx, config, mesh, state_shardings.params)
   rules = sh.rules_for(config.mesh)
