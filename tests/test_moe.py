@@ -100,6 +100,18 @@ def test_router_losses_and_drops_by_hand():
   np.testing.assert_allclose(top2.combine[0, 0, :, 0], [0.625, 0.375, 0.0], rtol=1e-6)   # renormalised over 2
 
 
+def test_capacity_drops_keep_a_decoder_causal():
+  """Expert buffers fill in token order, so with tokens dropped the logits of positions < 6 do
+  not depend on the tokens from 6 on (which change the drops after them)."""
+  _, model, params = _lm("model.expert_capacity_factor=0.5")
+  tokens = jnp.asarray(_lm_batch()["inputs"])
+  changed = tokens.at[:, 6:].set((tokens[:, 6:] + 7) % 990 + 3)
+  forward = jax.jit(lambda x: model.apply({"params": params}, x, mutable=[AUX]))
+  (full, aux), (other, _) = forward(tokens), forward(changed)
+  np.testing.assert_allclose(other[:, :6], full[:, :6], atol=1e-6)
+  assert float(aux[AUX]["layer_1"]["ffn"]["router_dropped"]) > 0 and np.abs(other[:, 6:] - full[:, 6:]).max() > 1e-3
+
+
 def _lm(*overrides):
   """(task, model, params) of the tiny decoder-only MoE with `overrides`."""
   config = load_config(TINY, [*MOE, *overrides])
