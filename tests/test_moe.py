@@ -263,3 +263,11 @@ def test_int8_quantization_scales_each_expert(scan):
   assert isinstance(ffn["wi"], QuantizedArray) and ffn["wi"].scale.shape == (*lead, 4, 1, 64)
   assert ffn["wo"].scale.shape == (*lead, 4, 1, 64) and not isinstance(ffn["router"], QuantizedArray)
   assert attention["query"].scale.shape == (*lead, 1, 8, 8)
+
+
+def test_model_flops_count_the_routed_experts_and_the_router():
+  from jaxformer.bench import forward_flops_per_pair
+  dense, moe = (load_config(TINY, ["model.kind=decoder_only", f"model.num_experts={e}"]).model for e in (0, 4))
+  # Per token and layer: one more FFN (2 of 4 experts, 2 * 2 * d_model * d_ff) and the router (2 * d_model * 4).
+  extra = 10 * 2 * (2 * 2 * 64 * 128 + 2 * 64 * 4)
+  assert forward_flops_per_pair(moe, 0, 10) - forward_flops_per_pair(dense, 0, 10) == extra
