@@ -13,8 +13,9 @@ and not by the device layout: losses are the same on every mesh):
     row (at most the row's length; capacity_factor 0 = the length: nothing is dropped). Its
     buffer fills in token order, a token's choices in rank order (position-major), so a
     token's routing depends only on the tokens before it and a causal model stays causal.
-    An assignment past an expert's capacity is dropped: it adds nothing, and a token whose
-    every choice is dropped passes the layer on the residual alone;
+    An assignment past an expert's capacity is dropped: it adds nothing (its gate is not
+    given to the token's other choices), and a token whose every choice is dropped passes
+    the layer on the residual alone;
   * padding (`valid` False) is routed nowhere: it takes no capacity and does not count in
     the auxiliary losses or the load.
 
