@@ -105,11 +105,14 @@ def forward_flops_per_pair(m: ModelConfig, src_length: int, tgt_length: int) -> 
                   and per source token: 4·D·C (cross-attention K and V of the encoder output)
     output logits, per target token:  2·D·V
   For the paper's model (C = D, G = 2) the layers are 8·D² + 4·D·F per token plus attention.
+  A mixture of experts (`model.num_experts` = E, k experts per token) counts the FFNs a token
+  is routed to, k·2·G·D·F, and its router, 2·D·E (not the dispatch and combine einsums).
   Embedding gathers, norms, softmax, dropout and the optimizer are not counted.
   """
   d, f, s, t = m.d_model, m.d_ff, src_length, tgt_length
   c, g = m.kv_heads * m.head_dim, 3 if m.ffn in ("swiglu", "geglu") else 2
-  block = 4 * d * d + 4 * d * c + 2 * g * d * f
+  ffn = 2 * g * d * f * m.experts_per_token + 2 * d * m.num_experts if m.num_experts else 2 * g * d * f
+  block = 4 * d * d + 4 * d * c + ffn
   if m.kind != Translation.kind:
     return m.num_decoder_layers * t * (block + 4 * t * d) + t * 2 * d * m.vocab_size
   encoder = s * m.num_encoder_layers * (block + 4 * s * d)

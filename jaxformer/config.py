@@ -76,6 +76,11 @@ class ModelConfig:
   attention_block_size: int = 128  # blockwise: keys/values per block, tokens
   remat: str = "none"           # per-block rematerialisation: none | full | save_dots | minimal (remat.py)
   scan_layers: bool = False     # nn.scan over each layer stack (shorter compile; params get a leading layers axis)
+  num_experts: int = 0          # >0: every FFN becomes a mixture of this many experts (layers/moe.py); 0 = dense
+  experts_per_token: int = 2    # experts each token is routed to (top-k)
+  expert_capacity_factor: float = 1.25  # an expert takes ceil(f * length * k / E) tokens per row; 0 = no limit
+  router_aux_loss: float = 0.01  # weight of the load-balancing loss (Switch Transformer)
+  router_z_loss: float = 0.001  # weight of the router z-loss (ST-MoE)
 
   def validate(self) -> None:
     """Raises ConfigError (one line) for an unknown kind, dtype or option, a size <= 0 or a rate outside [0, 1)."""

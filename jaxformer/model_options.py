@@ -36,12 +36,27 @@ def validate_architecture(m: Any) -> None:
                       "change model.d_model or model.num_heads")
   if m.position == "sinusoidal" and m.d_model % 2:
     raise ConfigError(f"model.position=sinusoidal needs an even model.d_model, got {m.d_model}")
+  _validate_experts(m)
   _validate_rope_scaling(m)
   _validate_t5(m)
   _validate_linformer(m)
   if m.global_tokens and not m.sliding_window:
     raise ConfigError(f"model.global_tokens={m.global_tokens} acts on top of a sliding window; "
                       "set model.sliding_window too, or model.global_tokens=0")
+
+
+def _validate_experts(m: Any) -> None:
+  if m.num_experts < 0:
+    raise ConfigError(f"model.num_experts must be >= 0 (0 = a dense FFN), got {m.num_experts}")
+  if m.num_experts and not 1 <= m.experts_per_token <= m.num_experts:
+    raise ConfigError(f"model.experts_per_token={m.experts_per_token} must be in [1, model.num_experts="
+                      f"{m.num_experts}]; route each token to fewer experts or add experts")
+  if not 0.0 <= m.expert_capacity_factor < math.inf:   # written so that NaN fails too
+    raise ConfigError(f"model.expert_capacity_factor must be a finite number >= 0 (0 = no capacity limit), "
+                      f"got {m.expert_capacity_factor}; e.g. 1.25")
+  for name in ("router_aux_loss", "router_z_loss"):
+    if not 0.0 <= getattr(m, name) < math.inf:
+      raise ConfigError(f"model.{name} must be a finite number >= 0 (0 = off), got {getattr(m, name)}")
 
 
 def _validate_rope_scaling(m: Any) -> None:

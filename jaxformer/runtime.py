@@ -80,7 +80,8 @@ def _check_platform(platform: str) -> None:
 
 def build_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
   """The run's mesh over `devices` (default: all global devices); checks, once and before anything is compiled,
-  that the model, the sequence length and the batch divide over it (`check_model_fits_mesh`).
+  that the model, the sequence length and the batch divide over it (`check_model_fits_mesh`,
+  `check_experts_fit_mesh`).
 
   Raises:
     ConfigError: the mesh does not fit the devices, a sharded model dimension or the length
@@ -89,11 +90,12 @@ def build_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> M
   """
   mesh = sh.make_mesh(config.mesh, devices)
   check_model_fits_mesh(config, mesh.shape["fsdp"], mesh.shape["tensor"], mesh.shape["context"])
+  check_experts_fit_mesh(config, mesh.shape["expert"])
   dp = sh.data_parallel_size(mesh, sh.rules_for(config.mesh))
   if config.train.batch_size % dp:
     raise ConfigError(
         f"train.batch_size={config.train.batch_size} is not divisible by the data-parallel size "
-        f"{dp} (mesh.data*mesh.fsdp); use train.batch_size={max(dp, config.train.batch_size // dp * dp)}")
+        f"{dp} (mesh.data*mesh.fsdp*mesh.expert); use train.batch_size={max(dp, config.train.batch_size // dp * dp)}")
   return mesh
 
 
@@ -125,3 +127,16 @@ def check_model_fits_mesh(config: Config, fsdp: int, tensor: int, context: int =
     raise ConfigError(f"mesh.context={context} does not divide the sequence lengths {sorted(set(lengths))} "
                       f"(data.max_length, data.buckets); use mesh.context in "
                       f"{[d for d in _divisors(config.data.max_length) if all(n % d == 0 for n in lengths)]}")
+
+
+def check_experts_fit_mesh(config: Config, expert: int) -> None:
+  """Fails before compiling if the `expert` axis does not split `model.num_experts` evenly
+  (without experts the axis only splits the batch, like `data`).
+
+  Raises:
+    ConfigError: naming both sizes and the valid choices.
+  """
+  experts = config.model.num_experts
+  if experts and experts % expert:
+    raise ConfigError(f"mesh.expert={expert} does not divide model.num_experts={experts}; "
+                      f"use mesh.expert in {_divisors(experts)}")

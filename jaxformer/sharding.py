@@ -36,7 +36,7 @@ HEADS = "heads"
 KV = "kv"          # head_dim
 MLP = "mlp"
 LAYERS = "layers"  # leading axis of params stacked by nn.scan (model.scan_layers)
-EXPERTS = "experts"  # the experts of a mixture-of-experts layer (reserved for the expert axis)
+EXPERTS = "experts"  # the experts of a mixture-of-experts layer (layers/moe.py)
 # Activation axes.
 ACT_BATCH = "act_batch"
 ACT_LENGTH = "act_length"
@@ -45,19 +45,24 @@ ACT_HEADS = "act_heads"
 ACT_KV = "act_kv"
 ACT_MLP = "act_mlp"
 ACT_VOCAB = "act_vocab"
+ACT_EXPERTS = "act_experts"            # the experts of the MoE's expert buffers `[batch, experts, capacity, ...]`
+ACT_EXPERT_BATCH = "act_expert_batch"  # their batch: act_batch without the expert axis (the experts take it)
 
-# Logical axis -> mesh axis (or axes, or None = replicated). Batch over data+fsdp; the length of
-# activations over context; weights fully sharded over fsdp along embed (ZeRO-3); heads/d_ff/vocab
-# over tensor; experts over expert. `stage` splits the layer stack, not a named array dimension.
+# Logical axis -> mesh axis (or axes, or None = replicated). Batch over data+fsdp+expert (outside the
+# MoE's expert buffers the expert axis is one more data axis); the length of activations over context;
+# weights fully sharded over fsdp along embed (ZeRO-3); heads/d_ff/vocab over tensor; experts over
+# expert. `stage` splits the layer stack, not a named array dimension.
 Rules = tuple[tuple[str, Any], ...]
 LOGICAL_RULES: Rules = (
-    (ACT_BATCH, ("data", "fsdp")),
+    (ACT_BATCH, ("data", "fsdp", "expert")),
     (ACT_LENGTH, "context"),
     (ACT_EMBED, None),
     (ACT_HEADS, "tensor"),
     (ACT_KV, None),
     (ACT_MLP, "tensor"),
     (ACT_VOCAB, "tensor"),
+    (ACT_EXPERTS, "expert"),
+    (ACT_EXPERT_BATCH, ("data", "fsdp")),
     (VOCAB, "tensor"),
     (EMBED, "fsdp"),
     (HEADS, "tensor"),
@@ -173,7 +178,7 @@ def check_divisible(abstract: Any, shardings: Any) -> None:
 
 
 def data_parallel_size(mesh: Mesh, rules: Rules = LOGICAL_RULES) -> int:
-  """How many ways the batch dimension is split by `rules` (data * fsdp under the default rules)."""
+  """How many ways the batch dimension is split by `rules` (data * fsdp * expert under the default rules)."""
   axes = batch_sharding(mesh, rules=rules).spec[0] or ()
   return int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
 

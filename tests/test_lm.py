@@ -74,6 +74,7 @@ OPTION_CASES = {
     "blockwise-learned": dict(attention="blockwise", attention_block_size=4, position="learned"),
     "softcap-geglu-nopos-untied": dict(attn_logit_softcap=5.0, ffn="geglu", position="none", tie_embeddings=False),
     "scan-remat-rope": dict(scan_layers=True, remat="full", position="rope"),
+    "moe-no-capacity-limit": dict(num_experts=4, experts_per_token=2, expert_capacity_factor=0.0),
 }
 
 

@@ -131,6 +131,21 @@ def test_golden_partition_specs_for_tiny(mesh_shape):
   assert got == golden
 
 
+def test_golden_partition_specs_for_a_mixture_of_experts():
+  """A one-layer decoder-only MoE on data=1, fsdp=2, tensor=2, expert=2: each expert's weights
+  `[experts, ...]` split over expert (and like the dense FFN's over fsdp and tensor); the
+  batch splits over data, fsdp and expert."""
+  from jaxformer.tasks import get_task
+  config = _config(0.0, "model.kind=decoder_only", "model.num_experts=4", "model.num_decoder_layers=1")
+  mesh = sh.make_mesh(MeshConfig(1, 2, 2, expert=2), jax.devices()[:8])
+  model = get_task(config).make_model()
+  _, logical = abstract_state(model, make_optimizer(config.optim, config.model.d_model))
+  flat = jax.tree_util.tree_flatten_with_path(sh.logical_to_sharding(logical, mesh).params)[0]
+  got = {"/".join(k.key for k in path): [list(a) if isinstance(a, tuple) else a for a in s.spec] for path, s in flat}
+  assert got == json.loads((ROOT / "tests/golden/tiny_moe_specs_e2f2t2.json").read_text())
+  assert sh.batch_sharding(mesh).spec[0] == ("data", "fsdp", "expert")
+
+
 @pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (1, 1, 8)], ids=["fsdp8", "tensor8"])
 def test_sharded_arrays_hold_one_eighth_per_device(mesh_shape):
   config = _config(0.0)

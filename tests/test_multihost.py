@@ -183,3 +183,42 @@ def test_resolve_layout_from_flags_env_and_slurm():
     distributed.resolve("nohost", 2, 0, environ={})
   with pytest.raises(ValueError, match=distributed.ENV_COORDINATOR):
     distributed.resolve(environ={distributed.ENV_NUM_PROCESSES: "2", distributed.ENV_PROCESS_ID: "0"})
+
+
+def _text(path: Path, lines: int, offset: int) -> str:
+  words = "cat dog bird fish horse cow sheep goat duck frog".split()
+  path.write_text("".join(" ".join(words[(i * k + offset) % 10] for k in range(1, 2 + i % 5)) + "\n"
+                          for i in range(lines)))
+  return str(path)
+
+
+@pytest.mark.slow
+def test_expert_parallel_two_processes_match_one_process(tmp_path):
+  """A decoder-only mixture of experts on data=2, fsdp=2, expert=2 (tokens all-to-all between the
+  processes): the losses, router losses and per-layer router load of 2 processes x 4 devices equal
+  1 x 8, and the load is in metrics.jsonl."""
+  env = _env(tmp_path)
+  args = ["--config", str(ROOT / "configs" / "shakespeare_char.yaml"), "data.dataset=files",
+          f"data.train_files={_text(tmp_path / 'train.txt', 300, 0)}",
+          f"data.validation_files={_text(tmp_path / 'val.txt', 10, 3)}", f"data.data_dir={tmp_path / 'data'}",
+          "model.vocab_size=32", "model.d_model=32", "model.num_heads=2", "model.d_ff=48", "model.num_decoder_layers=2",
+          "model.max_length=16", "data.max_length=16", "model.num_experts=4", "model.expert_capacity_factor=1.0",
+          "train.batch_size=8", f"train.num_steps={STEPS}", f"train.log_every={PER_CALL}", f"train.eval_every={STEPS}",
+          f"train.checkpoint_every={STEPS}", f"train.steps_per_call={PER_CALL}", "optim.warmup_steps=2",
+          f"optim.decay_steps={STEPS}", "mesh.data=2", "mesh.fsdp=2", "mesh.expert=2"]
+  _check(_run(["bash", LAUNCH, "2", "--", "train", "--workdir", str(tmp_path / "multi"), *args,
+               "runtime.num_cpu_devices=4"], env)[0])
+  _check(_run([sys.executable, "-m", "jaxformer", "train", "--workdir", str(tmp_path / "single"), *args,
+               "runtime.num_cpu_devices=8"], env)[0])
+  keys = ("loss", "grad_norm", "router_balance_loss", "router_z_loss", "router_dropped")
+  rows = {}
+  for run in ("multi", "single"):
+    lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+    rows[run] = [m for m in map(json.loads, lines) if "loss" in m]
+  assert [m["step"] for m in rows["single"]] == [m["step"] for m in rows["multi"]] == [2, 4]
+  for multi, single in zip(rows["multi"], rows["single"]):
+    assert [multi[k] for k in keys] == pytest.approx([single[k] for k in keys], rel=1e-5)
+    assert len(single["router_load"]) == 2 and all(len(layer) == 4 for layer in single["router_load"])
+    assert all(sum(layer) == pytest.approx(1.0, abs=1e-3) for layer in single["router_load"])
+    assert sum(multi["router_load"], []) == pytest.approx(sum(single["router_load"], []), abs=1e-4)
+    assert single["router_dropped"] > 0 and len(single["router_max_load"]) == 2

@@ -60,7 +60,7 @@ def test_batch_must_divide_data_parallel_size():
 
 def test_rules_map_logical_axes():
   mesh = sh.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-  assert sh.batch_sharding(mesh).spec == PartitionSpec(("data", "fsdp"), "context")
+  assert sh.batch_sharding(mesh).spec == PartitionSpec(("data", "fsdp", "expert"), "context")
   specs = {"w": PartitionSpec(sh.EMBED, sh.MLP), "e": PartitionSpec(sh.VOCAB, sh.EMBED),
            "q": PartitionSpec(sh.EMBED, sh.HEADS, sh.KV)}
   out = sh.logical_to_sharding(specs, mesh)
@@ -107,13 +107,16 @@ def test_rules_overrides_that_do_not_divide_fail_before_compiling():
 
 def test_new_axes_in_the_rules_table():
   """Golden specs on a mesh using every axis: context splits the length of activations and
-  inputs, expert the (reserved) experts axis; stage names no array dimension."""
+  inputs, expert the experts axis (and the batch outside the experts' buffers); stage names no
+  array dimension."""
   mesh = sh.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1, stage=2, context=2, expert=2))
-  assert sh.batch_sharding(mesh).spec == PartitionSpec(("data", "fsdp"), "context")
-  assert sh.batch_sharding(mesh, stacked=True).spec == PartitionSpec(None, ("data", "fsdp"), "context")
+  assert sh.batch_sharding(mesh).spec == PartitionSpec(("data", "fsdp", "expert"), "context")
+  assert sh.batch_sharding(mesh, stacked=True).spec == PartitionSpec(None, ("data", "fsdp", "expert"), "context")
   specs = {"act": PartitionSpec(sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_EMBED),
-           "moe": PartitionSpec(sh.EXPERTS, sh.EMBED, sh.MLP)}
+           "moe": PartitionSpec(sh.EXPERTS, sh.EMBED, sh.MLP),
+           "buffer": PartitionSpec(sh.ACT_EXPERT_BATCH, sh.ACT_EXPERTS, None, sh.ACT_EMBED)}
   out = sh.logical_to_sharding(specs, mesh)
-  assert out["act"].spec == PartitionSpec(("data", "fsdp"), "context", None)
+  assert out["act"].spec == PartitionSpec(("data", "fsdp", "expert"), "context", None)
   assert out["moe"].spec == PartitionSpec("expert", "fsdp", "tensor")
+  assert out["buffer"].spec == PartitionSpec(("data", "fsdp"), "expert", None, None)
   assert sh.parse_rules("layers=stage+context")[-2] == (sh.LAYERS, ("stage", "context"))

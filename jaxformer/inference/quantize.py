@@ -65,21 +65,25 @@ def _dict_keys(path: tuple) -> list[str]:
 
 def _stack_depths(params: Any) -> dict[str, int]:
   """Leading stacked axes (`[num_layers]` under `model.scan_layers`) of each top-level subtree:
-  how many more axes its known kernels have than one layer's kernel."""
+  how many more axes its known kernels have than one layer's kernel (the fewest: a mixture of
+  experts' kernels have one more, `[experts]`)."""
   depths: dict[str, int] = {}
   for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
     keys = _dict_keys(path)
     if keys[-1] in KERNELS:
-      depths[keys[0]] = max(depths.get(keys[0], 0), x.ndim - KERNELS[keys[-1]][0])
+      depths[keys[0]] = min(depths.get(keys[0], x.ndim), x.ndim - KERNELS[keys[-1]][0])
   return depths
 
 
 def _reduced_axes(name: str, ndim: int, depth: int) -> tuple[int, ...] | None:
   """The contracted axes of a kernel of `ndim` axes with `depth` leading stacked axes, or None
   when the leaf is not a kernel (fewer than 2 axes per layer: norm scales, biases). Kernels
-  of other names are taken as `[..., in, out]` (Flax's Dense convention)."""
-  if name in KERNELS and ndim == KERNELS[name][0] + depth:
-    return tuple(depth + a for a in KERNELS[name][1])
+  of other names are taken as `[..., in, out]` (Flax's Dense convention); a known kernel with
+  more leading axes (a mixture of experts' `[experts, ...]`) gets a scale per expert too."""
+  if name == "router":   # a mixture of experts' router: small, and its top-k choices are sensitive
+    return None
+  if name in KERNELS and ndim >= KERNELS[name][0] + depth:
+    return tuple(ndim - KERNELS[name][0] + a for a in KERNELS[name][1])
   if name not in KERNELS and ndim - depth >= 2:
     return (ndim - 2,)
   return None

@@ -43,7 +43,8 @@ def select_mapping(config: Config) -> ModuleType:
   Raises:
     ConfigError: no architecture fits; names the options of the closest one that do not.
   """
-  misses = [(m.unsupported(config.model), m) for m in MAPPINGS]
+  experts = [f"model.num_experts={config.model.num_experts}"] if config.model.num_experts else []   # none maps them
+  misses = [(experts + m.unsupported(config.model), m) for m in MAPPINGS]
   fitting = [m for bad, m in misses if not bad]
   if fitting:
     return fitting[0]

@@ -1,7 +1,8 @@
 """Encoder and decoder blocks (paper section 3.1): sublayer -> dropout -> residual -> norm
 (post-LN, as in the paper) or norm -> sublayer -> dropout -> residual (pre-LN).
 
-The norm (`model.norm`), FFN (`model.ffn`) and attention options come from the config.
+The norm (`model.norm`), FFN (`model.ffn`; a mixture of experts with `model.num_experts`) and
+attention options come from the config.
 RoPE / ALiBi / T5 act in self-attention only (cross-attention has no position bias); causal
 masking, the sliding window and its global tokens act in causal self-attention only;
 Linformer replaces non-causal self-attention only (the encoder's). With `model.position=t5`
@@ -37,6 +38,7 @@ from jaxformer.layers.attention import MultiHeadAttention
 from jaxformer.layers.dropout import Dropout
 from jaxformer.layers.feed_forward import FeedForward
 from jaxformer.layers.kv_cache import CacheState
+from jaxformer.layers.moe import MixtureOfExperts
 from jaxformer.layers.norm import make_norm
 from jaxformer.layers.positions import RopeScaling
 
@@ -83,8 +85,15 @@ def _attention(config: ModelConfig, name: str, is_cross: bool = False, causal: b
                             linformer_k=config.linformer_k, max_length=config.max_length, name=name)
 
 
-def _ffn(config: ModelConfig):
-  return FeedForward(config.d_ff, dtype=jnp.dtype(config.dtype), activation=config.ffn, name="ffn")
+def _ffn(config: ModelConfig, valid: jax.Array | None) -> Callable[[jax.Array], jax.Array]:
+  """The block's FFN, or with `model.num_experts` its mixture of experts, which routes only the
+  real tokens (`valid`)."""
+  dtype = jnp.dtype(config.dtype)
+  if not config.num_experts:
+    return FeedForward(config.d_ff, dtype=dtype, activation=config.ffn, name="ffn")
+  moe = MixtureOfExperts(config.num_experts, config.experts_per_token, config.d_ff, config.expert_capacity_factor,
+                         dtype, config.ffn, name="ffn")
+  return lambda h: moe(h, valid)
 
 
 def _block_output(config: ModelConfig, x: jax.Array):
@@ -111,7 +120,7 @@ class EncoderBlock(nn.Module):
                rng: jax.Array | None = None) -> jax.Array:
     """One block over `x` `[batch, length, d_model]`; see the class docstring for the arguments."""
     attn = _attention(self.config, "self_attention", causal=self.causal)
-    ffn = _ffn(self.config)
+    ffn = _ffn(self.config, valid)
     x = Residual(self.config, name="attention_sublayer")(
         x, lambda h: attn(h, None, valid, deterministic=deterministic, decode=decode, q_segment_ids=segment_ids,
                           positions=positions, dropout_rng=_site(rng, 0), cache_state=cache_state,
@@ -142,7 +151,7 @@ class DecoderBlock(nn.Module):
     cfg = self.config
     self_attn = _attention(cfg, "self_attention", causal=True)
     cross_attn = _attention(cfg, "cross_attention", is_cross=True)
-    ffn = _ffn(cfg)
+    ffn = _ffn(cfg, tgt_valid)
     y = Residual(cfg, name="self_attention_sublayer")(
         y, lambda h: self_attn(h, None, tgt_valid, deterministic=deterministic, decode=decode,
                                q_segment_ids=tgt_segment_ids, positions=positions, dropout_rng=_site(rng, 0),

@@ -28,6 +28,7 @@ from jaxformer.config import ModelConfig
 from jaxformer.layers.dropout import Dropout
 from jaxformer.layers.embedding import Embed, sinusoidal_positions
 from jaxformer.layers.kv_cache import CacheState
+from jaxformer.layers.moe import AUX
 from jaxformer.layers.norm import make_norm
 from jaxformer.layers.positions import LearnedPositions, t5_table
 from jaxformer.models.blocks import BLOCK_AXES, DecoderBlock, EncoderBlock
@@ -95,7 +96,7 @@ def layer_stack(block: type[nn.Module], config: ModelConfig, num_layers: int, na
   # Every argument after the carry (masks, encoder output, flags) is the same for all
   # layers, except the last: the layers' dropout keys. Params are initialised unrolled
   # (`StackedInit`), so no rng is split here.
-  scanned = nn.scan(block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
+  scanned = nn.scan(block, variable_axes={"params": 0, "cache": 0, AUX: 0}, split_rngs={"params": True},
                     in_axes=(nn.broadcast,) * (num_args - 1) + (0,), length=num_layers,
                     metadata_params={nn.PARTITION_NAME: sh.LAYERS})
   return scanned(config, name=name, **block_fields)

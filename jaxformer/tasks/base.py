@@ -2,7 +2,8 @@
 loop, the CLI, the benchmark and config validation.
 
 A task binds a config to one model kind: it builds the model, loads and batches the data
-it needs, computes the training outputs (logits, targets, loss weights) of a batch, and
+it needs, computes the training outputs (logits, targets, loss weights, and the auxiliary
+sums the model's layers sow, e.g. the mixture of experts' router losses) of a batch, and
 evaluates a restored checkpoint. Nothing outside the two registries (`tasks/__init__.py`,
 `data/sources/__init__.py`) dispatches on the model kind or dataset name.
 """
@@ -12,12 +13,15 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from jaxformer import data as D
+from jaxformer.layers.moe import AUX
+from jaxformer.models import layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +89,9 @@ class Task(abc.ABC):
 
   @abc.abstractmethod
   def outputs(self, model: nn.Module, params: Any, batch: dict[str, jax.Array],
-              rng: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(float32 logits `[batch, length, vocab]`, int targets `[batch, length]`, float32 loss
-    weights `[batch, length]`: 1 on real targets, 0 on padding). `rng` None means evaluation
-    (dropout off); otherwise it is the step's key."""
+              rng: jax.Array | None) -> Outputs:
+    """The logits, targets, loss weights and auxiliary sums of `batch` (`Outputs`). `rng` None
+    means evaluation (dropout off); otherwise it is the step's key."""
 
   def eval_split(self, options: EvalOptions) -> Any:
     """The prepared split `options.split` names (`val` or `test`), tokenized with the workdir's
@@ -118,7 +121,32 @@ class Task(abc.ABC):
     checkpoint; tasks check their inputs first, so a user mistake fails before the restore."""
 
 
-def apply_model(model: nn.Module, params: Any, rng: jax.Array | None, *args, **kwargs) -> jax.Array:
-  """`model.apply` with dropout on when `rng` is a key, off when it is None."""
+class Outputs(NamedTuple):
+  """What `Task.outputs` returns for the loss: float32 `logits` `[batch, length, vocab]`, int
+  `targets` `[batch, length]`, float32 loss `weights` `[batch, length]` (1 on real targets, 0
+  on padding), and `aux`, the auxiliary sums the model's layers sowed (`apply_model`)."""
+  logits: jax.Array
+  targets: jax.Array
+  weights: jax.Array
+  aux: dict[str, jax.Array]
+
+
+def apply_model(model: nn.Module, params: Any, rng: jax.Array | None, *args,
+                **kwargs) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """`model.apply` with dropout on when `rng` is a key, off when it is None.
+
+  Returns:
+    (the model's output, the auxiliary-loss channel): the sums its layers sowed into the
+    `layers.moe.AUX` collection as `{name: float32 [layers, ...]}`, one row per layer of every
+    stack in `model.STACKS` order, whether the stacks are unrolled or scanned; {} when no
+    layer sows (a model without experts).
+  """
   rngs = None if rng is None else {"dropout": rng}
-  return model.apply({"params": params}, *args, deterministic=rng is None, rngs=rngs, **kwargs)
+  out, state = model.apply({"params": params}, *args, deterministic=rng is None, rngs=rngs, mutable=[AUX], **kwargs)
+  stacks = layout.layer_stacks(model)
+  per_stack = layout.stack_layers(dict(state.get(AUX, {})), stacks)
+  rows: dict[str, list[jax.Array]] = {}
+  for name in stacks:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(per_stack.get(name, {}))[0]:
+      rows.setdefault(path[-1].key, []).append(leaf)
+  return out, {name: jnp.concatenate(leaves) for name, leaves in rows.items()}

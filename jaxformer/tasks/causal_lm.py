@@ -16,12 +16,12 @@ from jaxformer import data as D
 from jaxformer.config import ConfigError
 from jaxformer.models.decoder_only import DecoderOnly
 from jaxformer.models.transformer import PAD_ID
-from jaxformer.tasks.base import EvalOptions, Task, apply_model
+from jaxformer.tasks.base import EvalOptions, Outputs, Task, apply_model
 
 
 def lm_outputs(model, params, batch, rng, inputs):
   """The language models' forward pass on `inputs` (the batch's or masked), with packing's
-  segment ids and positions when the batch has them."""
+  segment ids and positions when the batch has them: (logits, auxiliary sums), see `apply_model`."""
   return apply_model(model, params, rng, inputs, None, segment_ids=batch.get("inputs_segment_ids"),
                      positions=batch.get("inputs_positions"))
 
@@ -54,8 +54,8 @@ class CausalLM(Task):
 
   def outputs(self, model, params, batch, rng):
     """`Task.outputs`: next-token logits, targets and weights (1 on non-PAD targets)."""
-    logits = lm_outputs(model, params, batch, rng, batch["inputs"])
-    return logits, batch["targets"], (batch["targets"] != PAD_ID).astype(jnp.float32)
+    logits, aux = lm_outputs(model, params, batch, rng, batch["inputs"])
+    return Outputs(logits, batch["targets"], (batch["targets"] != PAD_ID).astype(jnp.float32), aux)
 
   def evaluate(self, restore, options: EvalOptions) -> dict[str, Any]:
     """Loss over the whole `options.split` (batches of `train.batch_size` windows): `loss`

@@ -16,6 +16,7 @@ from jaxformer import data as D
 from jaxformer.inference.search import source_row_keys
 from jaxformer.models.encoder_only import EncoderOnly
 from jaxformer.models.transformer import PAD_ID
+from jaxformer.tasks.base import Outputs
 from jaxformer.tasks.causal_lm import CausalLM, lm_outputs
 
 _EVAL_MASK_KEY = 0        # eval masks: this key folded with each row's tokens
@@ -73,4 +74,5 @@ class MaskedLM(CausalLM):
     random_low = 1 if self.config.data.tokenizer == "char" and not self.config.data.tokenizer_model \
         else _SENTENCEPIECE_SPECIALS
     corrupted, weights = mlm_mask(keys, inputs, self.mask_id, random_low, self.config.data.mask_probability)
-    return lm_outputs(model, params, batch, rng, corrupted), inputs, weights
+    logits, aux = lm_outputs(model, params, batch, rng, corrupted)
+    return Outputs(logits, inputs, weights, aux)

@@ -33,6 +33,7 @@ from jaxformer.summary import format_summary
 from jaxformer.tasks import get_task
 from jaxformer.train.best import BEST_FILE, BestCheckpoint, task_scores
 from jaxformer.train.optim import make_optimizer
+from jaxformer.train.router import summarise_router
 from jaxformer.train.state import abstract_state, create_state
 from jaxformer.train.step import make_eval_step, make_train_call
 
@@ -106,10 +107,10 @@ def evaluate_loss(eval_step, params, batches, mesh, rules: sh.Rules = sh.LOGICAL
   for batch in batches:
     sums = jax.device_get(eval_step(params, global_batch(batch, mesh, rules)))
     for k, v in sums.items():
-      totals[k] = totals.get(k, 0.0) + float(v)
+      totals[k] = totals.get(k, 0.0) + np.asarray(v, np.float64)   # (the router's load is per layer)
   n = max(totals["num_tokens"], 1.0)
-  return {"loss": totals["loss"] / n, "nll": totals["nll"] / n, "accuracy": totals["correct"] / n,
-          "num_tokens": totals["num_tokens"]}
+  return {"loss": float(totals["loss"] / n), "nll": float(totals["nll"] / n), "accuracy": float(totals["correct"] / n),
+          "num_tokens": float(totals["num_tokens"])}
 
 
 def _summary_writer(folder: Path):
@@ -150,6 +151,9 @@ class _Logger:
     for k, v in record.items():
       if k != "step" and isinstance(v, (int, float)):
         self._tb.add_scalar(f"{prefix}/{k}", v, record["step"])
+      elif isinstance(v, list):   # per layer (the router's load): one curve per layer, per expert
+        for index, value in np.ndenumerate(np.asarray(v)):
+          self._tb.add_scalar(f"{prefix}/{k}/{'/'.join(map(str, index))}", float(value), record["step"])
     self._tb.flush()
 
   def close(self) -> None:
@@ -344,6 +348,7 @@ def _summarise(history: list[dict], step: int, seconds: float, padding: list[flo
       "tokens_per_sec": tokens / max(seconds, 1e-9),
       "steps_per_sec": len(history) / max(seconds, 1e-9),
       "padding_fraction": float(np.mean(padding)),
+      **summarise_router(finite, n),
   }
 
 

@@ -23,6 +23,7 @@ from jaxformer.tasks import get_task
 from jaxformer.tasks.base import Task
 from jaxformer.train.losses import cross_entropy_sums
 from jaxformer.train.optim import make_schedule
+from jaxformer.train.router import add_router_sums
 from jaxformer.train.state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -36,10 +37,13 @@ def loss_fn(task: Task, model: nn.Module, params, batch: Batch, rng: jax.Array |
   mean depends on the task, see `jaxformer/tasks/`) and, when packed, segment ids and
   positions; `rng` is the step's key (dropout,
   MLM masks), None for evaluation. The sums are those of `cross_entropy_sums` (with
-  `z_loss`); the loss is computed in float32 whatever the compute dtype.
+  `z_loss`) plus, for a mixture of experts, the router's (`router.add_router_sums`: its
+  weighted auxiliary losses are part of `loss`); the loss is computed in float32 whatever the
+  compute dtype.
   """
-  logits, targets, weights = task.outputs(model, params, batch, rng)
-  sums = cross_entropy_sums(logits, targets, weights, label_smoothing, z_loss)
+  out = task.outputs(model, params, batch, rng)
+  sums = add_router_sums(cross_entropy_sums(out.logits, out.targets, out.weights, label_smoothing, z_loss), out.aux,
+                         model.config)
   # Normalise by the global count of real target tokens (section 5.4 loss per token).
   return sums["loss"] / jnp.maximum(sums["num_tokens"], 1.0), sums
 
@@ -71,11 +75,11 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, config: 
   `train.nan_policy` unless it is a loss-scale overflow: a finite loss whose scaled gradients
   overflowed, the normal way dynamic scaling finds its scale.
 
-  Metrics: `loss`, `nll`, `correct`, `num_tokens` (sums), `grad_norm` (of the unscaled
-  gradients), `learning_rate` (the schedule at `step`; the optimizer's own count lags by the
-  skipped steps), `skipped` (1.0 if the update was skipped, else 0.0), `nonfinite` (1.0 if it
-  was skipped for non-finite values other than a loss-scale overflow) and `loss_scale` (the
-  scale this step used; 1.0 without scaling).
+  Metrics: `loss`, `nll`, `correct`, `num_tokens` (sums; with experts also the router's, see
+  `loss_fn`), `grad_norm` (of the unscaled gradients), `learning_rate` (the schedule at
+  `step`; the optimizer's own count lags by the skipped steps), `skipped` (1.0 if the update
+  was skipped, else 0.0), `nonfinite` (1.0 if it was skipped for non-finite values other than
+  a loss-scale overflow) and `loss_scale` (the scale this step used; 1.0 without scaling).
   """
   step = _step_function(model, tx, config, mesh, state_shardings.params)
   rules = sh.rules_for(config.mesh)
@@ -195,8 +199,8 @@ def _microbatches(batch: Batch, k: int, mesh: Mesh, rules: sh.Rules) -> Batch:
   dp = sh.data_parallel_size(mesh, rules)
   if rows % (k * dp):
     raise ConfigError(f"train.grad_accum_steps={k} splits the batch of {rows} rows into microbatches that do not "
-                      f"divide over the {dp} data-parallel devices (mesh.data*mesh.fsdp); use a train.batch_size "
-                      f"that is a multiple of {k * dp}, or fewer train.grad_accum_steps")
+                      f"divide over the {dp} data-parallel devices (mesh.data*mesh.fsdp*mesh.expert); use a "
+                      f"train.batch_size that is a multiple of {k * dp}, or fewer train.grad_accum_steps")
   sharding = sh.batch_sharding(mesh, stacked=True, rules=rules)
 
   def split(x):
