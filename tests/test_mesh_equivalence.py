@@ -110,8 +110,8 @@ def test_dropout_changes_the_loss(references):
   assert not np.allclose(references[0.0][0], references[0.1][0])
 
 
-def _specs(mesh_shape):
-  config = _config(0.0)
+def _specs(mesh_shape, *overrides):
+  config = _config(0.0, *overrides)
   mesh = sh.make_mesh(MeshConfig(*mesh_shape), jax.devices()[:int(np.prod(mesh_shape))])
   model = EncoderDecoder(config.model)
   abstract, logical = abstract_state(model, make_optimizer(config.optim, config.model.d_model))
@@ -128,6 +128,17 @@ def test_golden_partition_specs_for_tiny(mesh_shape):
   got = {"/".join(k.key for k in path): [list(a) if isinstance(a, tuple) else a for a in s.spec]
          for path, s in flat}
   golden = json.loads((ROOT / "tests/golden/tiny_specs_2x2x2.json").read_text())
+  assert got == golden
+
+
+def test_golden_partition_specs_for_scanned_tiny_on_stages():
+  """Scanned layers (`[num_layers, ...]`, logical axis `layers`) split over stage in contiguous
+  blocks, each layer's dimensions as unscanned; embeddings and logits replicated over stage."""
+  _, shardings = _specs((1, 2, 2, 2), "model.scan_layers=true")
+  flat = jax.tree_util.tree_flatten_with_path(shardings.params)[0]
+  got = {"/".join(k.key for k in path): [list(a) if isinstance(a, tuple) else a for a in s.spec]
+         for path, s in flat}
+  golden = json.loads((ROOT / "tests/golden/tiny_scanned_specs_stage2x2x2.json").read_text())
   assert got == golden
 
 
