@@ -64,8 +64,8 @@ LOGICAL_RULES: Rules = (
     (HEADS, "tensor"),
     (KV, None),
     (MLP, "tensor"),
-    (LAYERS, "stage"),
     (STAGES, "stage"),
+    (LAYERS, "stage"),
     (EXPERTS, "expert"),
 )
 

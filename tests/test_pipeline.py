@@ -4,6 +4,9 @@ and checkpoints that restore across pipelined and unpipelined runs."""
 
 import dataclasses
 import functools
+import json
+import math
+import sys
 from pathlib import Path
 
 import jax
@@ -167,3 +170,33 @@ def test_checkpoint_restores_across_pipelined_and_unpipelined_runs(tmp_path):
   assert back.params["layer"]["ffn"]["wi"].sharding.spec[0] == "stage"
   for a, b in zip(jax.tree.leaves(jax.device_get(back.params)), jax.tree.leaves(saved)):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_two_processes_pipelined_match_one_process_unpipelined(tmp_path):
+  """2 processes x 4 CPU devices on a stage=2 x data=2 x fsdp=2 mesh train the character LM
+  pipelined; one process on 8 devices trains it data-parallel, unpipelined: the same losses.
+  The pipelined checkpoint then evaluates in one process on one device."""
+  from test_multihost import LAUNCH, _check, _env, _losses, _run
+  env = _env(tmp_path)
+  common = ["--config", "configs/shakespeare_char.yaml", f"data.data_dir={tmp_path / 'data'}", "model.d_model=32",
+            "model.num_heads=2", "model.d_ff=48", "model.num_decoder_layers=2", "model.scan_layers=true",
+            "model.max_length=16", "data.max_length=16", "train.batch_size=8", "train.num_steps=4",
+            "train.steps_per_call=2", "train.log_every=2", "train.eval_every=100", "train.checkpoint_every=4",
+            "optim.warmup_steps=2"]
+  multi, _ = _run(["bash", LAUNCH, "2", "--", "train", "--workdir", str(tmp_path / "multi"), *common,
+                   "runtime.num_cpu_devices=4", "mesh.stage=2", "mesh.data=2", "mesh.fsdp=2", "train.microbatches=2"],
+                  env)
+  _check(multi)
+  single, _ = _run([sys.executable, "-m", "jaxformer", "train", "--workdir", str(tmp_path / "single"), *common,
+                    "runtime.num_cpu_devices=8", "mesh.data=8"], env)
+  _check(single)
+  multi_losses, single_losses = _losses(tmp_path / "multi"), _losses(tmp_path / "single")
+  assert sorted(multi_losses) == sorted(single_losses) == [2, 4]
+  for step, values in single_losses.items():
+    assert multi_losses[step] == pytest.approx(values, rel=1e-5), step
+  result, _ = _run([sys.executable, "-m", "jaxformer", "eval", "--workdir", str(tmp_path / "multi"),
+                    "runtime.num_cpu_devices=1", "mesh.stage=1", "mesh.data=1", "mesh.fsdp=1", "train.microbatches=1"],
+                   env)
+  out = json.loads(_check(result).stdout.strip().splitlines()[-1])
+  assert out["step"] == 4 and math.isfinite(out["loss"]) and out["loss"] < math.log(66) + 1.0
