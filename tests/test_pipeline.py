@@ -166,7 +166,8 @@ def test_checkpoint_restores_across_pipelined_and_unpipelined_runs(tmp_path):
                   jax.tree.leaves(unstack_layers(saved, layer_stacks(model)))):
     np.testing.assert_array_equal(a, b)
   _save(tmp_path / "unrolled", restored)
-  _, back = _restore(tmp_path / "unrolled", _config("decoder_only", (("data", 4), ("stage", 2)), "train.microbatches=2"))
+  staged = _config("decoder_only", (("data", 4), ("stage", 2)), "train.microbatches=2")
+  _, back = _restore(tmp_path / "unrolled", staged)
   assert back.params["layer"]["ffn"]["wi"].sharding.spec[0] == "stage"
   for a, b in zip(jax.tree.leaves(jax.device_get(back.params)), jax.tree.leaves(saved)):
     np.testing.assert_array_equal(a, b)
