@@ -305,7 +305,7 @@ class TrainConfig:
   z_loss: float = 0.0           # weight of log(Z)^2 per target token (PaLM uses 1e-4); 0 = off
   steps_per_call: int = 1       # optimizer steps per jitted call (one lax.scan); >1 saves per-call cost
   grad_accum_steps: int = 1     # microbatches per step (a lax.scan, token-weighted); batch_size must divide by it
-  microbatches: int = 1         # pipeline microbatches per (accumulation) batch when mesh.stage > 1 (GPipe)
+  microbatches: int = 1         # GPipe microbatches per (accumulation) batch when mesh.stage > 1; else unused
   nan_policy: str = "abort"     # non-finite loss/gradients: abort (stop, naming the step) | skip (drop that update)
   max_consecutive_skips: int = 10  # nan_policy=skip: stop once this many steps in a row were non-finite
   # val_loss | val_nll | val_accuracy | val_bleu (translation): keep the best step in WORKDIR/best

@@ -17,7 +17,7 @@ from jaxformer import sharding as sh
 from jaxformer.checkpoint import Checkpointer, sharded_target
 from jaxformer.config import ConfigError, MeshConfig, load_config
 from jaxformer.models.layout import layer_stacks, restore_state, unstack_layers
-from jaxformer.models.pipeline import Pipeline
+from jaxformer.models.pipeline import Pipeline, pipeline_for
 from jaxformer.runtime import build_mesh
 from jaxformer.tasks import get_task
 from jaxformer.train.optim import make_optimizer
@@ -89,6 +89,8 @@ CASES = [
                  ("model.num_decoder_layers=4",), id="dec-stage4-data2-accum", marks=pytest.mark.slow),
     pytest.param("encoder_decoder", (("stage", 2), ("data", 4)), ("train.microbatches=2",), (),
                  id="encdec-stage2-data4", marks=pytest.mark.slow),
+    pytest.param("encoder_only", (("stage", 2), ("data", 4)), ("train.microbatches=2",),
+                 ("data.dataset=tinyshakespeare",), id="enc-stage2-data4", marks=pytest.mark.slow),
 ]
 
 
@@ -102,7 +104,7 @@ def test_pipelined_step_equals_unpipelined(kind, mesh, pipeline, model):
   for a, b in zip(leaves, jax.tree.leaves(jax.device_get(ref_state.params))):
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
   # The scanned params are split over the stage axis: each stage device holds its block of layers.
-  wi = state.params["layer" if kind == "decoder_only" else "decoder"]["ffn"]["wi"]
+  wi = state.params["decoder" if kind == "encoder_decoder" else "layer"]["ffn"]["wi"]
   stages = dict(mesh)["stage"]
   assert wi.sharding.spec[0] == "stage" and wi.addressable_shards[0].data.shape[0] * stages == wi.shape[0]
 
@@ -118,6 +120,15 @@ def test_pipeline_draws_dropout_per_microbatch():
   assert losses == pytest.approx(ref_losses, rel=0.05)
 
 
+@pytest.mark.slow
+def test_bench_reports_the_bubble_of_the_schedule_it_runs():
+  from jaxformer import bench
+  config = _config("decoder_only", (("data", 4), ("stage", 2)), "train.microbatches=2", "train.batch_size=8")
+  result = bench.run_bench(config, bench.BenchOptions(batch_size=8, tgt_length=7, steps=1, warmup=0, peer=False))
+  assert result["bubble_fraction"] == Pipeline(2, 2).bubble_fraction == pytest.approx(1 / 3)
+  assert result["mesh"]["stage"] == 2 and all(np.isfinite(result["losses"]))
+
+
 @pytest.mark.parametrize("overrides, message", [
     (("model.scan_layers=false",), "mesh.stage=2 pipelines the layer stack, which needs model.scan_layers=true"),
     (("model.num_decoder_layers=3",), "model.num_decoder_layers=3 does not split into mesh.stage=2 pipeline stages"),
@@ -130,9 +141,10 @@ def test_pipeline_mistakes_fail_in_one_line(overrides, message):
   assert "\n" not in str(error.value)
 
 
-def test_microbatches_without_stages_fail_in_one_line():
-  with pytest.raises(ConfigError, match="train.microbatches=2 feeds pipeline stages but mesh.stage=1"):
-    build_mesh(_config("decoder_only", {"data": 8}, "train.microbatches=2"))
+def test_microbatches_without_stages_run_unpipelined():
+  """So a pipelined run's config (checkpoint) evaluates on a mesh without stages."""
+  config = _config("decoder_only", {"data": 8}, "train.microbatches=2")
+  assert pipeline_for(config, build_mesh(config)) is None
 
 
 def _save(workdir, state):
@@ -197,7 +209,7 @@ def test_two_processes_pipelined_match_one_process_unpipelined(tmp_path):
   for step, values in single_losses.items():
     assert multi_losses[step] == pytest.approx(values, rel=1e-5), step
   result, _ = _run([sys.executable, "-m", "jaxformer", "eval", "--workdir", str(tmp_path / "multi"),
-                    "runtime.num_cpu_devices=1", "mesh.stage=1", "mesh.data=1", "mesh.fsdp=1", "train.microbatches=1"],
+                    "runtime.num_cpu_devices=1", "mesh.stage=1", "mesh.data=1", "mesh.fsdp=1"],
                    env)
   out = json.loads(_check(result).stdout.strip().splitlines()[-1])
   assert out["step"] == 4 and math.isfinite(out["loss"]) and out["loss"] < math.log(66) + 1.0
