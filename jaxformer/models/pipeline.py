@@ -19,10 +19,12 @@ works on at each iteration: the scan feeds and keys the microbatches by it, and
 scan's autodiff: the same pipeline in reverse.
 
 Per-row arguments of the blocks (the class attribute `ROW_ARGNUMS`: padding masks,
-segment ids, positions, the encoder output and source masks of decoder blocks) travel with
-their microbatch in the buffer; the others (flags, the T5 bias table) are broadcast.
-Idle slots hold copies of real microbatches, so every value stays finite; their outputs are
-dropped. Layer l of microbatch m draws its dropout from fold_in(rngs[l], m): with dropout
+segment ids, positions, the encoder output and source masks of decoder blocks) are not passed
+from stage to stage: every stage device has all microbatches' (replicated over stage, like the
+embeddings), and each stage reads those of the microbatch the schedule gives it; the others
+(flags, the T5 bias table) are broadcast. Only the activations `[rows / M, length, d_model]`
+travel. Idle slots compute on copies of real microbatches, so every value stays finite; their
+outputs are dropped. Layer l of microbatch m draws its dropout from fold_in(rngs[l], m): with dropout
 the pipelined step is an equally valid sample, not the unpipelined step's bits.
 
 Embeddings, the final norm and the logits stay outside the pipeline (every stage device
@@ -110,31 +112,35 @@ class PipelinedStack(nn.Module):
       raise ConfigError(f"a batch of {x.shape[0]} rows does not split into train.microbatches={micro}; "
                         f"use a batch size that is a multiple of {micro}")
     row_at = tuple(i - 2 for i in self.block.ROW_ARGNUMS)   # positions in `args` (after self and x)
-    inputs = jax.tree.map(lambda a: _split(a, micro), (x, *(args[i] for i in row_at)))
+    inputs = _split(x, micro)
+    rows = jax.tree.map(lambda a: _split(a, micro), tuple(args[i] for i in row_at))
     module = layer_stack(self.block, self.config, per_stage, "stage", parent=None, **dict(self.block_fields))
     params = jax.tree.map(lambda p: p.reshape(stages, per_stage, *p.shape[1:]), self.variables["params"])
     keys = None if rngs is None else rngs.reshape(stages, per_stage)
 
-    def run_stage(stage_params, slot, stage_keys):
-      x, *rows = slot
+    def run_stage(stage_params, x, stage_rows, stage_keys):
       call = list(args)
-      for i, value in zip(row_at, rows):
+      for i, value in zip(row_at, stage_rows):
         call[i] = value
       return module.apply({"params": stage_params}, x, *call, stage_keys)[0]
 
     def iteration(buffer, schedule_row):
       feed, working = schedule_row   # the microbatch entering stage 0; each stage's microbatch
-      buffer = jax.tree.map(lambda b, a: _on_stages(jnp.roll(b, 1, axis=0).at[0].set(a[feed])), buffer, inputs)
+      buffer = _on_stages(jnp.roll(buffer, 1, axis=0).at[0].set(inputs[feed]))
+      # Every stage device holds all microbatches' per-row arguments (they are replicated over
+      # stage), so each stage reads its own microbatch's locally instead of passing them on.
+      stage_rows = jax.tree.map(lambda a: _on_stages(a[working]), rows)
       stage_keys = None if keys is None else jax.vmap(
           lambda k, m: jax.vmap(lambda key: jax.random.fold_in(key, m))(k))(keys, working)
-      y = jax.vmap(run_stage, spmd_axis_name=stage_axis)(params, buffer, stage_keys)
-      return (_on_stages(y), *buffer[1:]), y[stages - 1]
+      y = _on_stages(jax.vmap(run_stage, spmd_axis_name=stage_axis)(params, buffer, stage_rows, stage_keys))
+      return y, y[stages - 1]
 
     stage_axis = nn.logical_to_mesh_axes((sh.STAGES,))[0]
     schedule = self.pipeline.schedule()
-    # Idle slots hold real microbatches (the first one, then the last one again), so they stay finite.
-    buffer = jax.tree.map(lambda a: _on_stages(jnp.broadcast_to(a[0], (stages, *a.shape[1:]))), inputs)
-    xs = (np.clip(schedule[:, 0], 0, micro - 1), np.maximum(schedule, 0).astype(np.uint32))
+    # Idle slots compute on real microbatches (the first one, the last one again, or microbatch 0's
+    # per-row arguments), so every value stays finite; their outputs are dropped.
+    buffer = _on_stages(jnp.broadcast_to(inputs[0], (stages, *inputs.shape[1:])))
+    xs = (np.clip(schedule[:, 0], 0, micro - 1), np.maximum(schedule, 0))
     _, outputs = jax.lax.scan(iteration, buffer, xs)
     return _merge(outputs[stages - 1:]), None
 
