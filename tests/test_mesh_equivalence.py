@@ -118,8 +118,8 @@ def _specs(mesh_shape, *overrides):
   return abstract, sh.logical_to_sharding(logical, mesh)
 
 
-# (data, fsdp, tensor, stage, context, expert): the new axes split no parameter, so the specs of
-# a mesh with any of them are the 2x2x2 golden ones.
+# (data, fsdp, tensor, stage, context, expert): the new axes split no parameter of the unrolled
+# model (stage splits scanned layers, below), so the specs of a mesh with any of them are the 2x2x2 golden ones.
 @pytest.mark.parametrize("mesh_shape", [(2, 2, 2), (1, 2, 2, 2), (1, 2, 2, 1, 2), (1, 2, 2, 1, 1, 2)],
                          ids=["2x2x2", "stage2", "context2", "expert2"])
 def test_golden_partition_specs_for_tiny(mesh_shape):
