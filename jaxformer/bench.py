@@ -4,8 +4,9 @@ how much memory it needs, on fixed-shape synthetic batches.
 Reported per run: compile time, median step time after warm-up, target tokens/s, model
 FLOPs per target token (`train_flops_per_step`), achieved FLOP/s, MFU against the device
 peak (CPU: a matmul micro-benchmark in the same run; GPU/TPU: `PUBLISHED_PEAKS`), XLA's
-own FLOP count, the compiled program's memory (`temp_memory_bytes`: XLA's temporary
-buffers, the part remat shrinks) and, where the backend has them, device memory stats.
+own FLOP count, the pipeline's bubble fraction (`mesh.stage` > 1), the compiled program's
+memory (`temp_memory_bytes`: XLA's temporary buffers, the part remat shrinks) and, where the
+backend has them, device memory stats.
 With PyTorch installed, `jaxformer.bench_torch` times `torch.nn.Transformer` at the same
 shape, batch and optimizer, in rounds interleaved with ours so that load from other
 processes hits both alike.
@@ -31,6 +32,7 @@ from jaxformer import sharding as sh
 from jaxformer.aot import memory_parts
 from jaxformer.config import Config, ConfigError, ModelConfig
 from jaxformer.data import global_batch
+from jaxformer.models.pipeline import pipeline_for
 from jaxformer.runtime import build_mesh
 from jaxformer.tasks import get_task
 from jaxformer.tasks.translation import Translation
@@ -308,6 +310,8 @@ def run_bench(config: Config, options: BenchOptions) -> dict[str, Any]:
       "xla_flops_per_step": float(lowered.cost_analysis().get("flops", float("nan"))) if k == 1 else None,
       "achieved_flops": achieved, "peak_flops": peak, "peak_source": peak_source,
       "mfu": achieved / peak if peak else None, **_memory(compiled), **_device_memory(),
+      # The idle share of the pipeline schedule the step runs (models/pipeline.py); 0 without mesh.stage.
+      "bubble_fraction": pipeline.bubble_fraction if (pipeline := pipeline_for(config, mesh)) else 0.0,
       "losses": trainer.losses,
   }
   if peer is not None:
@@ -358,6 +362,7 @@ def format_table(r: dict[str, Any]) -> str:
       ("peak", f"{_si(r['peak_flops'], 'FLOP/s')} ({r['peak_source']})", None),
       ("MFU", f"{r['mfu']:.1%}" if r["mfu"] is not None else "-",
        f"{r['torch_mfu']:.1%}" if peer and r["torch_mfu"] is not None else None),
+      ("pipeline bubble", f"{r['bubble_fraction']:.1%}", None),
       ("temp memory", _si(r.get("temp_memory_bytes"), "B"), None),
       ("peak memory (compiled)", _si(r.get("peak_memory_bytes"), "B"), None),
   ]

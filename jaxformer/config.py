@@ -310,6 +310,7 @@ class TrainConfig:
   z_loss: float = 0.0           # weight of log(Z)^2 per target token (PaLM uses 1e-4); 0 = off
   steps_per_call: int = 1       # optimizer steps per jitted call (one lax.scan); >1 saves per-call cost
   grad_accum_steps: int = 1     # microbatches per step (a lax.scan, token-weighted); batch_size must divide by it
+  microbatches: int = 1         # GPipe microbatches per (accumulation) batch when mesh.stage > 1; else unused
   nan_policy: str = "abort"     # non-finite loss/gradients: abort (stop, naming the step) | skip (drop that update)
   max_consecutive_skips: int = 10  # nan_policy=skip: stop once this many steps in a row were non-finite
   # val_loss | val_nll | val_accuracy | val_bleu (translation): keep the best step in WORKDIR/best
@@ -321,7 +322,7 @@ class TrainConfig:
     if not 0.0 <= self.z_loss < math.inf:   # written so that NaN fails too
       raise ConfigError(f"train.z_loss must be a finite number >= 0, got {self.z_loss}")
     for name in ("num_steps", "batch_size", "log_every", "eval_every", "checkpoint_every",
-                 "keep_checkpoints", "steps_per_call", "grad_accum_steps", "max_consecutive_skips"):
+                 "keep_checkpoints", "steps_per_call", "grad_accum_steps", "microbatches", "max_consecutive_skips"):
       if getattr(self, name) < 1:
         raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
     if self.batch_size % self.grad_accum_steps:

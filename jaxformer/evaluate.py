@@ -29,13 +29,16 @@ from jaxformer.inference.decode import Draft, SearchOptions, make_decode_fn
 from jaxformer.inference.quantize import dequantize_params
 from jaxformer.inference.restore import Restored
 from jaxformer.inference.search import EOS_ID, LENGTH_PENALTY, length_penalty
+from jaxformer.models.pipeline import pipeline_for
 from jaxformer.train.loop import evaluate_loss
 from jaxformer.train.step import make_eval_step
 
 
 def _round_batch(restored: Restored, batch_size: int) -> int:
-  """`batch_size` rounded down to a multiple of the data-parallel size (at least one row per shard)."""
-  dp = sh.data_parallel_size(restored.mesh, restored.rules)
+  """`batch_size` rounded down to a multiple of the data-parallel size (at least one row per shard),
+  times the pipeline's microbatches on a mesh with stages (the loss step is pipelined there)."""
+  pipeline = pipeline_for(restored.config, restored.mesh)
+  dp = sh.data_parallel_size(restored.mesh, restored.rules) * (pipeline.microbatches if pipeline else 1)
   return max(dp, batch_size // dp * dp)
 
 

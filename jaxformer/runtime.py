@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 
 from jaxformer import sharding as sh
 from jaxformer.config import PLATFORMS, Config, ConfigError, RuntimeConfig
+from jaxformer.models.pipeline import check_pipeline
 
 # XLA:CPU results are bitwise stable run to run on one machine, under any load, but change
 # with the machine: with the size of the intra-op thread pool (one thread per usable CPU;
@@ -86,7 +87,7 @@ def build_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> M
   Raises:
     ConfigError: the mesh does not fit the devices, a sharded model dimension or the length
       does not split over its axis, or the global batch does not split evenly over the
-      data-parallel axes (one line each).
+      data-parallel axes, or the pipeline stages or microbatches (`check_pipeline`) (one line each).
   """
   mesh = sh.make_mesh(config.mesh, devices)
   check_model_fits_mesh(config, mesh.shape["fsdp"], mesh.shape["tensor"], mesh.shape["context"])
@@ -96,6 +97,7 @@ def build_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> M
     raise ConfigError(
         f"train.batch_size={config.train.batch_size} is not divisible by the data-parallel size "
         f"{dp} (mesh.data*mesh.fsdp*mesh.expert); use train.batch_size={max(dp, config.train.batch_size // dp * dp)}")
+  check_pipeline(config, mesh.shape["stage"], dp)
   return mesh
 
 

@@ -36,6 +36,7 @@ HEADS = "heads"
 KV = "kv"          # head_dim
 MLP = "mlp"
 LAYERS = "layers"  # leading axis of params stacked by nn.scan (model.scan_layers)
+STAGES = "stages"  # leading axis of a pipeline's per-stage buffers (models/pipeline.py)
 EXPERTS = "experts"  # the experts of a mixture-of-experts layer (layers/moe.py)
 # Activation axes.
 ACT_BATCH = "act_batch"
@@ -51,7 +52,7 @@ ACT_EXPERT_BATCH = "act_expert_batch"  # their batch: act_batch without the expe
 # Logical axis -> mesh axis (or axes, or None = replicated). Batch over data+fsdp+expert (outside the
 # MoE's expert buffers the expert axis is one more data axis); the length of activations over context;
 # weights fully sharded over fsdp along embed (ZeRO-3); heads/d_ff/vocab over tensor; experts over
-# expert. `stage` splits the layer stack, not a named array dimension.
+# expert; scanned layers (contiguous blocks of them) and pipeline buffers over stage.
 Rules = tuple[tuple[str, Any], ...]
 LOGICAL_RULES: Rules = (
     (ACT_BATCH, ("data", "fsdp", "expert")),
@@ -68,7 +69,8 @@ LOGICAL_RULES: Rules = (
     (HEADS, "tensor"),
     (KV, None),
     (MLP, "tensor"),
-    (LAYERS, None),
+    (STAGES, "stage"),
+    (LAYERS, "stage"),
     (EXPERTS, "expert"),
 )
 

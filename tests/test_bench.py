@@ -110,6 +110,7 @@ def test_bench_command_prints_a_table_and_json(bench_runs):
   for key in ("tokens_per_sec", "step_time_s", "mfu", "peak_flops", "compile_time_s", "temp_memory_bytes",
               "model_flops_per_token", "achieved_flops", "xla_flops_per_step", "losses"):
     assert key in r, key
+  assert r["bubble_fraction"] == 0.0   # no mesh.stage, no pipeline (tests/test_pipeline.py: with one)
   assert "torch_tokens_per_sec" not in r
   assert r["num_devices"] == 8 and r["mesh"] == {"data": 8, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1}
   assert math.isclose(r["tokens_per_sec"], 8 * 7 / r["step_time_s"])

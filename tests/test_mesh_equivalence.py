@@ -110,16 +110,16 @@ def test_dropout_changes_the_loss(references):
   assert not np.allclose(references[0.0][0], references[0.1][0])
 
 
-def _specs(mesh_shape):
-  config = _config(0.0)
+def _specs(mesh_shape, *overrides):
+  config = _config(0.0, *overrides)
   mesh = sh.make_mesh(MeshConfig(*mesh_shape), jax.devices()[:int(np.prod(mesh_shape))])
   model = EncoderDecoder(config.model)
   abstract, logical = abstract_state(model, make_optimizer(config.optim, config.model.d_model))
   return abstract, sh.logical_to_sharding(logical, mesh)
 
 
-# (data, fsdp, tensor, stage, context, expert): the new axes split no parameter, so the specs of
-# a mesh with any of them are the 2x2x2 golden ones.
+# (data, fsdp, tensor, stage, context, expert): the new axes split no parameter of the unrolled
+# model (stage splits scanned layers, below), so the specs of a mesh with any of them are the 2x2x2 golden ones.
 @pytest.mark.parametrize("mesh_shape", [(2, 2, 2), (1, 2, 2, 2), (1, 2, 2, 1, 2), (1, 2, 2, 1, 1, 2)],
                          ids=["2x2x2", "stage2", "context2", "expert2"])
 def test_golden_partition_specs_for_tiny(mesh_shape):
@@ -144,6 +144,17 @@ def test_golden_partition_specs_for_a_mixture_of_experts():
   got = {"/".join(k.key for k in path): [list(a) if isinstance(a, tuple) else a for a in s.spec] for path, s in flat}
   assert got == json.loads((ROOT / "tests/golden/tiny_moe_specs_e2f2t2.json").read_text())
   assert sh.batch_sharding(mesh).spec[0] == ("data", "fsdp", "expert")
+
+
+def test_golden_partition_specs_for_scanned_tiny_on_stages():
+  """Scanned layers (`[num_layers, ...]`, logical axis `layers`) split over stage in contiguous
+  blocks, each layer's dimensions as unscanned; embeddings and logits replicated over stage."""
+  _, shardings = _specs((1, 2, 2, 2), "model.scan_layers=true")
+  flat = jax.tree_util.tree_flatten_with_path(shardings.params)[0]
+  got = {"/".join(k.key for k in path): [list(a) if isinstance(a, tuple) else a for a in s.spec]
+         for path, s in flat}
+  golden = json.loads((ROOT / "tests/golden/tiny_scanned_specs_stage2x2x2.json").read_text())
+  assert got == golden
 
 
 @pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (1, 1, 8)], ids=["fsdp8", "tensor8"])

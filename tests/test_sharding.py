@@ -107,15 +107,18 @@ def test_rules_overrides_that_do_not_divide_fail_before_compiling():
 
 def test_new_axes_in_the_rules_table():
   """Golden specs on a mesh using every axis: context splits the length of activations and
-  inputs, expert the experts axis (and the batch outside the experts' buffers); stage names no
-  array dimension."""
+  inputs, expert the experts axis (and the batch outside the experts' buffers), stage the scanned
+  layers and the pipeline's stage buffers."""
   mesh = sh.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1, stage=2, context=2, expert=2))
   assert sh.batch_sharding(mesh).spec == PartitionSpec(("data", "fsdp", "expert"), "context")
   assert sh.batch_sharding(mesh, stacked=True).spec == PartitionSpec(None, ("data", "fsdp", "expert"), "context")
   specs = {"act": PartitionSpec(sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_EMBED),
-           "moe": PartitionSpec(sh.EXPERTS, sh.EMBED, sh.MLP),
-           "buffer": PartitionSpec(sh.ACT_EXPERT_BATCH, sh.ACT_EXPERTS, None, sh.ACT_EMBED)}
+           "moe": PartitionSpec(sh.EXPERTS, sh.EMBED, sh.MLP), "scanned": PartitionSpec(sh.LAYERS, sh.EMBED),
+           "buffer": PartitionSpec(sh.ACT_EXPERT_BATCH, sh.ACT_EXPERTS, None, sh.ACT_EMBED),
+           "stage_buffer": PartitionSpec(sh.STAGES, sh.ACT_BATCH)}
   out = sh.logical_to_sharding(specs, mesh)
+  assert out["scanned"].spec == PartitionSpec("stage", "fsdp")
+  assert out["stage_buffer"].spec == PartitionSpec("stage", ("data", "fsdp", "expert"))
   assert out["act"].spec == PartitionSpec(("data", "fsdp", "expert"), "context", None)
   assert out["moe"].spec == PartitionSpec("expert", "fsdp", "tensor")
   assert out["buffer"].spec == PartitionSpec(("data", "fsdp"), "expert", None, None)

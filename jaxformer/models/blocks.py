@@ -112,6 +112,7 @@ class EncoderBlock(nn.Module):
   config: ModelConfig
   causal: bool = False
   STATIC_ARGNUMS = (3, 4)  # `deterministic`, `decode` (self is 0), for nn.remat
+  ROW_ARGNUMS = (2, 5, 6)  # `valid`, `segment_ids`, `positions`: per batch row (a pipeline carries them)
 
   @nn.compact
   def __call__(self, x: jax.Array, valid: jax.Array | None, deterministic: bool, decode: bool = False,
@@ -143,6 +144,7 @@ class DecoderBlock(nn.Module):
   """
   config: ModelConfig
   STATIC_ARGNUMS = (5, 6)  # `deterministic`, `decode` (self is 0), for nn.remat
+  ROW_ARGNUMS = (2, 3, 4, 7, 8, 9)  # `encoded`, the masks, segment ids, `positions`: per batch row
 
   @nn.compact
   def __call__(self, y, encoded, tgt_valid, src_valid, deterministic: bool, decode: bool = False,

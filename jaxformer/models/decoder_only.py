@@ -11,7 +11,7 @@ per-segment positions, as in `models.transformer`.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -48,6 +48,7 @@ class SelfAttentionStack(StackedInit, nn.Module):
   stack `layer` and the config field of its depth).
   """
   config: ModelConfig
+  pipeline: Any = None   # a `models.pipeline.Pipeline` (training and evaluation steps on a stage mesh), or None
   CAUSAL: ClassVar[bool] = False
   STACKS: ClassVar[tuple]
 
@@ -62,7 +63,7 @@ class SelfAttentionStack(StackedInit, nn.Module):
       self.positions = LearnedPositions(cfg.max_length, cfg.d_model, dtype)
     ((name, depth),) = self.STACKS
     self.num_layers = getattr(cfg, depth)
-    self.stack = layer_stack(EncoderBlock, cfg, self.num_layers, name, causal=self.CAUSAL)
+    self.stack = layer_stack(EncoderBlock, cfg, self.num_layers, name, self.pipeline, causal=self.CAUSAL)
     self.bias_table = bias_table(self, cfg, "relative_bias")
     if cfg.pre_norm:  # pre-LN leaves the residual stream unnormalized: close the stack with a norm
       self.final_norm = make_norm(cfg.norm, dtype)

@@ -17,7 +17,7 @@ scanned layout is a pure re-layout: the same init, dropout masks and losses
 from __future__ import annotations
 
 import inspect
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -84,11 +84,15 @@ def resolve_positions(tokens: jax.Array, positions: jax.Array | None,
   return positions, positions
 
 
-def layer_stack(block: type[nn.Module], config: ModelConfig, num_layers: int, name: str, **block_fields):
+def layer_stack(block: type[nn.Module], config: ModelConfig, num_layers: int, name: str, pipeline=None,
+                **block_fields):
   """The blocks of one stack, each wrapped in the remat policy: a list of `num_layers`
-  modules named `{name}_{i}`, or one `nn.scan` module named `name` (`model.scan_layers`).
+  modules named `{name}_{i}`, or one `nn.scan` module named `name` (`model.scan_layers`),
+  or, scanned with a `models.pipeline.Pipeline`, that pipeline's stack of the same params.
   Call it with `run_stack`."""
   scan = config.scan_layers
+  if scan and pipeline is not None:
+    return pipeline.stack(block, config, num_layers, name, **block_fields)
   num_args = len(inspect.signature(block.__call__).parameters) - 2   # after self and the carry
   block = remat_block(block, config.remat, block.STATIC_ARGNUMS, prevent_cse=not scan)
   if not scan:
@@ -175,6 +179,7 @@ class EncoderDecoder(StackedInit, nn.Module):
   Each takes optional segment ids and per-segment positions for packed rows (module docstring).
   """
   config: ModelConfig
+  pipeline: Any = None   # a `models.pipeline.Pipeline` (training and evaluation steps on a stage mesh), or None
   STACKS: ClassVar = (("encoder", "num_encoder_layers"), ("decoder", "num_decoder_layers"))
   ENCODES_SOURCE: ClassVar[bool] = True   # `prefill` caches the encoded source, then BOS
 
@@ -188,8 +193,8 @@ class EncoderDecoder(StackedInit, nn.Module):
       self.source_embed = Embed(cfg.vocab_size, cfg.d_model, dtype, name="source_embed")
       self.target_embed = Embed(cfg.vocab_size, cfg.d_model, dtype, name="target_embed")
       self.output_proj = untied_output_proj(self, cfg)
-    self.encoder_stack = layer_stack(EncoderBlock, cfg, cfg.num_encoder_layers, "encoder")
-    self.decoder_stack = layer_stack(DecoderBlock, cfg, cfg.num_decoder_layers, "decoder")
+    self.encoder_stack = layer_stack(EncoderBlock, cfg, cfg.num_encoder_layers, "encoder", self.pipeline)
+    self.decoder_stack = layer_stack(DecoderBlock, cfg, cfg.num_decoder_layers, "decoder", self.pipeline)
     self.encoder_bias = bias_table(self, cfg, "encoder_relative_bias")
     self.decoder_bias = bias_table(self, cfg, "decoder_relative_bias")
     if cfg.pre_norm:  # pre-LN leaves the residual stream unnormalized: close each stack with a norm

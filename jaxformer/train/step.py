@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from jaxformer import sharding as sh
 from jaxformer.config import Config, ConfigError
+from jaxformer.models.pipeline import pipelined
 from jaxformer.precision import all_finite, next_loss_scale, select_tree
 from jaxformer.tasks import get_task
 from jaxformer.tasks.base import Task
@@ -65,6 +66,10 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, config: 
   masking) from fold_in(step key, j): with dropout on, the step is an equally valid sample, not
   the big batch's bits. The batch rows must divide by k times the data-parallel size
   (ConfigError at the first call otherwise).
+
+  Pipeline parallelism (`mesh.stage` = S > 1): the model's layer stacks run as a GPipe
+  pipeline of S stages fed `train.microbatches` microbatches of each (accumulation) batch
+  (`models.pipeline`); the losses and params equal the unpipelined step's up to float rounding.
 
   With dynamic loss scaling (`config.precision.dynamic_loss_scale`, float16 by default) the
   loss is multiplied by `state.loss_scale.scale` before differentiation and the float32
@@ -123,6 +128,7 @@ def make_train_call(model: nn.Module, tx: optax.GradientTransformation, config: 
 
 def _step_function(model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh, param_shardings):
   """The unjitted `(state, batch, rng) -> (state, metrics)` that both factories compile."""
+  model = pipelined(model, config, mesh)
   schedule = make_schedule(config.optim, config.model.d_model)
   label_smoothing, z_loss = config.optim.label_smoothing, config.train.z_loss
   task = get_task(config)
@@ -215,6 +221,7 @@ def make_eval_step(model: nn.Module, config: Config, mesh: Mesh,
   """Returns jitted `(params, batch) -> metric sums` with dropout off (validation loss)."""
   label_smoothing, z_loss = config.optim.label_smoothing, config.train.z_loss
   task = get_task(config)
+  model = pipelined(model, config, mesh)
 
   def step(params, batch: Batch):
     return loss_fn(task, model, params, batch, None, label_smoothing, z_loss)[1]
