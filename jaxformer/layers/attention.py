@@ -10,6 +10,9 @@ value (not -inf) so a fully masked row gives a uniform softmax rather than NaN.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -19,6 +22,7 @@ from jaxformer import remat
 from jaxformer import sharding as sh
 from jaxformer.layers import kv_cache as kvc
 from jaxformer.layers.blockwise import blockwise_attention
+from jaxformer.layers.context_parallel import gather_length, over_length
 from jaxformer.layers.dropout import dropout
 from jaxformer.layers.positions import RopeScaling, T5Bias, alibi_bias, alibi_slopes, apply_rope
 from jaxformer.layers.scores import attention_mask, attention_scores, repeat_kv
@@ -77,6 +81,43 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | 
     bias = bias.astype(q.dtype)   # cuDNN takes the bias in the inputs' dtype
   return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, is_causal=is_causal,
                                       implementation="cudnn" if cudnn else None)
+
+
+class _Options(NamedTuple):
+  """How `_attention` attends (static): the implementation, masks, soft-cap, block size, bias function,
+  whether the mask is causal by token index (`fused_attention`'s hint) and the dropout rate."""
+  implementation: str
+  causal: bool
+  sliding_window: int
+  global_tokens: int
+  softcap: float
+  block_size: int
+  bias_fn: Callable | None
+  causal_by_index: bool
+  dropout_rate: float
+
+
+def _attention(opts: _Options, arrays, bias_params, gather_axes: tuple[str, ...] = (), dropout_rng=None):
+  """(output `[B, T, N, H]`, dense weights float32 `[B, N, T, S]` or None) of dense, blockwise or fused
+  attention; `arrays` = (q, k, v, q_pos, kv_pos, q_valid, kv_valid, q_segment_ids, kv_segment_ids) as in
+  `blockwise_attention`. `gather_axes`: the keys' side is this device's shard of a sequence split over
+  these mesh axes (inside `context_parallel.over_length`), gathered before attending."""
+  q, k, v, q_pos, kv_pos, q_valid, kv_valid, q_seg, kv_seg = arrays
+  if opts.implementation == "blockwise":
+    bias = (opts.bias_fn, bias_params) if opts.bias_fn is not None else None
+    return blockwise_attention(q, k, v, q_positions=q_pos, kv_positions=kv_pos, q_valid=q_valid, kv_valid=kv_valid,
+                               causal=opts.causal, sliding_window=opts.sliding_window, position_bias=bias,
+                               softcap=opts.softcap, block_size=opts.block_size, q_segment_ids=q_seg,
+                               kv_segment_ids=kv_seg, global_tokens=opts.global_tokens,
+                               gather_axes=gather_axes), None
+  k, v, kv_pos, kv_valid, kv_seg = (gather_length(x, gather_axes) for x in (k, v, kv_pos, kv_valid, kv_seg))
+  mask = attention_mask(q_pos, kv_pos, q_valid, kv_valid, opts.causal, opts.sliding_window, q_seg, kv_seg,
+                        opts.global_tokens)
+  bias = opts.bias_fn(bias_params, q_pos, kv_pos) if opts.bias_fn is not None else None
+  if opts.implementation == "fused":
+    return fused_attention(q, k, v, mask, bias=bias, is_causal=opts.causal_by_index and not gather_axes), None
+  weights = attention_weights(q, k, mask, bias=bias, softcap=opts.softcap)   # [B, N, T, S]
+  return attend(weights, v, dropout_rng, opts.dropout_rate), weights
 
 
 def _project(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -231,22 +272,12 @@ class MultiHeadAttention(nn.Module):
         q, k = apply_rope(q, q_pos, scaling=self.rope_scaling), apply_rope(k, kv_pos, scaling=self.rope_scaling)
     k = checkpoint_name(sh.constrain(k, head_axes), remat.KEY)
     v = checkpoint_name(sh.constrain(v, head_axes), remat.VALUE)
-    if self.implementation == "blockwise":
-      if not deterministic and self.dropout_rate > 0.0:
-        raise ValueError("blockwise attention has no attention dropout; use dropout_rate=0 or dense attention")
-      return blockwise_attention(q, k, v, q_positions=q_pos, kv_positions=kv_pos, q_valid=q_valid,
-                                 kv_valid=kv_valid, causal=causal, sliding_window=window,
-                                 position_bias=bias, softcap=self.softcap, block_size=self.block_size,
-                                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                                 global_tokens=self.global_tokens)
-    if self.implementation == "fused":
-      if (not deterministic and self.dropout_rate > 0.0) or self.softcap:
-        raise ValueError("fused attention has no attention dropout or soft-cap; use dense attention for them")
-      mask = attention_mask(q_pos, kv_pos, q_valid, kv_valid, causal, window, q_segment_ids, kv_segment_ids,
-                            self.global_tokens)
-      bias = bias[0](bias[1], q_pos, kv_pos) if bias is not None else None
-      return fused_attention(q, k, v, mask, bias=bias, is_causal=causal and positions is None)
-    if deterministic or self.dropout_rate == 0.0:
+    dropout = not deterministic and self.dropout_rate > 0.0
+    if self.implementation == "blockwise" and dropout:
+      raise ValueError("blockwise attention has no attention dropout; use dropout_rate=0 or dense attention")
+    if self.implementation == "fused" and (dropout or self.softcap):
+      raise ValueError("fused attention has no attention dropout or soft-cap; use dense attention for them")
+    if not dropout:
       dropout_rng = None
     elif dropout_rng is None:
       dropout_rng = self.make_rng("dropout")
@@ -256,13 +287,21 @@ class MultiHeadAttention(nn.Module):
                           "examples apart; set data.packing=false")
       k, v = self._linformer_project(k, v, kv_valid)
       return dot_product_attention(q, k, v, None, dropout_rng, self.dropout_rate, softcap=self.softcap)
-    mask = attention_mask(q_pos, kv_pos, q_valid, kv_valid, causal, window, q_segment_ids, kv_segment_ids,
-                          self.global_tokens)
-    bias = bias[0](bias[1], q_pos, kv_pos) if bias is not None else None
-    weights = attention_weights(q, k, mask, bias=bias, softcap=self.softcap)   # [B, N, T, S]
-    # Kept only when the caller makes "intermediates" mutable (`inference.attention_maps`); else a no-op.
-    self.sow("intermediates", "attention_weights", weights)
-    return attend(weights, v, dropout_rng, self.dropout_rate)
+    bias_fn, bias_params = bias if bias is not None else (None, None)
+    opts = _Options(self.implementation, causal, window, self.global_tokens, self.softcap, self.block_size, bias_fn,
+                    causal and positions is None, self.dropout_rate)
+    arrays = (q, k, v, q_pos, kv_pos, q_valid, kv_valid, q_segment_ids, kv_segment_ids)
+    axes = sh.split_axes(sh.ACT_LENGTH)
+    if axes:  # context parallelism: each device attends with its queries over the gathered keys
+      if dropout:
+        raise ValueError("attention dropout does not run on a context-split sequence; set "
+                         "model.attention_dropout_rate=0 or mesh.context=1")
+      return over_length(lambda a, p: _attention(opts, a, p, axes)[0], axes, arrays, bias_params)
+    out, weights = _attention(opts, arrays, bias_params, (), dropout_rng)
+    if weights is not None:
+      # Kept only when the caller makes "intermediates" mutable (`inference.attention_maps`); else a no-op.
+      self.sow("intermediates", "attention_weights", weights)
+    return out
 
   def _linformer_project(self, k, v, kv_valid):
     """Keys and values `[batch, S, K, H]` -> `[batch, linformer_k, K, H]`: E^T k and F^T v over
