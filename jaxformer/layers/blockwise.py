@@ -160,13 +160,15 @@ def _flash_bwd(spec, residuals, d_out):
   heads = q.shape[2]
   d_out = d_out.astype(jnp.float32)
   delta = jnp.einsum("btnh,btnh->bnt", d_out, out.astype(jnp.float32))     # [B, N, T]
+  # Split keys: each device sums its queries' share of the bias gradient, then one psum adds the shares.
+  bias_local = jax.lax.pcast(bias_params, spec.gather_axes, to="varying")
 
   def step(carry, blk):
     dq, dbias = carry
     k_blk, v_blk, kpos, kvalid, in_range, kseg = blk
     s, scores_vjp = jax.vjp(
         lambda q_, k_, b_: _block_scores(spec, q_, k_, kpos, kvalid, in_range, kseg, q_pos, q_valid, q_seg, b_),
-        q, k_blk, bias_params)
+        q, k_blk, bias_local)
     p = jnp.exp(s - m[..., None]) / l[..., None]                            # [B, N, T, block]
     v_rep = repeat_kv(v_blk, heads)
     dv = jnp.einsum("bnts,btnh->bsnh", p, d_out)                            # [B, block, N, H]
@@ -177,7 +179,7 @@ def _flash_bwd(spec, residuals, d_out):
 
   init = jax.lax.pcast((jnp.zeros(q.shape, jnp.float32), jnp.zeros_like(bias_params)), spec.gather_axes, to="varying")
   (dq, dbias), (dk, dv) = jax.lax.scan(step, init, _kv_blocks(spec, kv))
-  if spec.gather_axes:  # every device's queries saw the whole bias: the params' gradient is their sum
+  if spec.gather_axes:
     dbias = jax.lax.psum(dbias, spec.gather_axes)
   # Positions, validity, segment ids: integer / bool inputs, no gradient.
   return dq.astype(q.dtype), (_unblock(spec, dk, kv[0]), _unblock(spec, dv, kv[1]), None, None, None), None, None, \
