@@ -163,6 +163,12 @@ class MultiHeadAttention(nn.Module):
   without the cache sows its weights, float32 `[batch, num_heads, q_len, kv_len]`, as
   `intermediates/attention_weights` when that collection is mutable (for plots).
 
+  Context parallelism: traced under a mesh whose axes split `act_length` (`mesh.context` > 1,
+  `sharding.split_axes`), dense, blockwise and fused attention run per device on its shard of
+  the queries over the all-gathered keys/values (`layers.context_parallel`), equal to unsplit
+  attention; there dense attention neither sows its weights nor takes attention dropout.
+  Linformer and the cached path are left to jit's automatic partitioning.
+
   With `decode=True` the module reads and writes the KV cache (`layers.kv_cache`): the
   "cache" collection holds this layer's `key`/`value` storage and `cache_state` says which
   rows hold how many tokens. Self-attention writes the new tokens' keys/values (RoPE-rotated)
@@ -173,10 +179,12 @@ class MultiHeadAttention(nn.Module):
   reuses them at every step.
 
   Raises:
-    ValueError: blockwise or fused attention with dropout, fused with a soft-cap; decode without
+    ValueError: blockwise or fused attention with dropout (any, with context parallelism), fused with a
+      soft-cap; decode without
       `cache_state`; a cross-attention decode step before the prefill; decode with segment ids or
       positions; position t5 without `bias_table`.
-    ConfigError: linformer attention that is causal, decodes with the cache, or gets segment ids.
+    ConfigError: linformer attention that is causal, decodes with the cache, or gets segment ids; a
+      context-split length that does not divide by the context size.
   """
   num_heads: int
   head_dim: int
