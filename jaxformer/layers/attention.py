@@ -179,10 +179,9 @@ class MultiHeadAttention(nn.Module):
   reuses them at every step.
 
   Raises:
-    ValueError: blockwise or fused attention with dropout (any, with context parallelism), fused with a
-      soft-cap; decode without
-      `cache_state`; a cross-attention decode step before the prefill; decode with segment ids or
-      positions; position t5 without `bias_table`.
+    ValueError: blockwise or fused attention with dropout (any attention, with context parallelism),
+      fused with a soft-cap; decode without `cache_state`; a cross-attention decode step before the
+      prefill; decode with segment ids or positions; position t5 without `bias_table`.
     ConfigError: linformer attention that is causal, decodes with the cache, or gets segment ids; a
       context-split length that does not divide by the context size.
   """
