@@ -22,7 +22,7 @@ from jaxformer import remat
 from jaxformer import sharding as sh
 from jaxformer.layers import kv_cache as kvc
 from jaxformer.layers.blockwise import blockwise_attention
-from jaxformer.layers.context_parallel import gather_length, over_length
+from jaxformer.layers.context_parallel import context_axes, gather_length, over_length
 from jaxformer.layers.dropout import dropout
 from jaxformer.layers.positions import RopeScaling, T5Bias, alibi_bias, alibi_slopes, apply_rope
 from jaxformer.layers.scores import attention_mask, attention_scores, repeat_kv
@@ -163,11 +163,12 @@ class MultiHeadAttention(nn.Module):
   without the cache sows its weights, float32 `[batch, num_heads, q_len, kv_len]`, as
   `intermediates/attention_weights` when that collection is mutable (for plots).
 
-  Context parallelism: traced under a mesh whose axes split `act_length` (`mesh.context` > 1,
-  `sharding.split_axes`), dense, blockwise and fused attention run per device on its shard of
-  the queries over the all-gathered keys/values (`layers.context_parallel`), equal to unsplit
-  attention; there dense attention neither sows its weights nor takes attention dropout.
-  Linformer and the cached path are left to jit's automatic partitioning.
+  Context parallelism: traced under a mesh whose axes split `act_length` (`mesh.context` > 1)
+  into parts that divide both lengths (`context_parallel.context_axes`), dense, blockwise and
+  fused attention run per device on its shard of the queries over the all-gathered keys/values
+  (`layers.context_parallel`), equal to unsplit attention; there dense attention neither sows
+  its weights nor takes attention dropout. Linformer and the cached path are left to jit's
+  automatic partitioning.
 
   With `decode=True` the module reads and writes the KV cache (`layers.kv_cache`): the
   "cache" collection holds this layer's `key`/`value` storage and `cache_state` says which
@@ -182,8 +183,7 @@ class MultiHeadAttention(nn.Module):
     ValueError: blockwise or fused attention with dropout (any attention, with context parallelism),
       fused with a soft-cap; decode without `cache_state`; a cross-attention decode step before the
       prefill; decode with segment ids or positions; position t5 without `bias_table`.
-    ConfigError: linformer attention that is causal, decodes with the cache, or gets segment ids; a
-      context-split length that does not divide by the context size.
+    ConfigError: linformer attention that is causal, decodes with the cache, or gets segment ids.
   """
   num_heads: int
   head_dim: int
@@ -298,7 +298,7 @@ class MultiHeadAttention(nn.Module):
     opts = _Options(self.implementation, causal, window, self.global_tokens, self.softcap, self.block_size, bias_fn,
                     causal and positions is None, self.dropout_rate)
     arrays = (q, k, v, q_pos, kv_pos, q_valid, kv_valid, q_segment_ids, kv_segment_ids)
-    axes = sh.split_axes(sh.ACT_LENGTH)
+    axes = context_axes(q.shape[1], k.shape[1])
     if axes:  # context parallelism: each device attends with its queries over the gathered keys
       if dropout:
         raise ValueError("attention dropout does not run on a context-split sequence; set "

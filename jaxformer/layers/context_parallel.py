@@ -12,18 +12,19 @@ about 1/c. Autodiff turns the gather into a reduce-scatter of the key/value grad
 
 The split is manual over the context axes only (`jax.shard_map` with `axis_names`); batch and
 heads stay in jit's automatic mode. Which axes split the length comes from the mesh and rules
-the step was built for (`sharding.split_axes`).
+the step was built for (`context_axes`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 from jax.sharding import PartitionSpec
 
-from jaxformer.schema import ConfigError
+from jaxformer import sharding as sh
 
 
 def gather_length(x: jax.Array | None, axes: Sequence[str]) -> jax.Array | None:
@@ -34,6 +35,16 @@ def gather_length(x: jax.Array | None, axes: Sequence[str]) -> jax.Array | None:
   return jax.lax.all_gather(x, tuple(axes), axis=1, tiled=True)
 
 
+def context_axes(*lengths: int) -> tuple[str, ...]:
+  """The mesh axes that split the length of activations (`act_length`) by the mesh and rules of the
+  enclosing `sharding.bind`, if every one of `lengths` divides by their size c; else () (no mesh, c = 1,
+  or a length that cannot split, e.g. a source being translated: left to jit's automatic partitioning;
+  training lengths are checked before compiling, `runtime.check_model_fits_mesh`)."""
+  axes = sh.split_axes(sh.ACT_LENGTH)
+  ways = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
+  return axes if all(n % ways == 0 for n in lengths) else ()
+
+
 def over_length(fn: Callable[[Any, Any], jax.Array], axes: Sequence[str], split: Any, whole: Any) -> jax.Array:
   """`fn(split, whole)` run on each device's shard of the length.
 
@@ -41,26 +52,15 @@ def over_length(fn: Callable[[Any, Any], jax.Array], axes: Sequence[str], split:
     fn: maps (the local shards of `split`, `whole`) to the local output `[batch, length / c, ...]`;
       it may gather (`gather_length`) over `axes`.
     axes: mesh axes of the current mesh (`jax.set_mesh`, as `sharding.bind` sets it) that split
-      the length, c devices in all.
+      the length, c devices in all, dividing every length (`context_axes`).
     split: a pytree of arrays `[batch, length, ...]` (batch may be 1; None leaves allowed), each
       split along dimension 1.
     whole: a pytree of arrays every device gets whole (e.g. position-bias params).
 
   Returns:
     `[batch, length, ...]`, split along dimension 1 over `axes`.
-
-  Raises:
-    ConfigError: a length does not divide by c (one line).
   """
   axes = tuple(axes)
-  mesh = jax.sharding.get_abstract_mesh()
-  ways = 1
-  for name in axes:
-    ways *= mesh.shape[name]
-  lengths = sorted({x.shape[1] for x in jax.tree.leaves(split)})
-  if any(n % ways for n in lengths):
-    raise ConfigError(f"sequence lengths {lengths} do not split over mesh axes {'*'.join(axes)} = {ways} "
-                      "(context parallelism); use lengths divisible by mesh.context or a smaller mesh.context")
   spec = PartitionSpec(None, axes)
   in_specs = (jax.tree.map(lambda _: spec, split), jax.tree.map(lambda _: PartitionSpec(), whole))
   return jax.shard_map(fn, in_specs=in_specs, out_specs=spec, axis_names=frozenset(axes))(split, whole)
