@@ -110,7 +110,7 @@ def check_model_fits_mesh(config: Config, fsdp: int, tensor: int, context: int =
 
   The tensor axis splits num_heads, the key/value heads, d_ff and vocab_size; the fsdp
   axis splits d_model; the context axis splits the sequence length (data.max_length and,
-  for translation, every length bucket).
+  for translation, every length bucket), with no attention dropout (context-parallel attention).
 
   Raises:
     ConfigError: naming the axis, the sizes and the valid choices.
@@ -124,6 +124,9 @@ def check_model_fits_mesh(config: Config, fsdp: int, tensor: int, context: int =
   if m.d_model % fsdp:
     raise ConfigError(f"mesh.fsdp={fsdp} does not divide model.d_model={m.d_model}; "
                       f"use mesh.fsdp in {[d for d in _divisors(m.d_model) if d <= 64]}")
+  if context > 1 and m.attention_dropout_rate > 0:
+    raise ConfigError(f"model.attention_dropout_rate={m.attention_dropout_rate} does not run with context "
+                      f"parallelism (mesh.context={context}); set model.attention_dropout_rate=0 or mesh.context=1")
   lengths = (config.data.max_length, *(config.data.buckets if m.kind == "encoder_decoder" else ()))
   if any(length % context for length in lengths):
     raise ConfigError(f"mesh.context={context} does not divide the sequence lengths {sorted(set(lengths))} "

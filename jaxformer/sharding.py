@@ -86,6 +86,16 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   return nn.with_logical_constraint(x, tuple(axes))
 
 
+def split_axes(logical: str) -> tuple[str, ...]:
+  """The mesh axes of size > 1 that logical axis `logical` splits over, by the mesh and rules of
+  the enclosing `bind` (model code, e.g. context-parallel attention; () outside a mesh)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return ()
+  axes = nn.logical_to_mesh_axes((logical,))[0]
+  return tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if mesh.shape[a] > 1)
+
+
 def resolve_mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, ...]:
   """The mesh's sizes in `MESH_AXES` order, -1 filled (`MeshConfig.resolve`).
 

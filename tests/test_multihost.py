@@ -222,3 +222,26 @@ def test_expert_parallel_two_processes_match_one_process(tmp_path):
     assert all(sum(layer) == pytest.approx(1.0, abs=1e-3) for layer in single["router_load"])
     assert sum(multi["router_load"], []) == pytest.approx(sum(single["router_load"], []), abs=1e-4)
     assert single["router_dropped"] > 0 and len(single["router_max_load"]) == 2
+
+
+@pytest.mark.slow
+def test_context_parallel_two_processes_match_one_process(tmp_path):
+  """mesh.context=4 x mesh.data=2 over 2 processes x 4 devices: each process holds two context groups' shards of
+  a decoder-only model's sequences, attention gathers keys/values over them; losses equal one 8-device process."""
+  env = _env(tmp_path)
+  overrides = [f"data.data_dir={tmp_path / 'data'}", "model.d_model=32", "model.num_heads=2", "model.d_ff=64",
+               "model.num_decoder_layers=1", "model.position=rope", "model.attention=blockwise",
+               "model.attention_block_size=16", "model.max_length=128", "data.max_length=128", "train.batch_size=8",
+               f"train.num_steps={STEPS}", f"train.log_every={PER_CALL}", f"train.steps_per_call={PER_CALL}",
+               "train.eval_every=1000", "train.checkpoint_every=1000", "mesh.data=2", "mesh.context=4"]
+
+  def args(name: str, devices: int) -> list[str]:
+    return ["train", "--config", str(ROOT / "configs" / "shakespeare_char.yaml"), "--workdir", str(tmp_path / name),
+            *overrides, f"runtime.num_cpu_devices={devices}"]
+
+  _check(_run(["bash", LAUNCH, "2", "--", *args("multi", 4)], env)[0])
+  _check(_run([sys.executable, "-m", "jaxformer", *args("single", 8)], env)[0])
+  multi_losses, single_losses = _losses(tmp_path / "multi"), _losses(tmp_path / "single")
+  assert sorted(multi_losses) == sorted(single_losses) == list(range(PER_CALL, STEPS + 1, PER_CALL))
+  for step, values in single_losses.items():
+    assert multi_losses[step] == pytest.approx(values, rel=1e-5), step

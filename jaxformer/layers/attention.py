@@ -10,6 +10,9 @@ value (not -inf) so a fully masked row gives a uniform softmax rather than NaN.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -19,6 +22,7 @@ from jaxformer import remat
 from jaxformer import sharding as sh
 from jaxformer.layers import kv_cache as kvc
 from jaxformer.layers.blockwise import blockwise_attention
+from jaxformer.layers.context_parallel import context_axes, gather_length, over_length
 from jaxformer.layers.dropout import dropout
 from jaxformer.layers.positions import RopeScaling, T5Bias, alibi_bias, alibi_slopes, apply_rope
 from jaxformer.layers.scores import attention_mask, attention_scores, repeat_kv
@@ -79,6 +83,43 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | 
                                       implementation="cudnn" if cudnn else None)
 
 
+class _Options(NamedTuple):
+  """How `_attention` attends (static): the implementation, masks, soft-cap, block size, bias function,
+  whether the mask is causal by token index (`fused_attention`'s hint) and the dropout rate."""
+  implementation: str
+  causal: bool
+  sliding_window: int
+  global_tokens: int
+  softcap: float
+  block_size: int
+  bias_fn: Callable | None
+  causal_by_index: bool
+  dropout_rate: float
+
+
+def _attention(opts: _Options, arrays, bias_params, gather_axes: tuple[str, ...] = (), dropout_rng=None):
+  """(output `[B, T, N, H]`, dense weights float32 `[B, N, T, S]` or None) of dense, blockwise or fused
+  attention; `arrays` = (q, k, v, q_pos, kv_pos, q_valid, kv_valid, q_segment_ids, kv_segment_ids) as in
+  `blockwise_attention`. `gather_axes`: the keys' side is this device's shard of a sequence split over
+  these mesh axes (inside `context_parallel.over_length`), gathered before attending."""
+  q, k, v, q_pos, kv_pos, q_valid, kv_valid, q_seg, kv_seg = arrays
+  if opts.implementation == "blockwise":
+    bias = (opts.bias_fn, bias_params) if opts.bias_fn is not None else None
+    return blockwise_attention(q, k, v, q_positions=q_pos, kv_positions=kv_pos, q_valid=q_valid, kv_valid=kv_valid,
+                               causal=opts.causal, sliding_window=opts.sliding_window, position_bias=bias,
+                               softcap=opts.softcap, block_size=opts.block_size, q_segment_ids=q_seg,
+                               kv_segment_ids=kv_seg, global_tokens=opts.global_tokens,
+                               gather_axes=gather_axes), None
+  k, v, kv_pos, kv_valid, kv_seg = (gather_length(x, gather_axes) for x in (k, v, kv_pos, kv_valid, kv_seg))
+  mask = attention_mask(q_pos, kv_pos, q_valid, kv_valid, opts.causal, opts.sliding_window, q_seg, kv_seg,
+                        opts.global_tokens)
+  bias = opts.bias_fn(bias_params, q_pos, kv_pos) if opts.bias_fn is not None else None
+  if opts.implementation == "fused":
+    return fused_attention(q, k, v, mask, bias=bias, is_causal=opts.causal_by_index and not gather_axes), None
+  weights = attention_weights(q, k, mask, bias=bias, softcap=opts.softcap)   # [B, N, T, S]
+  return attend(weights, v, dropout_rng, opts.dropout_rate), weights
+
+
 def _project(x: jax.Array, w: jax.Array) -> jax.Array:
   """`[batch, length, d_model]` x `[d_model, num_heads, head_dim]` -> `[batch, length, num_heads, head_dim]`
   as one matmul over the flattened tokens: XLA:CPU runs the 2-D form's weight gradient
@@ -122,6 +163,13 @@ class MultiHeadAttention(nn.Module):
   without the cache sows its weights, float32 `[batch, num_heads, q_len, kv_len]`, as
   `intermediates/attention_weights` when that collection is mutable (for plots).
 
+  Context parallelism: traced under a mesh whose axes split `act_length` (`mesh.context` > 1)
+  into parts that divide both lengths (`context_parallel.context_axes`), dense, blockwise and
+  fused attention run per device on its shard of the queries over the all-gathered keys/values
+  (`layers.context_parallel`), equal to unsplit attention; there dense attention neither sows
+  its weights nor takes attention dropout. Linformer and the cached path are left to jit's
+  automatic partitioning.
+
   With `decode=True` the module reads and writes the KV cache (`layers.kv_cache`): the
   "cache" collection holds this layer's `key`/`value` storage and `cache_state` says which
   rows hold how many tokens. Self-attention writes the new tokens' keys/values (RoPE-rotated)
@@ -132,9 +180,9 @@ class MultiHeadAttention(nn.Module):
   reuses them at every step.
 
   Raises:
-    ValueError: blockwise or fused attention with dropout, fused with a soft-cap; decode without
-      `cache_state`; a cross-attention decode step before the prefill; decode with segment ids or
-      positions; position t5 without `bias_table`.
+    ValueError: blockwise or fused attention with dropout (any attention, with context parallelism),
+      fused with a soft-cap; decode without `cache_state`; a cross-attention decode step before the
+      prefill; decode with segment ids or positions; position t5 without `bias_table`.
     ConfigError: linformer attention that is causal, decodes with the cache, or gets segment ids.
   """
   num_heads: int
@@ -231,22 +279,12 @@ class MultiHeadAttention(nn.Module):
         q, k = apply_rope(q, q_pos, scaling=self.rope_scaling), apply_rope(k, kv_pos, scaling=self.rope_scaling)
     k = checkpoint_name(sh.constrain(k, head_axes), remat.KEY)
     v = checkpoint_name(sh.constrain(v, head_axes), remat.VALUE)
-    if self.implementation == "blockwise":
-      if not deterministic and self.dropout_rate > 0.0:
-        raise ValueError("blockwise attention has no attention dropout; use dropout_rate=0 or dense attention")
-      return blockwise_attention(q, k, v, q_positions=q_pos, kv_positions=kv_pos, q_valid=q_valid,
-                                 kv_valid=kv_valid, causal=causal, sliding_window=window,
-                                 position_bias=bias, softcap=self.softcap, block_size=self.block_size,
-                                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                                 global_tokens=self.global_tokens)
-    if self.implementation == "fused":
-      if (not deterministic and self.dropout_rate > 0.0) or self.softcap:
-        raise ValueError("fused attention has no attention dropout or soft-cap; use dense attention for them")
-      mask = attention_mask(q_pos, kv_pos, q_valid, kv_valid, causal, window, q_segment_ids, kv_segment_ids,
-                            self.global_tokens)
-      bias = bias[0](bias[1], q_pos, kv_pos) if bias is not None else None
-      return fused_attention(q, k, v, mask, bias=bias, is_causal=causal and positions is None)
-    if deterministic or self.dropout_rate == 0.0:
+    dropout = not deterministic and self.dropout_rate > 0.0
+    if self.implementation == "blockwise" and dropout:
+      raise ValueError("blockwise attention has no attention dropout; use dropout_rate=0 or dense attention")
+    if self.implementation == "fused" and (dropout or self.softcap):
+      raise ValueError("fused attention has no attention dropout or soft-cap; use dense attention for them")
+    if not dropout:
       dropout_rng = None
     elif dropout_rng is None:
       dropout_rng = self.make_rng("dropout")
@@ -256,13 +294,21 @@ class MultiHeadAttention(nn.Module):
                           "examples apart; set data.packing=false")
       k, v = self._linformer_project(k, v, kv_valid)
       return dot_product_attention(q, k, v, None, dropout_rng, self.dropout_rate, softcap=self.softcap)
-    mask = attention_mask(q_pos, kv_pos, q_valid, kv_valid, causal, window, q_segment_ids, kv_segment_ids,
-                          self.global_tokens)
-    bias = bias[0](bias[1], q_pos, kv_pos) if bias is not None else None
-    weights = attention_weights(q, k, mask, bias=bias, softcap=self.softcap)   # [B, N, T, S]
-    # Kept only when the caller makes "intermediates" mutable (`inference.attention_maps`); else a no-op.
-    self.sow("intermediates", "attention_weights", weights)
-    return attend(weights, v, dropout_rng, self.dropout_rate)
+    bias_fn, bias_params = bias if bias is not None else (None, None)
+    opts = _Options(self.implementation, causal, window, self.global_tokens, self.softcap, self.block_size, bias_fn,
+                    causal and positions is None, self.dropout_rate)
+    arrays = (q, k, v, q_pos, kv_pos, q_valid, kv_valid, q_segment_ids, kv_segment_ids)
+    axes = context_axes(q.shape[1], k.shape[1])
+    if axes:  # context parallelism: each device attends with its queries over the gathered keys
+      if dropout:
+        raise ValueError("attention dropout does not run on a context-split sequence; set "
+                         "model.attention_dropout_rate=0 or mesh.context=1")
+      return over_length(lambda a, p: _attention(opts, a, p, axes)[0], axes, arrays, bias_params)
+    out, weights = _attention(opts, arrays, bias_params, (), dropout_rng)
+    if weights is not None:
+      # Kept only when the caller makes "intermediates" mutable (`inference.attention_maps`); else a no-op.
+      self.sow("intermediates", "attention_weights", weights)
+    return out
 
   def _linformer_project(self, k, v, kv_valid):
     """Keys and values `[batch, S, K, H]` -> `[batch, linformer_k, K, H]`: E^T k and F^T v over

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxformer.layers.context_parallel import gather_length
 from jaxformer.layers.positions import PositionBias
 from jaxformer.layers.scores import attention_mask, attention_scores, repeat_kv
 
@@ -33,6 +34,7 @@ class _Spec(NamedTuple):
   block_size: int
   bias_fn: Callable | None    # positions.PositionBias's function, or None
   global_tokens: int
+  gather_axes: tuple[str, ...]  # mesh axes the keys/values are split over (context parallelism), or ()
 
 
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array,
@@ -40,7 +42,8 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions
                         kv_valid: jax.Array | None = None, causal: bool = False, sliding_window: int = 0,
                         position_bias: PositionBias | None = None, softcap: float = 0.0,
                         block_size: int = 128, q_segment_ids: jax.Array | None = None,
-                        kv_segment_ids: jax.Array | None = None, global_tokens: int = 0) -> jax.Array:
+                        kv_segment_ids: jax.Array | None = None, global_tokens: int = 0,
+                        gather_axes: tuple[str, ...] = ()) -> jax.Array:
   """Exact softmax attention over key/value blocks, with a memory-linear gradient.
 
   Args:
@@ -55,6 +58,10 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions
     block_size: keys per block; S is padded up to a multiple (padded keys get weight 0).
     q_segment_ids, kv_segment_ids: int `[batch, T]` / `[batch, S]` packed-example ids, both
       or neither, as in `scores.attention_mask`.
+    gather_axes: context parallelism (`layers.context_parallel`; call inside a map manual over
+      these mesh axes): k, v and their positions, validity and segment ids are this device's
+      shard of a longer sequence, all-gathered along S in the forward pass and again in the
+      backward pass, so only the shards are kept for it; their gradients are reduce-scattered.
 
   Returns:
     `[batch, T, num_heads, head_dim]` in q's dtype.
@@ -63,24 +70,42 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions
     ValueError: only one of the segment ids given.
   """
   batch, length = q.shape[0], q.shape[1]
-  kv_len = k.shape[1]
   q_valid = jnp.ones((batch, length), bool) if q_valid is None else q_valid
-  kv_valid = jnp.ones((batch, kv_len), bool) if kv_valid is None else kv_valid
+  kv_valid = jnp.ones((batch, k.shape[1]), bool) if kv_valid is None else kv_valid
   bias_fn, bias_params = position_bias if position_bias is not None else (None, jnp.zeros((1,), jnp.float32))
-  block = min(block_size, kv_len)
-  pad = -kv_len % block
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("blockwise_attention needs both q_segment_ids and kv_segment_ids, or neither")
+  spec = _Spec(causal, sliding_window, float(softcap), block_size, bias_fn, global_tokens, tuple(gather_axes))
+  kv = (k, v, kv_positions, kv_valid, kv_segment_ids)
+  return _flash(spec, q, kv, q_positions, q_valid, q_segment_ids, bias_params)
 
-  def blocks(x):  # [B', S, ...] -> [S_pad / block, B', block, ...], padded at the end
+
+def _kv_blocks(spec: _Spec, kv):
+  """(k, v, positions, validity, in-range flags, segment ids or None), each `[S_pad / block, B', block, ...]`
+  (S padded at the end to a multiple of the block), from the keys/values, gathered first if split."""
+  k, v, kv_pos, kv_valid, kv_seg = (gather_length(x, spec.gather_axes) for x in kv)
+  kv_len = k.shape[1]
+  block = min(spec.block_size, kv_len)
+  pad = -kv_len % block
+
+  def blocks(x):  # [B', S, ...] -> [S_pad / block, B', block, ...]
     x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
     return jnp.moveaxis(x.reshape(x.shape[0], -1, block, *x.shape[2:]), 1, 0)
 
   in_range = blocks(jnp.ones((1, kv_len), bool))                              # [nb, 1, block]
-  kv_seg = None if kv_segment_ids is None else blocks(kv_segment_ids)         # [nb, B, block] or None
-  kv_blocks = (blocks(k), blocks(v), blocks(kv_positions), blocks(kv_valid), in_range, kv_seg)
-  spec = _Spec(causal, sliding_window, float(softcap), block, bias_fn, global_tokens)
-  return _flash(spec, q, kv_blocks, q_positions, q_valid, q_segment_ids, bias_params)
+  kv_seg = None if kv_seg is None else blocks(kv_seg)                         # [nb, B, block] or None
+  return blocks(k), blocks(v), blocks(kv_pos), blocks(kv_valid), in_range, kv_seg
+
+
+def _unblock(spec: _Spec, d_blocks, like):
+  """Gradient blocks `[nb, B, block, K, H]` -> the gradient of `like` `[B, S, K, H]`, this device's
+  keys or values: the padding cut off and, when gathered, reduce-scattered back to the shards."""
+  d = jnp.moveaxis(d_blocks, 0, 1)
+  d = d.reshape(d.shape[0], -1, *d.shape[3:])
+  if not spec.gather_axes:
+    return d[:, :like.shape[1]]
+  d = d[:, :like.shape[1] * jax.lax.axis_size(spec.gather_axes)]
+  return jax.lax.psum_scatter(d, spec.gather_axes, scatter_dimension=1, tiled=True)
 
 
 def _block_scores(spec: _Spec, q, k_blk, kpos_blk, kvalid_blk, in_range, kseg_blk, q_pos, q_valid, q_seg,
@@ -93,7 +118,7 @@ def _block_scores(spec: _Spec, q, k_blk, kpos_blk, kvalid_blk, in_range, kseg_bl
   return jnp.where(in_range[:, None, None, :], scores, -jnp.inf)
 
 
-def _forward(spec: _Spec, q, kv_blocks, q_pos, q_valid, q_seg, bias_params):
+def _forward(spec: _Spec, q, kv, q_pos, q_valid, q_seg, bias_params):
   batch, length, heads, head_dim = q.shape
 
   def step(carry, blk):
@@ -111,7 +136,8 @@ def _forward(spec: _Spec, q, kv_blocks, q_pos, q_valid, q_seg, bias_params):
 
   init = (jnp.full((batch, heads, length), -jnp.inf, jnp.float32), jnp.zeros((batch, heads, length), jnp.float32),
           jnp.zeros((batch, length, heads, head_dim), jnp.float32))
-  (m, l, acc), _ = jax.lax.scan(step, init, kv_blocks)
+  init = jax.lax.pcast(init, spec.gather_axes, to="varying")  # the carry meets each device's own values
+  (m, l, acc), _ = jax.lax.scan(step, init, _kv_blocks(spec, kv))
   out = (acc / jnp.moveaxis(l, 1, 2)[..., None]).astype(q.dtype)
   # Row max and sum [B, N, T], kept apart: for a fully masked row m + log(l) would round
   # away log(l) next to the -1e9 mask value.
@@ -119,28 +145,30 @@ def _forward(spec: _Spec, q, kv_blocks, q_pos, q_valid, q_seg, bias_params):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(spec, q, kv_blocks, q_pos, q_valid, q_seg, bias_params):
-  return _forward(spec, q, kv_blocks, q_pos, q_valid, q_seg, bias_params)[0]
+def _flash(spec, q, kv, q_pos, q_valid, q_seg, bias_params):
+  return _forward(spec, q, kv, q_pos, q_valid, q_seg, bias_params)[0]
 
 
-def _flash_fwd(spec, q, kv_blocks, q_pos, q_valid, q_seg, bias_params):
-  out, (m, l) = _forward(spec, q, kv_blocks, q_pos, q_valid, q_seg, bias_params)
-  return out, (q, kv_blocks, q_pos, q_valid, q_seg, bias_params, out, m, l)
+def _flash_fwd(spec, q, kv, q_pos, q_valid, q_seg, bias_params):
+  out, (m, l) = _forward(spec, q, kv, q_pos, q_valid, q_seg, bias_params)
+  return out, (q, kv, q_pos, q_valid, q_seg, bias_params, out, m, l)
 
 
 def _flash_bwd(spec, residuals, d_out):
   """Recomputes each block's probabilities p = exp(s - m) / l; dS = p * (dP - rowsum(dO * O))."""
-  q, kv_blocks, q_pos, q_valid, q_seg, bias_params, out, m, l = residuals
+  q, kv, q_pos, q_valid, q_seg, bias_params, out, m, l = residuals
   heads = q.shape[2]
   d_out = d_out.astype(jnp.float32)
   delta = jnp.einsum("btnh,btnh->bnt", d_out, out.astype(jnp.float32))     # [B, N, T]
+  # Split keys: each device sums its queries' share of the bias gradient, then one psum adds the shares.
+  bias_local = jax.lax.pcast(bias_params, spec.gather_axes, to="varying")
 
   def step(carry, blk):
     dq, dbias = carry
     k_blk, v_blk, kpos, kvalid, in_range, kseg = blk
     s, scores_vjp = jax.vjp(
         lambda q_, k_, b_: _block_scores(spec, q_, k_, kpos, kvalid, in_range, kseg, q_pos, q_valid, q_seg, b_),
-        q, k_blk, bias_params)
+        q, k_blk, bias_local)
     p = jnp.exp(s - m[..., None]) / l[..., None]                            # [B, N, T, block]
     v_rep = repeat_kv(v_blk, heads)
     dv = jnp.einsum("bnts,btnh->bsnh", p, d_out)                            # [B, block, N, H]
@@ -149,10 +177,13 @@ def _flash_bwd(spec, residuals, d_out):
     dv = dv.reshape(*v_blk.shape[:3], -1, v_blk.shape[-1]).sum(axis=3)      # sum query heads per kv head
     return (dq + dq_blk.astype(jnp.float32), dbias + dbias_blk), (dk, dv.astype(v_blk.dtype))
 
-  init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros_like(bias_params))
-  (dq, dbias), (dk, dv) = jax.lax.scan(step, init, kv_blocks)
-  zeros = [None] * 4  # positions, validity, in_range, segment ids: integer / bool inputs
-  return dq.astype(q.dtype), (dk, dv, *zeros), None, None, None, dbias
+  init = jax.lax.pcast((jnp.zeros(q.shape, jnp.float32), jnp.zeros_like(bias_params)), spec.gather_axes, to="varying")
+  (dq, dbias), (dk, dv) = jax.lax.scan(step, init, _kv_blocks(spec, kv))
+  if spec.gather_axes:
+    dbias = jax.lax.psum(dbias, spec.gather_axes)
+  # Positions, validity, segment ids: integer / bool inputs, no gradient.
+  return dq.astype(q.dtype), (_unblock(spec, dk, kv[0]), _unblock(spec, dv, kv[1]), None, None, None), None, None, \
+      None, dbias
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -1,0 +1,66 @@
+"""Context parallelism: attention over a sequence whose length is split across mesh axes
+(`mesh.context`), with all-gathered keys and values (Llama 3, Dubey et al. 2024, section 3.3.2).
+
+Each device keeps its shard of the queries, `[batch, L / c, heads, head_dim]` with their global
+positions, and gathers the keys, values and their positions, validity and segment ids over
+the c devices of the axis; the attention of its queries over all keys is then computed as on
+one device (dense, blockwise or fused), so the result equals unsplit attention and every mask
+and position scheme that works from positions (causal, sliding window with global tokens,
+padding, packed segments, RoPE applied before with global positions, ALiBi, T5) carries over.
+Only the queries' share of the scores or blocks lives on a device: activation memory falls
+about 1/c. Autodiff turns the gather into a reduce-scatter of the key/value gradients.
+
+The split is manual over the context axes only (`jax.shard_map` with `axis_names`); batch and
+heads stay in jit's automatic mode. Which axes split the length comes from the mesh and rules
+the step was built for (`context_axes`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
+
+from jaxformer import sharding as sh
+
+
+def gather_length(x: jax.Array | None, axes: Sequence[str]) -> jax.Array | None:
+  """All shards of `x` `[batch, length / c, ...]` along the length (dimension 1) over mesh axes
+  `axes`, in order: `[batch, length, ...]` (None stays None). Call inside a map manual over `axes`."""
+  if x is None or not axes:
+    return x
+  return jax.lax.all_gather(x, tuple(axes), axis=1, tiled=True)
+
+
+def context_axes(*lengths: int) -> tuple[str, ...]:
+  """The mesh axes that split the length of activations (`act_length`) by the mesh and rules of the
+  enclosing `sharding.bind`, if every one of `lengths` divides by their size c; else () (no mesh, c = 1,
+  or a length that cannot split, e.g. a source being translated: left to jit's automatic partitioning;
+  training lengths are checked before compiling, `runtime.check_model_fits_mesh`)."""
+  axes = sh.split_axes(sh.ACT_LENGTH)
+  ways = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
+  return axes if all(n % ways == 0 for n in lengths) else ()
+
+
+def over_length(fn: Callable[[Any, Any], jax.Array], axes: Sequence[str], split: Any, whole: Any) -> jax.Array:
+  """`fn(split, whole)` run on each device's shard of the length.
+
+  Args:
+    fn: maps (the local shards of `split`, `whole`) to the local output `[batch, length / c, ...]`;
+      it may gather (`gather_length`) over `axes`.
+    axes: mesh axes of the current mesh (`jax.set_mesh`, as `sharding.bind` sets it) that split
+      the length, c devices in all, dividing every length (`context_axes`).
+    split: a pytree of arrays `[batch, length, ...]` (batch may be 1; None leaves allowed), each
+      split along dimension 1.
+    whole: a pytree of arrays every device gets whole (e.g. position-bias params).
+
+  Returns:
+    `[batch, length, ...]`, split along dimension 1 over `axes`.
+  """
+  axes = tuple(axes)
+  spec = PartitionSpec(None, axes)
+  in_specs = (jax.tree.map(lambda _: spec, split), jax.tree.map(lambda _: PartitionSpec(), whole))
+  return jax.shard_map(fn, in_specs=in_specs, out_specs=spec, axis_names=frozenset(axes))(split, whole)

@@ -1,0 +1,165 @@
+"""Context parallelism (`mesh.context`): attention with the length split over c devices equals
+dense attention on one device, forward and gradients (1e-5), for every mask and position
+scheme; a tiny model's loss and gradients likewise; per-device memory of the compiled train
+step falls about 1/c; configurations that cannot split fail in one line."""
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer import sharding as sh
+from jaxformer.aot import compile_train_step
+from jaxformer.config import ConfigError, MeshConfig, load_config
+from jaxformer.layers.attention import MultiHeadAttention
+from jaxformer.runtime import build_mesh
+from jaxformer.tasks import get_task
+from jaxformer.train.step import loss_fn
+
+ROOT = Path(__file__).parent.parent
+B, T, S, D = 2, 16, 8, 24
+
+
+def _mesh(context: int):
+  return sh.make_mesh(MeshConfig(data=1, context=context), jax.devices()[:context])
+
+
+def _run(fn, context: int, *args):
+  """`fn(*args)` jitted, on one device (context 0) or inside `bind` on a mesh of `context` devices."""
+  if not context:
+    return jax.jit(fn)(*args)
+  with sh.bind(_mesh(context), sh.LOGICAL_RULES):
+    return jax.jit(fn)(*args)
+
+
+def _inputs():
+  keys = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(keys[0], (B, T, D))
+  src = jax.random.normal(keys[1], (B, S, D))
+  valid = jnp.arange(T)[None] < jnp.array([[T], [11]])          # row 1: 5 padded, fully masked query rows
+  src_valid = jnp.arange(S)[None] < jnp.array([[S], [5]])
+  segments = jnp.array([[1] * 6 + [2] * 7 + [3] * 3, [1] * 4 + [2] * 7 + [0] * 5])
+  positions = jnp.array([list(range(6)) + list(range(7)) + list(range(3)), list(range(4)) + list(range(7)) + [0] * 5])
+  src_segments = jnp.array([[1] * 3 + [2] * 3 + [3] * 2, [1] * 2 + [2] * 3 + [0] * 3])
+  return dict(x=x, src=src, valid=valid, src_valid=src_valid, segments=segments, positions=positions,
+              src_segments=src_segments, weights=jnp.cos(jnp.arange(B * T * D)).reshape(B, T, D))
+
+
+# name -> (module options, call keywords built from _inputs()): every mask and position scheme.
+CASES = {
+    "causal-rope-padding": (dict(causal=True, position="rope"), lambda a: dict(q_valid=a["valid"])),
+    "window-global-alibi-packed": (dict(causal=True, position="alibi", sliding_window=3, global_tokens=2),
+                                   lambda a: dict(q_valid=a["valid"], q_segment_ids=a["segments"],
+                                                  positions=a["positions"])),
+    "bidirectional-t5-padding": (dict(position="t5", relative_buckets=8, relative_max_distance=12),
+                                 lambda a: dict(q_valid=a["valid"])),
+    "cross-packed": (dict(is_cross=True), lambda a: dict(kv=a["src"], q_valid=a["valid"], kv_valid=a["src_valid"],
+                                                         q_segment_ids=a["segments"],
+                                                         kv_segment_ids=a["src_segments"])),
+}
+
+
+def _attention_grads(implementation: str, case: str, context: int):
+  """(output, gradients wrt params, x, the source and the T5 table) of the layer under `context`."""
+  options, call = CASES[case]
+  layer = MultiHeadAttention(num_heads=4, num_kv_heads=2, head_dim=8, implementation=implementation, block_size=4,
+                             **options)
+  a = _inputs()
+  kw = call(a)
+  src = kw.pop("kv", None)
+  table = jax.random.normal(jax.random.key(2), (8, 4)) * 0.5 if options.get("position") == "t5" else None
+  params = MultiHeadAttention(num_heads=4, num_kv_heads=2, head_dim=8, **options).init(
+      jax.random.key(1), a["x"], src, deterministic=True, bias_table=table, **kw)
+
+  def loss(p, x, src, table):
+    y = layer.apply(p, x, src, deterministic=True, bias_table=table, **kw)
+    return jnp.sum(y * a["weights"]), y
+
+  (_, out), grads = _run(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True), context,
+                         params, a["x"], src, table)
+  return out, grads
+
+
+@pytest.fixture(scope="module")
+def dense_references():
+  return {case: _attention_grads("dense", case, 0) for case in CASES}
+
+
+def _assert_close(got, want):
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("implementation, context", [("blockwise", 2), ("blockwise", 4), ("blockwise", 8),
+                                                     ("dense", 8), ("fused", 8)])
+def test_causal_rope_padding_equals_dense_on_one_device(dense_references, implementation, context):
+  _assert_close(_attention_grads(implementation, "causal-rope-padding", context),
+                dense_references["causal-rope-padding"])
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != "causal-rope-padding"])
+@pytest.mark.parametrize("implementation, context", [("blockwise", 8), ("dense", 4)])
+def test_masks_and_position_biases_equal_dense_on_one_device(dense_references, case, implementation, context):
+  """Sliding window with global tokens, ALiBi, packed segments, T5 (its table's gradient summed
+  over the devices) and cross-attention over a split source."""
+  _assert_close(_attention_grads(implementation, case, context), dense_references[case])
+
+
+def _config(*overrides: str):
+  return load_config(ROOT / "configs/tiny.yaml", ["model.num_encoder_layers=1", "model.num_decoder_layers=2",
+                                                  "model.attention_block_size=4", *overrides])
+
+
+@pytest.mark.parametrize("kind, context, extra", [
+    ("decoder_only", 8, ["model.position=rope", "model.attention=blockwise", "model.remat=full",
+                         "model.scan_layers=true"]),
+    ("encoder_decoder", 4, [])])
+def test_tiny_model_loss_and_gradients_equal_one_device(kind, context, extra):
+  """A decoder-only model (RoPE, blockwise, remat, scanned layers) and the encoder-decoder (its
+  cross-attention gathers the split encoder output)."""
+  config = _config(f"model.kind={kind}", "model.dropout_rate=0", *extra)
+  task = get_task(config)
+  model = task.make_model()
+  rng = np.random.default_rng(0)
+  ids = rng.integers(1, config.model.vocab_size, size=(2, 2, 16)).astype(np.int32)
+  ids[:, 1, 12:] = 0   # padding
+  batch = {"inputs": ids[0], "targets": ids[1]}
+  params = model.init(jax.random.key(0), batch["inputs"], batch["targets"])["params"]
+
+  def loss(p):
+    return loss_fn(task, model, p, batch, None, 0.0)[0]
+
+  ref = _run(jax.value_and_grad(loss), 0, params)
+  got = _run(jax.value_and_grad(loss), context, params)
+  assert np.isfinite(float(ref[0]))
+  _assert_close(got, ref)
+
+
+def test_per_device_memory_falls_with_the_context_size():
+  """Compiled memory of a decoder-only train step on one 4096-token sequence (blockwise attention,
+  one layer): temporaries fall monotonically and at c = 8 are at most a quarter of c = 1."""
+  config = _config("model.kind=decoder_only", "model.position=rope", "model.attention=blockwise",
+                   "model.attention_block_size=256", "model.num_decoder_layers=1", "model.max_length=4096",
+                   "data.max_length=4096", "train.batch_size=1", "model.dropout_rate=0")
+  temps = []
+  for c in (1, 2, 4, 8):
+    cfg = dataclasses.replace(config, mesh=MeshConfig(data=1, context=c))
+    temps.append(compile_train_step(cfg, jax.devices()[:c])["temp_bytes"])
+  assert temps == sorted(temps, reverse=True) and temps[-1] <= temps[0] / 4, temps
+
+
+def test_a_length_that_does_not_split_is_left_to_jit_and_configs_that_cannot_run_fail_in_one_line():
+  """12 tokens over 8 devices (e.g. a source being translated): jit's automatic partitioning, same
+  values. A training config must split (checked before compiling)."""
+  layer = MultiHeadAttention(num_heads=2, head_dim=4, causal=True)
+  x = jax.random.normal(jax.random.key(0), (1, 12, 8))
+  params = layer.init(jax.random.key(1), x, None, deterministic=True)
+  np.testing.assert_allclose(*(_run(lambda p: layer.apply(p, x, None, deterministic=True), c, params) for c in (8, 0)),
+                             atol=1e-6)
+  with pytest.raises(ConfigError, match="model.attention_dropout_rate=0.1 does not run with context parallelism"):
+    build_mesh(_config("model.attention_dropout_rate=0.1", "mesh.data=1", "mesh.context=8", "train.batch_size=8"))
+  with pytest.raises(ConfigError, match=r"mesh.context=8 does not divide the sequence lengths \[12\]"):
+    build_mesh(_config("model.kind=decoder_only", "data.max_length=12", "mesh.data=1", "mesh.context=8"))
