@@ -204,7 +204,9 @@ def one_device():
 
 @pytest.mark.parametrize("mesh", [pytest.param(MeshConfig(data=4, expert=2), marks=pytest.mark.slow),
                                   pytest.param(MeshConfig(data=2, expert=4), marks=pytest.mark.slow),
-                                  MeshConfig(data=1, fsdp=2, tensor=2, expert=2)], ids=["e2d4", "e4d2", "e2f2t2"])
+                                  pytest.param(MeshConfig(data=2, context=2, expert=2), marks=pytest.mark.slow),
+                                  MeshConfig(data=1, fsdp=2, tensor=2, expert=2)],
+                         ids=["e2d4", "e4d2", "e2c2d2", "e2f2t2"])
 def test_same_losses_and_params_on_expert_meshes(one_device, mesh):
   ref_losses, ref_params = one_device
   losses, params = _train(mesh)

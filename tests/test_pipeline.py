@@ -25,7 +25,7 @@ from jaxformer.train.state import abstract_state, create_state
 from jaxformer.train.step import make_train_step
 
 ROOT = Path(__file__).parent.parent
-ROWS, LENGTH = 16, 13
+ROWS, LENGTH = 16, 12   # the length splits over mesh.context=2
 
 
 def test_schedule_and_bubble_fraction():
@@ -91,6 +91,10 @@ CASES = [
                  id="encdec-stage2-data4", marks=pytest.mark.slow),
     pytest.param("encoder_only", (("stage", 2), ("data", 4)), ("train.microbatches=2",),
                  ("data.dataset=tinyshakespeare",), id="enc-stage2-data4", marks=pytest.mark.slow),
+    # Context-parallel attention inside the stages (a map manual over context and stage).
+    pytest.param("decoder_only", (("stage", 2), ("context", 2), ("data", 2)), ("train.microbatches=2",),
+                 ("model.position=rope", "model.attention=blockwise", "model.attention_block_size=4"),
+                 id="dec-stage2-context2-data2-blockwise", marks=pytest.mark.slow),
     # The router's losses (summed over the microbatches) are part of the loss compared.
     pytest.param("decoder_only", (("stage", 2), ("expert", 2), ("data", 2)), ("train.microbatches=2",),
                  ("model.num_experts=4",), id="moe-stage2-expert2-data2", marks=pytest.mark.slow),

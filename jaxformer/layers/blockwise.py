@@ -80,6 +80,12 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions
   return _flash(spec, q, kv, q_positions, q_valid, q_segment_ids, bias_params)
 
 
+def _varying(q: jax.Array) -> tuple[str, ...]:
+  """The manual mesh axes over which the queries differ (inside a `shard_map`: the context axes, and a
+  pipeline's stage axes), which the scan carries must vary over too; () outside one."""
+  return tuple(sorted(jax.typeof(q).manual_axis_type.varying))
+
+
 def _kv_blocks(spec: _Spec, kv):
   """(k, v, positions, validity, in-range flags, segment ids or None), each `[S_pad / block, B', block, ...]`
   (S padded at the end to a multiple of the block), from the keys/values, gathered first if split."""
@@ -136,7 +142,7 @@ def _forward(spec: _Spec, q, kv, q_pos, q_valid, q_seg, bias_params):
 
   init = (jnp.full((batch, heads, length), -jnp.inf, jnp.float32), jnp.zeros((batch, heads, length), jnp.float32),
           jnp.zeros((batch, length, heads, head_dim), jnp.float32))
-  init = jax.lax.pcast(init, spec.gather_axes, to="varying")  # the carry meets each device's own values
+  init = jax.lax.pcast(init, _varying(q), to="varying")  # the carry meets each device's own values
   (m, l, acc), _ = jax.lax.scan(step, init, _kv_blocks(spec, kv))
   out = (acc / jnp.moveaxis(l, 1, 2)[..., None]).astype(q.dtype)
   # Row max and sum [B, N, T], kept apart: for a fully masked row m + log(l) would round
@@ -161,7 +167,7 @@ def _flash_bwd(spec, residuals, d_out):
   d_out = d_out.astype(jnp.float32)
   delta = jnp.einsum("btnh,btnh->bnt", d_out, out.astype(jnp.float32))     # [B, N, T]
   # Split keys: each device sums its queries' share of the bias gradient, then one psum adds the shares.
-  bias_local = jax.lax.pcast(bias_params, spec.gather_axes, to="varying")
+  bias_local = jax.lax.pcast(bias_params, _varying(q), to="varying")
 
   def step(carry, blk):
     dq, dbias = carry
@@ -177,7 +183,7 @@ def _flash_bwd(spec, residuals, d_out):
     dv = dv.reshape(*v_blk.shape[:3], -1, v_blk.shape[-1]).sum(axis=3)      # sum query heads per kv head
     return (dq + dq_blk.astype(jnp.float32), dbias + dbias_blk), (dk, dv.astype(v_blk.dtype))
 
-  init = jax.lax.pcast((jnp.zeros(q.shape, jnp.float32), jnp.zeros_like(bias_params)), spec.gather_axes, to="varying")
+  init = jax.lax.pcast((jnp.zeros(q.shape, jnp.float32), jnp.zeros_like(bias_params)), _varying(q), to="varying")
   (dq, dbias), (dk, dv) = jax.lax.scan(step, init, _kv_blocks(spec, kv))
   if spec.gather_axes:
     dbias = jax.lax.psum(dbias, spec.gather_axes)

@@ -10,8 +10,9 @@ padding, packed segments, RoPE applied before with global positions, ALiBi, T5) 
 Only the queries' share of the scores or blocks lives on a device: activation memory falls
 about 1/c. Autodiff turns the gather into a reduce-scatter of the key/value gradients.
 
-The split is manual over the context axes only (`jax.shard_map` with `axis_names`); batch and
-heads stay in jit's automatic mode. Which axes split the length comes from the mesh and rules
+The split is manual over the context axes only (`jax.shard_map` with `axis_names`; and over
+the pipeline's stage axes, which batch it inside a pipeline); batch and heads stay in jit's
+automatic mode. Which axes split the length comes from the mesh and rules
 the step was built for (`context_axes`).
 """
 
@@ -63,4 +64,10 @@ def over_length(fn: Callable[[Any, Any], jax.Array], axes: Sequence[str], split:
   axes = tuple(axes)
   spec = PartitionSpec(None, axes)
   in_specs = (jax.tree.map(lambda _: spec, split), jax.tree.map(lambda _: PartitionSpec(), whole))
-  return jax.shard_map(fn, in_specs=in_specs, out_specs=spec, axis_names=frozenset(axes))(split, whole)
+  # Also manual over the pipeline's stage axes: under the pipeline's `vmap(spmd_axis_name=...)` the
+  # map is batched over them (outside a pipeline every input is the same on each stage device). There
+  # JAX 0.10's varying-axes check rejects mixing per-stage masks with stage-invariant positions, so it
+  # is off: every collective here names its axes explicitly.
+  stages = frozenset(sh.split_axes(sh.STAGES))
+  return jax.shard_map(fn, in_specs=in_specs, out_specs=spec, axis_names=frozenset(axes) | stages,
+                       check_vma=not stages)(split, whole)
