@@ -138,6 +138,7 @@ def test_tiny_model_loss_and_gradients_equal_one_device(kind, context, extra):
   _assert_close(got, ref)
 
 
+@pytest.mark.slow
 def test_per_device_memory_falls_with_the_context_size():
   """Compiled memory of a decoder-only train step on one 4096-token sequence (blockwise attention,
   one layer): temporaries fall monotonically and at c = 8 are at most a quarter of c = 1."""

@@ -134,6 +134,7 @@ def _lm_batch(rows=4, length=11, seed=0):
   return {"inputs": ids[:, :-1], "targets": ids[:, 1:]}
 
 
+@pytest.mark.slow
 def test_scan_layers_and_remat_change_nothing():
   batch = _lm_batch()
   loss, sums, grads = _loss_and_grads([], batch)
