@@ -22,7 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxformer.layers.context_parallel import gather_length
+from jaxformer.layers.context_parallel import gather_length, scatter_length
 from jaxformer.layers.positions import PositionBias
 from jaxformer.layers.scores import attention_mask, attention_scores, repeat_kv
 
@@ -110,8 +110,7 @@ def _unblock(spec: _Spec, d_blocks, like):
   d = d.reshape(d.shape[0], -1, *d.shape[3:])
   if not spec.gather_axes:
     return d[:, :like.shape[1]]
-  d = d[:, :like.shape[1] * jax.lax.axis_size(spec.gather_axes)]
-  return jax.lax.psum_scatter(d, spec.gather_axes, scatter_dimension=1, tiled=True)
+  return scatter_length(d[:, :like.shape[1] * jax.lax.axis_size(spec.gather_axes)], spec.gather_axes)
 
 
 def _block_scores(spec: _Spec, q, k_blk, kpos_blk, kvalid_blk, in_range, kseg_blk, q_pos, q_valid, q_seg,

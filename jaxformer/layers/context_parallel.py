@@ -18,11 +18,13 @@ the step was built for (`context_axes`).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxformer import sharding as sh
@@ -30,10 +32,38 @@ from jaxformer import sharding as sh
 
 def gather_length(x: jax.Array | None, axes: Sequence[str]) -> jax.Array | None:
   """All shards of `x` `[batch, length / c, ...]` along the length (dimension 1) over mesh axes
-  `axes`, in order: `[batch, length, ...]` (None stays None). Call inside a map manual over `axes`."""
+  `axes`, in order: `[batch, length, ...]` (None stays None). Call inside a map manual over `axes`.
+  The gradient of a float `x` is `scatter_length` of the gathered array's."""
   if x is None or not axes:
     return x
+  if jnp.issubdtype(x.dtype, jnp.floating):
+    return _gather_float(tuple(axes), x)
   return jax.lax.all_gather(x, tuple(axes), axis=1, tiled=True)
+
+
+def scatter_length(x: jax.Array, axes: Sequence[str]) -> jax.Array:
+  """The transpose of `gather_length`: `x` `[batch, length, ...]` summed over the devices of `axes`
+  and split along the length, `[batch, length / c, ...]` in `x`'s dtype. The sum runs in float32:
+  it adds c partial gradients, and XLA:CPU (JAX 0.10) aborts compiling a bfloat16 reduce-scatter
+  inside a map that is manual over some axes only."""
+  summed = jax.lax.psum_scatter(x.astype(jnp.float32), tuple(axes), scatter_dimension=1, tiled=True)
+  return summed.astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gather_float(axes: tuple[str, ...], x: jax.Array) -> jax.Array:
+  return jax.lax.all_gather(x, axes, axis=1, tiled=True)
+
+
+def _gather_float_fwd(axes, x):
+  return _gather_float(axes, x), None
+
+
+def _gather_float_bwd(axes, _, d):
+  return (scatter_length(d, axes),)
+
+
+_gather_float.defvjp(_gather_float_fwd, _gather_float_bwd)
 
 
 def context_axes(*lengths: int) -> tuple[str, ...]:
