@@ -186,3 +186,31 @@ def test_a_length_that_does_not_split_is_left_to_jit_and_configs_that_cannot_run
     build_mesh(_config("model.attention_dropout_rate=0.1", "mesh.data=1", "mesh.context=8", "train.batch_size=8"))
   with pytest.raises(ConfigError, match=r"mesh.context=8 does not divide the sequence lengths \[12\]"):
     build_mesh(_config("model.kind=decoder_only", "data.max_length=12", "mesh.data=1", "mesh.context=8"))
+
+
+@pytest.mark.slow
+def test_a_decoder_trains_on_a_32k_token_sequence_over_8_devices(tmp_path):
+  """`jaxformer train` on one 32,768-token sequence per step with mesh.context=8 (4,096 tokens per
+  simulated CPU device; RoPE, causal blockwise attention): two steps, the loss finite and falling.
+  A subprocess, so XLA:CPU optimises the program (the suite turns that off to compile faster)."""
+  import json
+  import os
+  import subprocess
+  import sys
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  length = 32768
+  args = ["train", "--config", str(ROOT / "configs/shakespeare_char.yaml"), "--workdir", str(tmp_path / "run"),
+          f"data.data_dir={tmp_path / 'data'}", "model.d_model=16", "model.num_heads=2", "model.d_ff=32",
+          "model.num_decoder_layers=1", "model.position=rope", "model.attention=blockwise",
+          "model.attention_block_size=1024", f"model.max_length={length}", f"data.max_length={length}",
+          "train.batch_size=1", "train.steps_per_call=1", "train.num_steps=2", "train.log_every=1",
+          "train.eval_every=1000", "train.checkpoint_every=1000", "optim.warmup_steps=1", "mesh.data=1",
+          "mesh.context=8", "runtime.num_cpu_devices=8"]
+  result = subprocess.run([sys.executable, "-m", "jaxformer", *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=1200)
+  assert result.returncode == 0, result.stderr[-2000:]
+  rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+  losses = [row["loss"] for row in rows if "loss" in row and row.get("step") in (1, 2)]
+  assert len(losses) == 2 and all(np.isfinite(losses)) and losses[1] < losses[0]
+  assert all(row["padding_fraction"] == 0.0 for row in rows if "loss" in row)   # full 32k-token windows
