@@ -1,0 +1,105 @@
+"""The model section of a run's config (`model.*`): the Transformer's shape and architecture
+options, checked on their own (`ModelConfig.validate`; the checks that need other sections are
+in `model_options.validate_with_data`). `jaxformer.config` re-exports `ModelConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxformer.model_options import ROPE_SCALINGS, validate_architecture
+from jaxformer.remat import POLICY_NAMES as REMAT_POLICIES
+from jaxformer.schema import ConfigError
+from jaxformer.tasks import TASKS
+
+# Valid names of the string-valued model options.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "position": ("sinusoidal", "learned", "rope", "alibi", "t5", "none"),
+    "norm": ("layernorm", "rmsnorm"),
+    "ffn": ("relu", "gelu", "swiglu", "geglu"),
+    "attention": ("dense", "blockwise", "linformer", "fused"),
+    "rope_scaling": ROPE_SCALINGS,
+}
+
+MODEL_KINDS = tuple(TASKS)   # the task registry's model kinds
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Transformer shape (Vaswani et al. 2017, Table 3 names).
+
+  `kind`: encoder_decoder (the paper's translation model), decoder_only (causal LM,
+  `num_decoder_layers` blocks) or encoder_only (BERT-style masked LM, `num_encoder_layers`).
+  """
+  kind: str = "encoder_decoder"  # encoder_decoder (translation) | decoder_only (causal LM) | encoder_only (masked LM)
+  vocab_size: int = 8000        # shared source/target vocabulary, tokens
+  d_model: int = 256           # width of the residual stream and embeddings
+  num_heads: int = 4            # attention heads (d_model / num_heads = head_dim)
+  d_ff: int = 1024              # hidden width of the position-wise feed-forward network
+  num_encoder_layers: int = 3   # encoder blocks (encoder_decoder, encoder_only)
+  num_decoder_layers: int = 3   # decoder blocks (encoder_decoder, decoder_only)
+  dropout_rate: float = 0.1     # residual, embedding (paper section 5.4)
+  attention_dropout_rate: float = 0.0  # dropout on the attention weights
+  pre_norm: bool = False        # paper: post-LN
+  tie_embeddings: bool = True   # one matrix for source, target and output logits
+  max_length: int = 256         # longest sequence the positional table covers, tokens
+  # Compute dtype read by the modules; not a user key: Config sets it from precision.policy.
+  dtype: str = dataclasses.field(default="float32", metadata={
+      "set_by": "precision.policy", "example": "precision.policy=params=float32,compute=bfloat16,output=float32"})
+  # Architecture options beyond the paper (the defaults are the paper's model).
+  position: str = "sinusoidal"  # sinusoidal | learned | rope | alibi | t5 | none
+  relative_buckets: int = 32    # t5: buckets of the shared relative-position bias table
+  relative_max_distance: int = 128  # t5: distance (tokens) from which all keys share the last bucket
+  rope_scaling: str = "none"    # rope past the trained context: none | linear | ntk | yarn
+  rope_scaling_factor: float = 1.0  # rope_scaling: extended / trained context
+  rope_trained_length: int = 0  # yarn: the trained context, tokens; 0 = max_length / rope_scaling_factor
+  norm: str = "layernorm"       # layernorm | rmsnorm
+  ffn: str = "relu"             # relu | gelu | swiglu | geglu
+  num_kv_heads: int = 0         # key/value heads (grouped-query); 0 = num_heads, 1 = multi-query
+  attn_logit_softcap: float = 0.0  # c > 0: attention scores become c * tanh(score / c); 0 = off
+  sliding_window: int = 0       # causal self-attention sees the last w tokens (itself included); 0 = all
+  global_tokens: int = 0        # with sliding_window: positions < N see every key and every query sees them
+  attention: str = "dense"      # dense | blockwise (memory-linear) | linformer (encoder) | fused (jax.nn)
+  linformer_k: int = 64         # linformer: keys/values projected along the sequence to this many rows
+  attention_block_size: int = 128  # blockwise: keys/values per block, tokens
+  remat: str = "none"           # per-block rematerialisation: none | full | save_dots | minimal (remat.py)
+  scan_layers: bool = False     # nn.scan over each layer stack (shorter compile; params get a leading layers axis)
+  num_experts: int = 0          # >0: every FFN becomes a mixture of this many experts (layers/moe.py); 0 = dense
+  experts_per_token: int = 2    # experts each token is routed to (top-k)
+  expert_capacity_factor: float = 1.25  # an expert takes ceil(f * length * k / E) tokens per row; 0 = no limit
+  router_aux_loss: float = 0.01  # weight of the load-balancing loss (Switch Transformer)
+  router_z_loss: float = 0.001  # weight of the router z-loss (ST-MoE)
+
+  def validate(self) -> None:
+    """Raises ConfigError (one line) for an unknown kind, dtype or option, a size <= 0 or a rate outside [0, 1)."""
+    if self.kind not in MODEL_KINDS:
+      raise ConfigError(f"model.kind={self.kind!r} is unknown; use one of {', '.join(MODEL_KINDS)}")
+    if self.d_model % self.num_heads:
+      raise ConfigError(
+          f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}; "
+          f"choose num_heads among {[h for h in range(1, 33) if self.d_model % h == 0]}")
+    for name in ("vocab_size", "d_model", "num_heads", "d_ff", "num_encoder_layers",
+                 "num_decoder_layers", "max_length"):
+      if getattr(self, name) <= 0:
+        raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+    for name in ("dropout_rate", "attention_dropout_rate"):
+      if not 0.0 <= getattr(self, name) < 1.0:
+        raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
+    if self.dtype not in ("float32", "bfloat16", "float16"):
+      raise ConfigError(f"model.dtype={self.dtype!r} is unknown; use float32, bfloat16 or float16")
+    for name, valid in CHOICES.items():
+      if getattr(self, name) not in valid:
+        raise ConfigError(f"model.{name}={getattr(self, name)!r} is unknown; use one of {', '.join(valid)}")
+    validate_architecture(self)
+    if self.remat not in REMAT_POLICIES:
+      raise ConfigError(f"model.remat={self.remat!r} is unknown; use one of {', '.join(REMAT_POLICIES)}")
+
+  @property
+  def head_dim(self) -> int:
+    """`d_model // num_heads`."""
+    return self.d_model // self.num_heads
+
+  @property
+  def kv_heads(self) -> int:
+    """Key/value heads: `num_kv_heads`, or `num_heads` when it is 0."""
+    return self.num_kv_heads or self.num_heads
