@@ -146,18 +146,24 @@ def test_blockwise_equals_dense_forward_and_gradients(case):
                                position_bias=None if slopes is None else (alibi_bias, slopes), softcap=softcap,
                                block_size=4)
 
+  _assert_same_outputs_and_grads(dense, blockwise, q, k, v, d_out)
+
+
+def _assert_same_outputs_and_grads(reference_fn, fn, q, k, v, d_out):
+  """`fn(q, k, v)` and its q/k/v gradients for cotangent `d_out` equal `reference_fn`'s (1e-5),
+  each of them non-trivial."""
   @jax.jit
   def outputs_and_grads(q, k, v, d_out):
     results = []
-    for fn in (dense, blockwise):
-      out, vjp = jax.vjp(fn, q, k, v)
+    for f in (reference_fn, fn):
+      out, vjp = jax.vjp(f, q, k, v)
       results.append((out, *vjp(d_out)))
     return results
 
-  reference, ours = outputs_and_grads(q, k, v, d_out)
-  for name, x_b, x_d in zip(("out", "dq", "dk", "dv"), ours, reference):
-    assert np.abs(np.asarray(x_d)).max() > 1e-2, name
-    np.testing.assert_allclose(np.asarray(x_b), np.asarray(x_d), atol=1e-5, rtol=1e-5, err_msg=name)
+  reference, got = outputs_and_grads(q, k, v, d_out)
+  for name, x, x_ref in zip(("out", "dq", "dk", "dv"), got, reference):
+    assert np.abs(np.asarray(x_ref)).max() > 1e-2, name
+    np.testing.assert_allclose(np.asarray(x), np.asarray(x_ref), atol=1e-5, rtol=1e-5, err_msg=name)
 
 
 FUSED_CASES = {name: c for name, c in BLOCKWISE_CASES.items() if name != "gqa_alibi_softcap"}
@@ -178,19 +184,9 @@ def test_fused_equals_dense_forward_and_gradients(case):
   mask = attention_mask(q_pos, kv_pos, _valid(c["q_valid"], T), _valid(c["kv_valid"], kv_len), causal, window)
   bias = alibi_bias(jnp.asarray(alibi_slopes(N)), q_pos, kv_pos) if c.get("alibi") else None
 
-  @jax.jit
-  def outputs_and_grads(q, k, v, d_out):
-    results = []
-    for fn in (lambda q, k, v: dot_product_attention(q, k, v, mask, bias=bias),
-               lambda q, k, v: fused_attention(q, k, v, mask, bias=bias, is_causal=causal)):
-      out, vjp = jax.vjp(fn, q, k, v)
-      results.append((out, *vjp(d_out)))
-    return results
-
-  reference, fused = outputs_and_grads(q, k, v, d_out)
-  for name, x_f, x_d in zip(("out", "dq", "dk", "dv"), fused, reference):
-    assert np.abs(np.asarray(x_d)).max() > 1e-2, name
-    np.testing.assert_allclose(np.asarray(x_f), np.asarray(x_d), atol=1e-5, rtol=1e-5, err_msg=name)
+  _assert_same_outputs_and_grads(lambda q, k, v: dot_product_attention(q, k, v, mask, bias=bias),
+                                 lambda q, k, v: fused_attention(q, k, v, mask, bias=bias, is_causal=causal),
+                                 q, k, v, d_out)
 
 
 def test_fused_refuses_dropout_and_softcap():
