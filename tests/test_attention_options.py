@@ -123,14 +123,20 @@ BLOCKWISE_CASES = {
 }
 
 
+def _case_inputs(c: dict, seed: int):
+  """(q, k, v, output cotangent, q positions, kv positions) of an attention case: normal draws from
+  keys seed .. seed + 3, `c["kv_len"]` keys of `c.get("kv_heads", N)` heads."""
+  kv_len, kv_heads = c["kv_len"], c.get("kv_heads", N)
+  q = _normal(seed, (B, T, N, H))
+  k, v = _normal(seed + 1, (B, kv_len, kv_heads, H)), _normal(seed + 2, (B, kv_len, kv_heads, H))
+  return q, k, v, _normal(seed + 3, (B, T, N, H)), jnp.arange(T)[None], jnp.arange(kv_len)[None]
+
+
 @pytest.mark.parametrize("case", BLOCKWISE_CASES, ids=list(BLOCKWISE_CASES))
 def test_blockwise_equals_dense_forward_and_gradients(case):
   c = BLOCKWISE_CASES[case]
-  kv_len, kv_heads = c["kv_len"], c.get("kv_heads", N)
-  q = _normal(10, (B, T, N, H))
-  k, v = _normal(11, (B, kv_len, kv_heads, H)), _normal(12, (B, kv_len, kv_heads, H))
-  d_out = _normal(13, (B, T, N, H))
-  q_pos, kv_pos = jnp.arange(T)[None], jnp.arange(kv_len)[None]
+  kv_len = c["kv_len"]
+  q, k, v, d_out, q_pos, kv_pos = _case_inputs(c, 10)
   q_valid, kv_valid = _valid(c["q_valid"], T), _valid(c["kv_valid"], kv_len)
   causal, window, softcap = c.get("causal", False), c.get("sliding_window", 0), c.get("softcap", 0.0)
   slopes = jnp.asarray(alibi_slopes(N)) if c.get("alibi") else None
@@ -175,11 +181,8 @@ def test_fused_equals_dense_forward_and_gradients(case):
   """jax.nn.dot_product_attention (XLA on CPU) against ours: padding with a fully masked row,
   causal (by mask and by `is_causal`), sliding window, grouped-query heads with ALiBi."""
   c = FUSED_CASES[case]
-  kv_len, kv_heads = c["kv_len"], c.get("kv_heads", N)
-  q = _normal(20, (B, T, N, H))
-  k, v = _normal(21, (B, kv_len, kv_heads, H)), _normal(22, (B, kv_len, kv_heads, H))
-  d_out = _normal(23, (B, T, N, H))
-  q_pos, kv_pos = jnp.arange(T)[None], jnp.arange(kv_len)[None]
+  kv_len = c["kv_len"]
+  q, k, v, d_out, q_pos, kv_pos = _case_inputs(c, 20)
   causal, window = c.get("causal", False), c.get("sliding_window", 0)
   mask = attention_mask(q_pos, kv_pos, _valid(c["q_valid"], T), _valid(c["kv_valid"], kv_len), causal, window)
   bias = alibi_bias(jnp.asarray(alibi_slopes(N)), q_pos, kv_pos) if c.get("alibi") else None
