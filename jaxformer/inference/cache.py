@@ -20,7 +20,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxformer.layers.kv_cache import CacheState
+from jaxformer.layers.kv_cache import CacheState, mark_beams
 from jaxformer.models.transformer import PAD_ID
 
 
@@ -77,7 +77,10 @@ def prefill(model: nn.Module, params: Any, cache: KVCache, inputs: jax.Array) ->
 def extend(model: nn.Module, params: Any, cache: KVCache, tokens: jax.Array) -> tuple[jax.Array, KVCache]:
   """Feeds int `[batch, T]` tokens after each row's cached ones (PAD is not fed: idle and
   finished rows pass PAD). Returns float32 logits `[batch, T, vocab_size]` and the cache."""
-  (logits, state), mutated = model.apply({"params": params, "cache": cache.layers}, tokens, cache.state,
+  state = cache.state
+  if state.beam_size > 1:   # grouped beam layout: say where this step's keys go first
+    state = mark_beams(state, tokens[:, 0] != PAD_ID)
+  (logits, state), mutated = model.apply({"params": params, "cache": cache.layers}, tokens, state,
                                          method="extend", mutable=["cache"])
   return logits, KVCache(mutated["cache"], state)
 
@@ -94,38 +97,63 @@ def no_pad(logits: jax.Array) -> jax.Array:
   return logits.at[..., PAD_ID].set(-jnp.inf)
 
 
+def _is_cross(path) -> bool:
+  return any(getattr(p, "key", None) == "cross_attention" for p in path)
+
+
 def repeat_rows(cache: Any, times: int, batch_axis: int = 0) -> Any:
-  """Each row of `cache` repeated `times` times in place (row b -> rows b*times .. b*times +
-  times - 1), e.g. one copy per beam. A `KVCache`'s layer leaves have the batch on
-  `batch_axis`; any other pytree's leaves on axis 0 (scalars are shared by all rows)."""
-  if isinstance(cache, KVCache):
-    return KVCache(jax.tree.map(lambda x: jnp.repeat(x, times, axis=batch_axis), cache.layers),
-                   jax.tree.map(lambda x: jnp.repeat(x, times, axis=0), cache.state))
-  return jax.tree.map(lambda x: jnp.repeat(x, times, axis=0) if x.ndim else x, cache)
+  """`cache` with `times` decode rows per row (row b -> rows b*times .. b*times + times - 1),
+  e.g. one per beam.
+
+  A contiguous `KVCache` takes the grouped beam layout (`layers.kv_cache`): its storage keeps
+  one row per input row, whose self-attention positions grow `times`-fold (beam slot 0 holds
+  what is cached so far, and every beam's `beam_origin` points there); the state gets a row
+  per beam. The layer leaves have the batch on `batch_axis`. Any other pytree's leaves are
+  repeated on axis 0 (scalars are shared by all rows).
+
+  Raises:
+    ValueError: a paged `KVCache` (beam search decodes on a contiguous cache).
+  """
+  if not isinstance(cache, KVCache):
+    return jax.tree.map(lambda x: jnp.repeat(x, times, axis=0) if x.ndim else x, cache)
+  state = cache.state
+  if state.paged:
+    raise ValueError("beam search needs a contiguous KV cache (cache.contiguous_cache), not a paged one")
+
+  def layer(path, x):
+    if _is_cross(path):
+      return x
+    pad = [(0, 0)] * x.ndim
+    pad[batch_axis + 2] = (0, (times - 1) * state.capacity)    # [.., batch, heads, positions, head_dim]
+    return jnp.pad(x, pad)
+  rows = jax.tree.map(lambda x: jnp.repeat(x, times, axis=0), state)
+  rows = rows.replace(beam_origin=jnp.zeros((state.lengths.shape[0] * times, state.capacity), jnp.int32),
+                      beam_size=times)
+  return KVCache(jax.tree_util.tree_map_with_path(layer, cache.layers), rows)
 
 
-def reorder_beams(cache: Any, parent: jax.Array, batch_axis: int = 0) -> Any:
+def reorder_beams(cache: Any, parent: jax.Array) -> Any:
   """The cache whose beam k of sentence b is beam `parent[b, k]` (int `[batch, beam]`) of
   the same sentence, for a cache of `batch * beam` rows (row b * beam + k). Gathers inside
   each sentence, so with the batch sharded by whole sentences it stays on its device.
 
-  A `KVCache` keeps its cross-attention keys/values as they are: the beams of a sentence
-  share its source, so they are equal already. Other pytrees: leaves on axis 0 (scalars shared).
+  A `KVCache` (grouped beam layout, from `repeat_rows`) reorders only its state: the lengths
+  and each row's `beam_origin`, so no key or value moves. Other pytrees: leaves on axis 0
+  (scalars shared).
+
+  Raises:
+    ValueError: a `KVCache` not in the grouped beam layout.
   """
   batch, beam = parent.shape
 
-  def gather(x, axis):
-    x = x.reshape(x.shape[:axis] + (batch, beam) + x.shape[axis + 1:])
-    idx = parent.reshape((1,) * axis + (batch, beam) + (1,) * (x.ndim - axis - 2))
-    x = jnp.take_along_axis(x, idx, axis=axis + 1)
-    return x.reshape(x.shape[:axis] + (batch * beam,) + x.shape[axis + 2:])
+  def gather(x):
+    x = x.reshape((batch, beam) + x.shape[1:])
+    x = jnp.take_along_axis(x, parent.reshape((batch, beam) + (1,) * (x.ndim - 2)), axis=1)
+    return x.reshape((batch * beam,) + x.shape[2:])
 
   if not isinstance(cache, KVCache):
-    return jax.tree.map(lambda x: gather(x, 0) if x.ndim else x, cache)
-
-  def layer(path, x):
-    if any(getattr(p, "key", None) == "cross_attention" for p in path):
-      return x
-    return gather(x, batch_axis)
-  return KVCache(jax.tree_util.tree_map_with_path(layer, cache.layers),
-                 jax.tree.map(lambda x: gather(x, 0), cache.state))
+    return jax.tree.map(lambda x: gather(x) if x.ndim else x, cache)
+  if cache.state.beam_size != beam:
+    raise ValueError(f"reorder_beams needs a cache with {beam} beams per row (cache.repeat_rows), "
+                     f"got beam_size={cache.state.beam_size}")
+  return KVCache(cache.layers, jax.tree.map(gather, cache.state))

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.inference import cache as kv
+from jaxformer.inference import topk
 from jaxformer.inference.pages import PageAllocator
 from jaxformer.inference.quantize import dequantize_params
 from jaxformer.inference.search import (
@@ -142,7 +143,7 @@ class Engine:
   @staticmethod
   def _choose(logits, keys, index, sampling, temperature, top_k, top_p):
     logits = kv.no_pad(logits)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = topk.argmax(logits)
     return jax.lax.cond(jnp.any(sampling),
                         lambda: jnp.where(sampling, sample_tokens(logits, keys, index, temperature, top_k, top_p),
                                           greedy),

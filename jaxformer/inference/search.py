@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxformer.inference import topk
 from jaxformer.inference.cache import reorder_beams, repeat_rows
 from jaxformer.models.transformer import PAD_ID
 
@@ -127,9 +128,11 @@ class Strategy(NamedTuple):
 
 def decode_loop(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, strategy: Strategy,
                 max_decode_len: int, cache_batch_axis: int = 0) -> Any:
-  """Runs `strategy` for at most `max_decode_len` steps or until it is done; returns its final state.
+  """Runs `strategy` for at most `max_decode_len` tokens or until it is done; returns its final state.
 
-  The cache is repeated per beam first and, when a step returns parents, reordered
+  Token 0 comes from `init_logits`; each loop step feeds the last tokens to `logits_fn` and
+  picks the next ones, so `max_decode_len` tokens take `max_decode_len - 1` model calls. The
+  cache is repeated per beam first and, when a step returns parents, reordered
   (`cache.reorder_beams`) before the chosen tokens are fed.
   """
   k = strategy.rows_per_input
@@ -137,21 +140,21 @@ def decode_loop(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, strateg
     cache = repeat_rows(cache, k, cache_batch_axis)
 
   def cond(carry):
-    i, _, _, state = carry
+    i, _, _, _, state = carry
     return (i < max_decode_len) & ~strategy.done(state)
 
   def body(carry):
-    i, cache, logits, state = carry
-    state, tokens, parent = strategy.step(state, logits, i)
+    i, cache, tokens, parent, state = carry
     if parent is not None:
-      cache = reorder_beams(cache, parent, cache_batch_axis)
-    logits, cache = logits_fn(tokens, cache, i + 1)
-    return i + 1, cache, logits.astype(jnp.float32), state
+      cache = reorder_beams(cache, parent)
+    logits, cache = logits_fn(tokens, cache, i)
+    state, tokens, parent = strategy.step(state, logits.astype(jnp.float32), i)
+    return i + 1, cache, tokens, parent, state
 
   init_logits = init_logits.astype(jnp.float32)
   rows_logits = jnp.repeat(init_logits, k, axis=0) if k > 1 else init_logits
-  init = (jnp.array(0, jnp.int32), cache, rows_logits, strategy.init(init_logits))
-  return jax.lax.while_loop(cond, body, init)[3]
+  state, tokens, parent = strategy.step(strategy.init(init_logits), rows_logits, 0)
+  return jax.lax.while_loop(cond, body, (jnp.array(1, jnp.int32), cache, tokens, parent, state))[4]
 
 
 def token_strategy(choose: Callable[[jax.Array, jax.Array], jax.Array], max_decode_len: int,
@@ -172,7 +175,7 @@ def token_strategy(choose: Callable[[jax.Array, jax.Array], jax.Array], max_deco
 
 def greedy_strategy(max_decode_len: int, eos_id: int = EOS_ID) -> Strategy:
   """Greedy search: the highest-scoring token at every step."""
-  return token_strategy(lambda logits, i: jnp.argmax(logits, axis=-1), max_decode_len, eos_id)
+  return token_strategy(lambda logits, i: topk.argmax(logits), max_decode_len, eos_id)
 
 
 def sample_strategy(row_keys: jax.Array, max_decode_len: int, temperature: float = 1.0, top_k: int = 0,
@@ -190,6 +193,13 @@ class BeamState(NamedTuple):
   fin_seqs: jax.Array     # int32 [batch, beam, L]
   fin_scores: jax.Array   # float32 [batch, beam]
   done: jax.Array         # bool [batch]
+
+
+def _logsumexp(logits: jax.Array, row_max: jax.Array) -> jax.Array:
+  """log sum exp of float32 `[rows, vocab]` logits given their `[rows, 1]` maxima (known from the
+  top-k, so no second pass finds them); `[rows, 1]`."""
+  shift = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  return shift + jnp.log(jnp.sum(jnp.exp(logits - shift), axis=-1, keepdims=True))
 
 
 def _take(x, idx):  # x [B, M, ...] gathered at idx [B, K'] along axis 1
@@ -234,8 +244,8 @@ def beam_strategy(beam_size: int, max_decode_len: int, alpha: float = LENGTH_PEN
     # those first, so no [batch, K * vocab] array of log-probs is built.
     per_beam = min(2 * k, vocab)
     logits = logits.astype(jnp.float32)
-    top_logit, top_tok = jax.lax.top_k(logits, per_beam)                      # [B*K, P]
-    top_logp = top_logit - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    top_logit, top_tok = topk.top_k(logits, per_beam)                         # [B*K, P]
+    top_logp = top_logit - _logsumexp(logits, top_logit[:, :1])
     flat = (s.live_logp.reshape(-1, 1) + top_logp).reshape(batch, k * per_beam)
     cand_logp, cand_idx = jax.lax.top_k(flat, 2 * k)                         # [B, 2K]
     cand_beam = cand_idx // per_beam

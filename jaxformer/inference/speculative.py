@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.inference import cache as kv
+from jaxformer.inference import topk
 from jaxformer.inference.quantize import dequantize_params
 from jaxformer.inference.search import EOS_ID
 from jaxformer.models.transformer import PAD_ID
@@ -78,16 +79,16 @@ def speculative_greedy(target: nn.Module, target_params: Any, draft: nn.Module, 
     # Draft: catch up on the kept tokens it has not seen, then propose k tokens greedily.
     catch_up = jnp.where(live[:, None], catch_up, PAD_ID)
     logits, dcache = kv.extend(draft, draft_params, dcache, catch_up)
-    proposal = [jnp.argmax(kv.no_pad(_last_valid(logits, catch_up)), axis=-1).astype(jnp.int32)]
+    proposal = [topk.argmax(kv.no_pad(_last_valid(logits, catch_up)))]
     for _ in range(k - 1):
       logits, dcache = kv.step(draft, draft_params, dcache, jnp.where(live, proposal[-1], PAD_ID))
-      proposal.append(jnp.argmax(kv.no_pad(logits), axis=-1).astype(jnp.int32))
+      proposal.append(topk.argmax(kv.no_pad(logits)))
     proposal = jnp.stack(proposal, axis=1)                                            # [B, k]
     # Target: score the pending token and the k proposals in one pass.
     fed = jnp.where(live[:, None], jnp.concatenate([pending[:, None], proposal], axis=1), PAD_ID)
     t_lengths = tcache.state.lengths
     logits, tcache = kv.extend(target, target_params, tcache, fed)
-    greedy = jnp.argmax(kv.no_pad(logits), axis=-1).astype(jnp.int32)               # [B, k + 1]
+    greedy = topk.argmax(kv.no_pad(logits))                                         # [B, k + 1]
     n = jnp.sum(jnp.cumprod(proposal == greedy[:, :k], axis=1), axis=1)              # accepted proposals
     n = jnp.where(live, n, 0)
     # Kept: greedy[0..n] (the accepted proposals equal the target's argmax, then its own token).

@@ -348,11 +348,22 @@ class MultiHeadAttention(nn.Module):
           store.value = kvc.write(store.value, new, src_pos, src_valid, state.source_page_table, state.page_size)
       k_all = kvc.read(self.get_variable("cache", "key"), state.source_page_table)
       v_all = kvc.read(self.get_variable("cache", "value"), state.source_page_table)
+      if state.beam_size > 1:
+        return kvc.beam_attention(q, k_all, v_all, state, None, softcap=self.softcap)
       return kvc.cached_attention(q, k_all, v_all, q_pos, state.source_lengths, causal=False, softcap=self.softcap)
     k, v = _project(x, wk), _project(x, wv)                             # [B, T, K, H]
     if self.position == "rope":
       q, k = apply_rope(q, q_pos, scaling=self.rope_scaling), apply_rope(k, q_pos, scaling=self.rope_scaling)
     valid = jnp.ones((batch, t), bool) if q_valid is None else q_valid
+    opts = dict(causal=self.causal, sliding_window=self.sliding_window, global_tokens=self.global_tokens,
+                position_bias=bias, softcap=self.softcap)
+    if state.beam_size > 1:
+      stored = []
+      for name, new in (("key", k), ("value", v)):
+        store = self.variable("cache", name)
+        store.value = kvc.write_beams(store.value, new, state, valid)
+        stored.append(store.value)
+      return kvc.beam_attention(q, *stored, state, valid, **opts)
     shape = kvc.storage_shape(state, batch, state.capacity, kh, h)
     stored = []
     for name, new in (("key", k), ("value", v)):
@@ -360,6 +371,4 @@ class MultiHeadAttention(nn.Module):
       store.value = kvc.write(store.value, new, q_pos, valid, state.page_table, state.page_size)
       stored.append(kvc.read(store.value, state.page_table))
     kv_lengths = state.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)
-    return kvc.cached_attention(q, *stored, q_pos, kv_lengths, causal=self.causal,
-                                sliding_window=self.sliding_window, global_tokens=self.global_tokens,
-                                position_bias=bias, softcap=self.softcap)
+    return kvc.cached_attention(q, *stored, q_pos, kv_lengths, **opts)

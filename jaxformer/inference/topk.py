@@ -1,0 +1,76 @@
+"""Exact argmax and top-k over the vocabulary, built from single-operand reductions.
+
+Decoding picks tokens from `[rows, vocab]` logits every step. XLA:CPU runs `jnp.argmax` as a
+two-operand (value, index) reduction that it does not vectorise, and `lax.top_k` as a
+per-row partial sort; at batch 32 and an 8,000-token vocabulary those took about 0.8 ms
+and (beam 4, 128 rows) 1.2 ms of a 5-20 ms decode step. The functions here give the same
+results from max/min reductions, which XLA vectorises:
+
+  * `argmax`: the row maximum, then the lowest index holding it;
+  * `top_k`: the vocabulary split into blocks of `BLOCK` ids; the k blocks with the largest
+    maxima hold the k largest logits (a block outside them has k blocks whose maxima beat
+    its own, so k larger logits), so one small top-k over the block maxima and one over
+    those k blocks' logits replace the top-k over the whole row. Both small top-k's are k
+    rounds of (maximum, its lowest index, knocked out): XLA:CPU turns a top-k over a few
+    hundred values into a full comparator sort, about 60 us a row.
+
+Ties go to the lower token id in both, as in `jnp.argmax` and `lax.top_k`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+BLOCK = 64   # token ids per block of `top_k`
+MAX_K = 16   # `top_k` by rounds of max up to this k; XLA's own top-k above it
+
+
+def argmax(logits: jax.Array) -> jax.Array:
+  """int32 `[...]`: the index of the largest of float `[..., vocab]` logits, the lowest on
+  ties (as `jnp.argmax`); a row without a finite maximum (all NaN) gives 0."""
+  vocab = logits.shape[-1]
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  ids = jnp.arange(vocab, dtype=jnp.int32)
+  first = jnp.min(jnp.where(logits == top, ids, vocab), axis=-1)
+  return jnp.where(first < vocab, first, 0).astype(jnp.int32)
+
+
+def _extract(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """`top_k` of float `[rows, n]` by k rounds of (maximum, its lowest index, knocked out)."""
+  n = x.shape[-1]
+  ids = jnp.arange(n, dtype=jnp.int32)
+  values, where = [], []
+  for _ in range(k):
+    top = jnp.max(x, axis=-1, keepdims=True)
+    first = jnp.min(jnp.where(x == top, ids, n), axis=-1, keepdims=True)
+    first = jnp.where(first < n, first, 0)   # a row of NaNs: any index
+    values.append(top)
+    where.append(first)
+    x = jnp.where(ids == first, -jnp.inf, x)
+  return jnp.concatenate(values, axis=-1), jnp.concatenate(where, axis=-1)
+
+
+def top_k(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """(values float `[rows, k]`, ids int32 `[rows, k]`): the k largest of float `[rows, vocab]`
+  logits in descending order, ties to the lower id, as `lax.top_k`.
+
+  Raises:
+    ValueError: k < 1 or k > vocab.
+  """
+  rows, vocab = logits.shape
+  if not 1 <= k <= vocab:
+    raise ValueError(f"top_k needs 1 <= k <= vocab={vocab}, got k={k}")
+  blocks = -(-vocab // BLOCK)
+  if k > MAX_K or blocks <= k:   # many rounds, or too few blocks to skip any: XLA's own
+    values, ids = jax.lax.top_k(logits, k)
+    return values, ids.astype(jnp.int32)
+  padded = logits
+  if blocks * BLOCK != vocab:   # pad the last block with -inf (never chosen over a real id)
+    padded = jnp.pad(logits, ((0, 0), (0, blocks * BLOCK - vocab)), constant_values=-jnp.inf)
+  padded = padded.reshape(rows, blocks, BLOCK)
+  best_blocks = jnp.sort(_extract(jnp.max(padded, axis=-1), k)[1], axis=-1)  # [rows, k], in id order
+  chosen = jnp.take_along_axis(padded, best_blocks[:, :, None], axis=1)       # [rows, k, BLOCK]
+  values, where = _extract(chosen.reshape(rows, k * BLOCK), k)
+  ids = jnp.take_along_axis(best_blocks, where // BLOCK, axis=1) * BLOCK + where % BLOCK
+  return values, ids.astype(jnp.int32)
