@@ -3,18 +3,17 @@
 Decoding picks tokens from `[rows, vocab]` logits every step. XLA:CPU runs `jnp.argmax` as a
 two-operand (value, index) reduction that it does not vectorise, and `lax.top_k` as a
 per-row partial sort; at batch 32 and an 8,000-token vocabulary those took about 0.8 ms
-and (beam 4, 128 rows) 1.2 ms of a 5-20 ms decode step. The functions here give the same
-results from max/min reductions, which XLA vectorises:
+and (beam 4, 128 rows) 1.2 ms of a 5-20 ms decode step. `top_k` (and `argmax`, its k = 1)
+gives the same results from max/min reductions, which XLA vectorises:
 
-  * `argmax`: the row maximum, then the lowest index holding it;
-  * `top_k`: the vocabulary split into blocks of `BLOCK` ids; the k blocks with the largest
-    maxima hold the k largest logits (a block outside them has k blocks whose maxima beat
-    its own, so k larger logits), so one small top-k over the block maxima and one over
-    those k blocks' logits replace the top-k over the whole row. Both small top-k's are k
-    rounds of (maximum, its lowest index, knocked out): XLA:CPU turns a top-k over a few
-    hundred values into a full comparator sort, about 60 us a row.
+  * the vocabulary is split into blocks of `BLOCK` ids. The k blocks with the largest maxima
+    hold the k largest logits: a block outside them has k blocks whose maxima beat its own,
+    so k larger logits. One small top-k over the block maxima and one over those k blocks'
+    logits replace the top-k over the whole row;
+  * each small top-k is k rounds of (maximum, its lowest index, knocked out): XLA:CPU turns
+    a top-k over a few hundred values into a full comparator sort, about 60 us a row.
 
-Ties go to the lower token id in both, as in `jnp.argmax` and `lax.top_k`.
+Ties go to the lower token id, as in `jnp.argmax` and `lax.top_k`.
 """
 
 from __future__ import annotations
@@ -28,12 +27,9 @@ MAX_K = 16   # `top_k` by rounds of max up to this k; XLA's own top-k above it
 
 def argmax(logits: jax.Array) -> jax.Array:
   """int32 `[...]`: the index of the largest of float `[..., vocab]` logits, the lowest on
-  ties (as `jnp.argmax`); a row without a finite maximum (all NaN) gives 0."""
+  ties (as `jnp.argmax`); `top_k` with k = 1."""
   vocab = logits.shape[-1]
-  top = jnp.max(logits, axis=-1, keepdims=True)
-  ids = jnp.arange(vocab, dtype=jnp.int32)
-  first = jnp.min(jnp.where(logits == top, ids, vocab), axis=-1)
-  return jnp.where(first < vocab, first, 0).astype(jnp.int32)
+  return top_k(logits.reshape(-1, vocab), 1)[1].reshape(logits.shape[:-1])
 
 
 def _extract(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

@@ -1,0 +1,47 @@
+"""jaxformer.inference.topk: argmax and top-k from reductions equal `jnp.argmax` / `lax.top_k`,
+ties (lowest id first), -inf and padding of a vocabulary that is not a multiple of the block."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer.inference import topk
+
+
+def _logits(rows, vocab, seed):
+  """Random float32 `[rows, vocab]` with repeated values (ties), -inf entries, one constant row
+  and one row whose maximum sits in two blocks."""
+  rng = np.random.default_rng(seed)
+  x = rng.integers(-40, 40, (rows, vocab)).astype(np.float32) / 4   # coarse grid: many ties
+  x[0] = 1.5                                                        # every id ties
+  x[1, :: max(vocab // 7, 1)] = -np.inf
+  x[2, [3, vocab - 1]] = 100.0                                      # the max in the first and last block
+  return jnp.asarray(x)
+
+
+@pytest.mark.parametrize("vocab", [8000, 130, 64, 37])
+@pytest.mark.parametrize("k", [1, 2, 8, 20])
+def test_top_k_equals_lax_top_k(vocab, k):
+  if k > vocab:
+    pytest.skip("k > vocab")
+  logits = _logits(6, vocab, seed=vocab + k)
+  values, ids = jax.jit(topk.top_k, static_argnums=1)(logits, k)
+  want_values, want_ids = jax.lax.top_k(logits, k)
+  np.testing.assert_array_equal(values, want_values)
+  np.testing.assert_array_equal(ids, want_ids)
+  assert ids.dtype == jnp.int32
+
+
+@pytest.mark.parametrize("vocab", [8000, 100])
+def test_argmax_equals_jnp_argmax_on_any_leading_shape(vocab):
+  logits = _logits(12, vocab, seed=vocab).reshape(3, 4, vocab)
+  got = jax.jit(topk.argmax)(logits)
+  np.testing.assert_array_equal(got, jnp.argmax(logits, axis=-1))
+  assert got.shape == (3, 4) and got.dtype == jnp.int32
+  assert int(got[0, 0]) == 0   # a constant row: the lowest id
+
+
+def test_top_k_refuses_k_outside_the_vocabulary():
+  with pytest.raises(ValueError, match="1 <= k <= vocab"):
+    topk.top_k(jnp.zeros((2, 5)), 6)
