@@ -64,7 +64,7 @@ def start(model: nn.Module, params: Any, inputs: jax.Array, max_decode_len: int)
   `[batch, vocab]`, cache, `LogitsFn` of one cached step), PAD excluded (`cache.no_pad`).
 
   The cache holds just what `max_decode_len` generated tokens need (the last one is never
-  read), so attention and beam reordering touch no unused slots. int8 params
+  read), so attention touches no unused slots. int8 params
   (`inference.quantize`) are dequantized here, inside the caller's jit."""
   params = dequantize_params(params)
   capacity = max_decode_len + (0 if model.ENCODES_SOURCE else inputs.shape[1])   # + BOS, - the unread last token

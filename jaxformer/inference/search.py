@@ -133,7 +133,8 @@ def decode_loop(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, strateg
   Token 0 comes from `init_logits`; each loop step feeds the last tokens to `logits_fn` and
   picks the next ones, so `max_decode_len` tokens take `max_decode_len - 1` model calls. The
   cache is repeated per beam first and, when a step returns parents, reordered
-  (`cache.reorder_beams`) before the chosen tokens are fed.
+  (`cache.reorder_beams`: for a `KVCache`, only its per-row bookkeeping) before the chosen
+  tokens are fed.
   """
   k = strategy.rows_per_input
   if k > 1:
