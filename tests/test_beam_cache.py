@@ -13,7 +13,7 @@ import pytest
 from jaxformer.config import ModelConfig
 from jaxformer.evaluate import hypothesis_scores
 from jaxformer.inference.decode import beam_search
-from jaxformer.inference.search import EOS_ID, length_penalty
+from jaxformer.inference.search import EOS_ID, beam_strategy, length_penalty
 from jaxformer.layers import kv_cache as kvc
 from jaxformer.layers.positions import alibi_bias, alibi_slopes
 from jaxformer.models.decoder_only import DecoderOnly
@@ -81,7 +81,12 @@ def _lm_rescore(model, params, prompts, prompt_lengths, tokens, alpha):
                    / float(length_penalty(n, alpha)) for r, n in enumerate(lengths)])
 
 
-@pytest.mark.parametrize("options", DECODER_CASES.values(), ids=DECODER_CASES.keys())
+FAST_CASES = ("rope-mqa-window3",)   # the rest run with the slow tests
+
+
+@pytest.mark.parametrize("options", [
+    pytest.param(options, id=name, marks=() if name in FAST_CASES else pytest.mark.slow)
+    for name, options in DECODER_CASES.items()])
 def test_decoder_only_beam_scores_equal_teacher_forcing(options):
   """Prompts of different lengths (PAD padded), beam 3: each returned hypothesis's reported
   score is its teacher-forced score, which fails if any beam attended to another's keys."""
@@ -106,3 +111,18 @@ def test_encoder_decoder_gqa_rope_beam_scores_equal_teacher_forcing():
   tokens, scores = jax.jit(lambda p, x: beam_search(model, p, x, 4, 10, 0.6))(params, src)
   want = jax.jit(lambda p, x, t: hypothesis_scores(model, p, x, t, 0.6))(params, src, tokens)
   np.testing.assert_allclose(scores, want, atol=1e-4, rtol=0)
+
+
+def test_every_live_beam_feeds_a_token_with_more_beams_than_finite_candidates():
+  """Two finite tokens and 4 beams: beam search fills two beams with -inf candidates (whose
+  token is PAD, the lowest -inf id). They still feed a token, so the beams of a sentence stay
+  the same length, which the grouped cache needs; a finished sentence feeds PAD."""
+  logits = np.full((2, 12), -np.inf, np.float32)
+  logits[:, [5, 9]] = [1.0, 2.0]
+  strategy = beam_strategy(4, 6)
+  state = strategy.init(jnp.asarray(logits))
+  state = state._replace(done=jnp.array([False, True]))
+  _, tokens, _ = strategy.step(state, jnp.asarray(np.repeat(logits, 4, axis=0)), 0)
+  tokens = np.asarray(tokens).reshape(2, 4)
+  assert (tokens[0] != PAD_ID).all() and sorted(tokens[0][:2]) == [5, 9]
+  np.testing.assert_array_equal(tokens[1], [PAD_ID] * 4)

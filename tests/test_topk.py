@@ -45,3 +45,20 @@ def test_argmax_equals_jnp_argmax_on_any_leading_shape(vocab):
 def test_top_k_refuses_k_outside_the_vocabulary():
   with pytest.raises(ValueError, match="1 <= k <= vocab"):
     topk.top_k(jnp.zeros((2, 5)), 6)
+
+
+def test_rows_with_fewer_finite_logits_than_k_and_nan_rows():
+  """-inf entries come back in id order after the finite ones, each id once; NaN ranks first
+  (both as in lax.top_k / jnp.argmax)."""
+  x = np.full((4, 8000), -np.inf, np.float32)
+  x[0, :10] = np.arange(10)          # 10 finite values
+  x[1, 5] = 5.0                      # one finite value
+  x[2, [7, 4000]] = np.nan           # NaNs among -inf
+  x[3] = np.arange(8000) / 8000
+  x[3, [9, 6000]] = np.nan           # NaNs among numbers
+  x = jnp.asarray(x)
+  values, ids = jax.jit(topk.top_k, static_argnums=1)(x, 12)
+  want_values, want_ids = jax.lax.top_k(x, 12)
+  np.testing.assert_array_equal(ids, want_ids)
+  np.testing.assert_array_equal(values, want_values)   # NaN == NaN in assert_array_equal
+  np.testing.assert_array_equal(jax.jit(topk.argmax)(x), jnp.argmax(x, axis=-1))

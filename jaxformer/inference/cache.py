@@ -2,8 +2,9 @@
 
 A `KVCache` is the model's "cache" collection (each attention layer's key/value storage,
 see `layers.kv_cache`) together with a `CacheState` (per-row lengths, and page tables when
-paged). Nothing is shared between rows: there is no global cache index, so rows may hold
-different numbers of tokens and any subset of rows can advance.
+paged). There is no global cache index: rows may hold different numbers of tokens and any
+subset of rows can advance. The one exception is beam search's grouped layout
+(`repeat_rows`), where a sentence's beams share its storage and advance together.
 
 Every model kind that decodes has two methods (`models.transformer.EncoderDecoder`,
 `models.decoder_only.DecoderOnly`): `prefill(inputs, state)` (the source, or the prompt)
@@ -29,8 +30,10 @@ class KVCache:
   """Keys/values of every attention layer (`layers`, the linen "cache" collection) and the
   rows' bookkeeping (`state`). Contiguous self-attention leaves are `[batch, num_kv_heads,
   capacity, head_dim]`, cross-attention leaves `[batch, num_kv_heads, src_len, head_dim]`,
-  paged ones `[num_pages, num_kv_heads, page_size, head_dim]`; under `model.scan_layers`
-  every leaf has a leading `[num_layers]` axis."""
+  paged ones `[num_pages, num_kv_heads, page_size, head_dim]`. In beam search's grouped
+  layout (`repeat_rows`) batch counts sentences, self-attention leaves hold `beam_size *
+  capacity` tokens and the state has a row per beam. Under `model.scan_layers` every leaf has
+  a leading `[num_layers]` axis."""
   layers: Any
   state: CacheState
 
@@ -93,8 +96,9 @@ def step(model: nn.Module, params: Any, cache: KVCache, tokens: jax.Array) -> tu
 
 def no_pad(logits: jax.Array) -> jax.Array:
   """Next-token logits `[..., vocab]` with PAD at -inf: PAD is never a target, and feeding it
-  means "no token" to the cache, so decoding never emits it."""
-  return logits.at[..., PAD_ID].set(-jnp.inf)
+  means "no token" to the cache, so decoding never emits it. A select rather than an in-place
+  update, so XLA fuses it into whatever reads the logits instead of copying them."""
+  return jnp.where(jnp.arange(logits.shape[-1]) == PAD_ID, -jnp.inf, logits)
 
 
 def _is_cross(path) -> bool:

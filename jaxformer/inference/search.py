@@ -271,7 +271,10 @@ def beam_strategy(beam_size: int, max_decode_len: int, alpha: float = LENGTH_PEN
                     jnp.where(keep[..., None], s.fin_seqs, fin_seqs),
                     jnp.where(keep, s.fin_scores, fin_scores), s.done)
     parent = jnp.where(keep, jnp.arange(k, dtype=parent.dtype), parent)
-    tokens = jnp.where(keep, PAD_ID, tokens)
+    # A live beam holds PAD only as a -inf candidate (fewer finite candidates than beams); it
+    # still feeds a token (id 1), so all beams of a sentence stay the same length, which the
+    # grouped beam cache needs (`layers.kv_cache`). Its score stays -inf.
+    tokens = jnp.where(keep, PAD_ID, jnp.where(tokens == PAD_ID, PAD_ID + 1, tokens))
     done = new.done | (new.fin_scores.max(axis=1) >= new.live_logp.max(axis=1) / best_possible_lp)
     return new._replace(done=done), tokens.reshape(-1), parent
 

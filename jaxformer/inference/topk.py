@@ -13,7 +13,9 @@ gives the same results from max/min reductions, which XLA vectorises:
   * each small top-k is k rounds of (maximum, its lowest index, knocked out): XLA:CPU turns
     a top-k over a few hundred values into a full comparator sort, about 60 us a row.
 
-Ties go to the lower token id, as in `jnp.argmax` and `lax.top_k`.
+Ties go to the lower token id, as in `jnp.argmax` and `lax.top_k`, and a row with fewer than
+k finite logits gets its -inf ids in id order. NaN ranks as +inf (first, unless the row also
+holds +inf at a lower id).
 """
 
 from __future__ import annotations
@@ -33,17 +35,19 @@ def argmax(logits: jax.Array) -> jax.Array:
 
 
 def _extract(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-  """`top_k` of float `[rows, n]` by k rounds of (maximum, its lowest index, knocked out)."""
+  """`top_k` of float `[rows, n]` without NaN by k rounds of (maximum, its lowest index, taken
+  out). Taken entries are tracked apart from the values, so a row's -inf entries come back in
+  id order after its finite ones, never the same id twice."""
   n = x.shape[-1]
   ids = jnp.arange(n, dtype=jnp.int32)
+  taken = jnp.zeros(x.shape, bool)
   values, where = [], []
   for _ in range(k):
-    top = jnp.max(x, axis=-1, keepdims=True)
-    first = jnp.min(jnp.where(x == top, ids, n), axis=-1, keepdims=True)
-    first = jnp.where(first < n, first, 0)   # a row of NaNs: any index
+    top = jnp.max(jnp.where(taken, -jnp.inf, x), axis=-1, keepdims=True)
+    first = jnp.min(jnp.where(~taken & (x == top), ids, n), axis=-1, keepdims=True)   # < n: `top` is untaken
     values.append(top)
     where.append(first)
-    x = jnp.where(ids == first, -jnp.inf, x)
+    taken = taken | (ids == first)
   return jnp.concatenate(values, axis=-1), jnp.concatenate(where, axis=-1)
 
 
@@ -61,12 +65,14 @@ def top_k(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   if k > MAX_K or blocks <= k:   # many rounds, or too few blocks to skip any: XLA's own
     values, ids = jax.lax.top_k(logits, k)
     return values, ids.astype(jnp.int32)
-  padded = logits
+  # XLA:CPU's max does not reliably propagate NaN: rank NaN as +inf (ties to the lower id), and
+  # report the logits themselves.
+  padded = jnp.where(jnp.isnan(logits), jnp.inf, logits)
   if blocks * BLOCK != vocab:   # pad the last block with -inf (never chosen over a real id)
-    padded = jnp.pad(logits, ((0, 0), (0, blocks * BLOCK - vocab)), constant_values=-jnp.inf)
+    padded = jnp.pad(padded, ((0, 0), (0, blocks * BLOCK - vocab)), constant_values=-jnp.inf)
   padded = padded.reshape(rows, blocks, BLOCK)
   best_blocks = jnp.sort(_extract(jnp.max(padded, axis=-1), k)[1], axis=-1)  # [rows, k], in id order
   chosen = jnp.take_along_axis(padded, best_blocks[:, :, None], axis=1)       # [rows, k, BLOCK]
-  values, where = _extract(chosen.reshape(rows, k * BLOCK), k)
+  where = _extract(chosen.reshape(rows, k * BLOCK), k)[1]
   ids = jnp.take_along_axis(best_blocks, where // BLOCK, axis=1) * BLOCK + where % BLOCK
-  return values, ids.astype(jnp.int32)
+  return jnp.take_along_axis(logits, ids, axis=1), ids.astype(jnp.int32)

@@ -249,7 +249,9 @@ class MultiHeadAttention(nn.Module):
                            kv_segment_ids, positions, dropout_rng)
     out = checkpoint_name(out, remat.ATTENTION_OUT)
     b, t = out.shape[:2]  # out: [B, T, N, H]
-    return jnp.einsum("mnh,nhd->md", out.reshape(b * t, n, h), wo).reshape(b, t, d_model)
+    # One contracting axis (heads x head_dim): with two, XLA:CPU transposed the cached decode
+    # step's attention output and the weight to head_dim-major every step.
+    return jnp.dot(out.reshape(b * t, n * h), wo.reshape(n * h, d_model)).reshape(b, t, d_model)
 
   def _position_bias(self, bias_table):
     """The self-attention score bias as `positions.PositionBias`, or None."""

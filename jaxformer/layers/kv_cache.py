@@ -22,7 +22,9 @@ copies that row of the (small, int) table instead of the keys. Attention then sc
 row's query against all slots of its sentence and masks every slot but the recorded one
 (`beam_attention`): beam_size times the (small) score FLOPs, against copying every
 self-attention key and value of every beam each step. Cross-attention storage has one row
-per sentence, shared by its beams.
+per sentence, shared by its beams. All beams of a sentence must feed a token at every step
+(or all PAD), so their lengths stay equal: a beam left behind would write into positions of
+its slot that another beam's history may name.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class CacheState:
     source_page_table: int32 `[batch, source_pages_per_row]` cross-attention pages, or None.
     beam_origin: int32 `[batch, capacity]` grouped beam layout (module docstring): the beam
       slot holding position p of row r's keys/values, or None.
-    capacity: contiguous layout: self-attention tokens per row (model max_length). Static.
+    capacity: contiguous layout: self-attention tokens per row (the decode's need, at most the
+      model's max_length; writes past it are dropped). Static.
     num_pages, page_size: paged layout: pages in each pool and tokens per page. Static.
     beam_size: rows per sentence of the grouped beam layout; 1 = one storage row per row. Static.
   """
@@ -167,7 +170,8 @@ def mark_beams(state: CacheState, fed: jax.Array) -> CacheState:
 def write_beams(storage: jax.Array, new: jax.Array, state: CacheState, valid: jax.Array) -> jax.Array:
   """Grouped beam layout: writes each row's new key (or value) `[rows, 1, num_kv_heads, head_dim]`
   into its own beam slot of its sentence's storage `[rows / beams, num_kv_heads, beams *
-  capacity, head_dim]` at position `lengths[r]`; rows with `valid` `[rows, 1]` False write nothing."""
+  capacity, head_dim]` at position `lengths[r]`; rows with `valid` `[rows, 1]` False, and
+  positions past capacity, write nothing."""
   beams, capacity = state.beam_size, state.capacity
   rows = new.shape[0]
   slot = (jnp.arange(rows) % beams) * capacity + state.lengths                             # [rows]
