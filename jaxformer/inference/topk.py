@@ -34,21 +34,20 @@ def argmax(logits: jax.Array) -> jax.Array:
   return top_k(logits.reshape(-1, vocab), 1)[1].reshape(logits.shape[:-1])
 
 
-def _extract(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-  """`top_k` of float `[rows, n]` without NaN by k rounds of (maximum, its lowest index, taken
-  out). Taken entries are tracked apart from the values, so a row's -inf entries come back in
-  id order after its finite ones, never the same id twice."""
+def _extract(x: jax.Array, k: int) -> jax.Array:
+  """int32 `[rows, k]`: the ids of the k largest of float `[rows, n]` without NaN, by k rounds
+  of (maximum, its lowest index, taken out). Taken entries are tracked apart from the values,
+  so a row's -inf entries come back in id order after its finite ones, never the same id twice."""
   n = x.shape[-1]
   ids = jnp.arange(n, dtype=jnp.int32)
   taken = jnp.zeros(x.shape, bool)
-  values, where = [], []
+  where = []
   for _ in range(k):
     top = jnp.max(jnp.where(taken, -jnp.inf, x), axis=-1, keepdims=True)
     first = jnp.min(jnp.where(~taken & (x == top), ids, n), axis=-1, keepdims=True)   # < n: `top` is untaken
-    values.append(top)
     where.append(first)
     taken = taken | (ids == first)
-  return jnp.concatenate(values, axis=-1), jnp.concatenate(where, axis=-1)
+  return jnp.concatenate(where, axis=-1)
 
 
 def top_k(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -71,8 +70,8 @@ def top_k(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   if blocks * BLOCK != vocab:   # pad the last block with -inf (never chosen over a real id)
     padded = jnp.pad(padded, ((0, 0), (0, blocks * BLOCK - vocab)), constant_values=-jnp.inf)
   padded = padded.reshape(rows, blocks, BLOCK)
-  best_blocks = jnp.sort(_extract(jnp.max(padded, axis=-1), k)[1], axis=-1)  # [rows, k], in id order
+  best_blocks = jnp.sort(_extract(jnp.max(padded, axis=-1), k), axis=-1)  # [rows, k], in id order
   chosen = jnp.take_along_axis(padded, best_blocks[:, :, None], axis=1)       # [rows, k, BLOCK]
-  where = _extract(chosen.reshape(rows, k * BLOCK), k)[1]
+  where = _extract(chosen.reshape(rows, k * BLOCK), k)
   ids = jnp.take_along_axis(best_blocks, where // BLOCK, axis=1) * BLOCK + where % BLOCK
   return jnp.take_along_axis(logits, ids, axis=1), ids.astype(jnp.int32)
