@@ -62,3 +62,16 @@ def test_rows_with_fewer_finite_logits_than_k_and_nan_rows():
   np.testing.assert_array_equal(ids, want_ids)
   np.testing.assert_array_equal(values, want_values)   # NaN == NaN in assert_array_equal
   np.testing.assert_array_equal(jax.jit(topk.argmax)(x), jnp.argmax(x, axis=-1))
+
+
+@pytest.mark.parametrize("vocab, k", [(8000, 8), (130, 2), (37, 20), (8000, 1)])
+def test_top_k_log_probs_equals_log_softmax_at_lax_top_k(vocab, k):
+  """Ids as lax.top_k (ties, -inf entries, the fallback path when k > MAX_K or few blocks);
+  values = jax.nn.log_softmax at those ids."""
+  logits = _logits(6, vocab, seed=3 * vocab + k)
+  logp, ids = jax.jit(topk.top_k_log_probs, static_argnums=1)(logits, k)
+  want_ids = jax.lax.top_k(logits, k)[1]
+  np.testing.assert_array_equal(ids, want_ids)
+  want = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), want_ids, axis=1)
+  np.testing.assert_allclose(logp, want, rtol=1e-6, atol=1e-5)
+  assert logp.dtype == jnp.float32 and ids.dtype == jnp.int32

@@ -196,13 +196,6 @@ class BeamState(NamedTuple):
   done: jax.Array         # bool [batch]
 
 
-def _logsumexp(logits: jax.Array, row_max: jax.Array) -> jax.Array:
-  """log sum exp of float32 `[rows, vocab]` logits given their `[rows, 1]` maxima (known from the
-  top-k, so no second pass finds them); `[rows, 1]`."""
-  shift = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-  return shift + jnp.log(jnp.sum(jnp.exp(logits - shift), axis=-1, keepdims=True))
-
-
 def _take(x, idx):  # x [B, M, ...] gathered at idx [B, K'] along axis 1
   return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
 
@@ -244,9 +237,7 @@ def beam_strategy(beam_size: int, max_decode_len: int, alpha: float = LENGTH_PEN
     # The best 2K extensions of a sentence are among the best 2K of each of its beams: take
     # those first, so no [batch, K * vocab] array of log-probs is built.
     per_beam = min(2 * k, vocab)
-    logits = logits.astype(jnp.float32)
-    top_logit, top_tok = topk.top_k(logits, per_beam)                         # [B*K, P]
-    top_logp = top_logit - _logsumexp(logits, top_logit[:, :1])
+    top_logp, top_tok = topk.top_k_log_probs(logits, per_beam)                 # [B*K, P]
     flat = (s.live_logp.reshape(-1, 1) + top_logp).reshape(batch, k * per_beam)
     cand_logp, cand_idx = jax.lax.top_k(flat, 2 * k)                         # [B, 2K]
     cand_beam = cand_idx // per_beam

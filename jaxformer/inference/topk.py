@@ -50,6 +50,34 @@ def _extract(x: jax.Array, k: int) -> jax.Array:
   return jnp.concatenate(where, axis=-1)
 
 
+def _fallback(vocab: int, k: int) -> bool:
+  """Whether `top_k` uses XLA's own top-k: many rounds, or too few blocks to skip any."""
+  if not 1 <= k <= vocab:
+    raise ValueError(f"top_k needs 1 <= k <= vocab={vocab}, got k={k}")
+  return k > MAX_K or -(-vocab // BLOCK) <= k
+
+
+def _ranked(logits: jax.Array) -> jax.Array:
+  """The logits with NaN as +inf: XLA:CPU's max does not reliably propagate NaN."""
+  return jnp.where(jnp.isnan(logits), jnp.inf, logits)
+
+
+def _top_ids(ranked: jax.Array, k: int) -> jax.Array:
+  """int32 `[rows, k]`: ids of the k largest of float `[rows, vocab]` `_ranked` logits, by blocks."""
+  rows, vocab = ranked.shape
+  blocks = -(-vocab // BLOCK)
+  if blocks * BLOCK != vocab:   # pad the last block with -inf (never chosen over a real id)
+    ranked = jnp.pad(ranked, ((0, 0), (0, blocks * BLOCK - vocab)), constant_values=-jnp.inf)
+  ranked = ranked.reshape(rows, blocks, BLOCK)
+  # The barrier keeps XLA from rewriting the first round's max of the block maxima into a
+  # second pass over the whole row.
+  block_max = jax.lax.optimization_barrier(jnp.max(ranked, axis=-1))
+  best_blocks = jnp.sort(_extract(block_max, k), axis=-1)                    # [rows, k], in id order
+  chosen = jnp.take_along_axis(ranked, best_blocks[:, :, None], axis=1)       # [rows, k, BLOCK]
+  where = _extract(chosen.reshape(rows, k * BLOCK), k)
+  return jnp.take_along_axis(best_blocks, where // BLOCK, axis=1) * BLOCK + where % BLOCK
+
+
 def top_k(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """(values float `[rows, k]`, ids int32 `[rows, k]`): the k largest of float `[rows, vocab]`
   logits in descending order, ties to the lower id, as `lax.top_k`.
@@ -57,21 +85,29 @@ def top_k(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   Raises:
     ValueError: k < 1 or k > vocab.
   """
-  rows, vocab = logits.shape
-  if not 1 <= k <= vocab:
-    raise ValueError(f"top_k needs 1 <= k <= vocab={vocab}, got k={k}")
-  blocks = -(-vocab // BLOCK)
-  if k > MAX_K or blocks <= k:   # many rounds, or too few blocks to skip any: XLA's own
+  if _fallback(logits.shape[1], k):
     values, ids = jax.lax.top_k(logits, k)
     return values, ids.astype(jnp.int32)
-  # XLA:CPU's max does not reliably propagate NaN: rank NaN as +inf (ties to the lower id), and
-  # report the logits themselves.
-  padded = jnp.where(jnp.isnan(logits), jnp.inf, logits)
-  if blocks * BLOCK != vocab:   # pad the last block with -inf (never chosen over a real id)
-    padded = jnp.pad(padded, ((0, 0), (0, blocks * BLOCK - vocab)), constant_values=-jnp.inf)
-  padded = padded.reshape(rows, blocks, BLOCK)
-  best_blocks = jnp.sort(_extract(jnp.max(padded, axis=-1), k), axis=-1)  # [rows, k], in id order
-  chosen = jnp.take_along_axis(padded, best_blocks[:, :, None], axis=1)       # [rows, k, BLOCK]
-  where = _extract(chosen.reshape(rows, k * BLOCK), k)
-  ids = jnp.take_along_axis(best_blocks, where // BLOCK, axis=1) * BLOCK + where % BLOCK
-  return jnp.take_along_axis(logits, ids, axis=1), ids.astype(jnp.int32)
+  ids = _top_ids(_ranked(logits), k)
+  return jnp.take_along_axis(logits, ids, axis=1), ids
+
+
+def top_k_log_probs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """(log-probabilities float32 `[rows, k]`, ids int32 `[rows, k]`) of the k most probable
+  tokens under `softmax(logits)` (float `[rows, vocab]`): `top_k`'s ids, and
+  `log_softmax(logits)` there. The row's normaliser comes from the same NaN-ranked copy of the
+  logits as the ids and reuses the top logit as its shift, so XLA makes one copy of the row and
+  no second pass for its maximum. A row holding NaN gets NaN or -inf log-probabilities.
+
+  Raises:
+    ValueError: k < 1 or k > vocab.
+  """
+  logits = logits.astype(jnp.float32)
+  if _fallback(logits.shape[1], k):
+    values, ids = jax.lax.top_k(logits, k)
+    return values - jax.nn.logsumexp(logits, axis=-1, keepdims=True), ids.astype(jnp.int32)
+  ranked = _ranked(logits)
+  ids = _top_ids(ranked, k)
+  values = jnp.take_along_axis(ranked, ids, axis=1)
+  shift = jnp.where(jnp.isfinite(values[:, :1]), values[:, :1], 0.0)
+  return values - shift - jnp.log(jnp.sum(jnp.exp(ranked - shift), axis=-1, keepdims=True)), ids
