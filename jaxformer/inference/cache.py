@@ -136,6 +136,60 @@ def repeat_rows(cache: Any, times: int, batch_axis: int = 0) -> Any:
   return KVCache(jax.tree_util.tree_map_with_path(layer, cache.layers), rows)
 
 
+MIN_PHASE = 16  # tokens: the smallest capacity `growth_phases` starts a decode with
+
+
+def growth_phases(capacity: int, filled: int) -> tuple[int, ...]:
+  """Capacities (tokens per row, ascending, the last = `capacity`) a decode loop grows a
+  contiguous cache through: `capacity` halved while the half still exceeds `filled` (the most
+  tokens a row holds when the loop starts) and is at least MIN_PHASE. Attention reads every
+  slot of the cache each step, so a step early in the decode costs what its phase holds, not
+  the full capacity; each phase is one more compile of the step."""
+  sizes = [capacity]
+  while True:
+    half = -(-sizes[-1] // 2)
+    if half >= sizes[-1] or half < MIN_PHASE or half <= filled:
+      return tuple(reversed(sizes))
+    sizes.append(half)
+
+
+def resize(cache: Any, capacity: int, batch_axis: int = 0) -> Any:
+  """A contiguous `KVCache` whose self-attention storage holds `capacity` tokens per row (per
+  beam slot in the grouped beam layout), cut or zero-padded at the end; cross-attention
+  storage is unchanged. Cutting drops positions >= capacity, so every row must hold at most
+  `capacity` tokens. Layer leaves have the batch on `batch_axis`; other pytrees come back as
+  they are.
+
+  Raises:
+    ValueError: a paged `KVCache`.
+  """
+  if not isinstance(cache, KVCache):
+    return cache
+  state = cache.state
+  if state.paged:
+    raise ValueError("resize needs a contiguous KV cache (cache.contiguous_cache), not a paged one")
+  old, beams = state.capacity, state.beam_size
+  if capacity == old:
+    return cache
+
+  def fit(x, axis):  # positions on `axis` -> capacity
+    if capacity < old:
+      return jax.lax.slice_in_dim(x, 0, capacity, axis=axis)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, capacity - old)
+    return jnp.pad(x, pad)
+
+  def layer(path, x):
+    if _is_cross(path):
+      return x
+    axis = batch_axis + 2                                        # [.., batch, heads, positions, head_dim]
+    grouped = x.reshape(x.shape[:axis] + (beams, old) + x.shape[axis + 1:])
+    return fit(grouped, axis + 1).reshape(x.shape[:axis] + (beams * capacity,) + x.shape[axis + 1:])
+  origin = None if state.beam_origin is None else fit(state.beam_origin, 1)
+  return KVCache(jax.tree_util.tree_map_with_path(layer, cache.layers),
+                 state.replace(capacity=capacity, beam_origin=origin))
+
+
 def reorder_beams(cache: Any, parent: jax.Array) -> Any:
   """The cache whose beam k of sentence b is beam `parent[b, k]` (int `[batch, beam]`) of
   the same sentence, for a cache of `batch * beam` rows (row b * beam + k). Gathers inside
