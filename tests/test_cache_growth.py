@@ -19,13 +19,13 @@ V, OUT = 29, 36   # a small vocabulary, so EOS (1 in 29) stops some rows early
 
 
 def test_growth_phases_halve_down_to_the_fill_and_the_minimum():
-  assert kv.MIN_PHASE == 16
-  assert kv.growth_phases(32, 1) == (16, 32)
-  assert kv.growth_phases(70, 1) == (18, 35, 70)
-  assert kv.growth_phases(33, 1) == (17, 33)
-  assert kv.growth_phases(70, 20) == (35, 70)     # 18 would not hold the 20 cached tokens
-  assert kv.growth_phases(31, 1) == (16, 31)      # halves round up
-  assert kv.growth_phases(30, 1) == (30,)         # no phase below 16 tokens
+  assert kv.MIN_PHASE == 8
+  assert kv.growth_phases(32, 1) == (8, 16, 32)
+  assert kv.growth_phases(70, 1) == (9, 18, 35, 70)   # halves round up
+  assert kv.growth_phases(70, 20) == (35, 70)         # 18 would not hold the 20 cached tokens
+  assert kv.growth_phases(30, 1) == (8, 15, 30)
+  assert kv.growth_phases(15, 1) == (8, 15)
+  assert kv.growth_phases(14, 1) == (14,)             # no phase below 8 tokens
 
 
 @pytest.mark.parametrize("batch_axis", [0, 1])
@@ -79,8 +79,8 @@ def _model(kind):
 
 
 def _decode(model, params, inputs, strategy, fill):
-  """Tokens (and beam scores) with EOS forced as token 20 of row 0 and token 8 of row 1 (one
-  stop in each phase); row 2 runs to the end unless the model ends it."""
+  """Tokens (and beam scores) with EOS forced as token 20 of row 0 and token 8 of row 1 (stops
+  in different phases); row 2 runs to the end unless the model ends it."""
   stop_at = jnp.asarray([20, 8, -1])
 
   def run(params, inputs):
@@ -111,7 +111,7 @@ def test_growing_cache_gives_the_tokens_of_the_full_cache(kind, strategy):
   model, params, inputs = _model(kind)
   fill = cache_fill(model, inputs)
   capacity = OUT + (0 if model.ENCODES_SOURCE else inputs.shape[1])
-  assert len(kv.growth_phases(capacity, fill)) >= 2                     # the case really grows
+  assert len(kv.growth_phases(capacity, fill)) == 3                     # the case really grows
   want = _decode(model, params, inputs, strategy, 0)
   got = _decode(model, params, inputs, strategy, fill)
   tokens = got[0] if strategy == "beam" else got

@@ -136,7 +136,7 @@ def repeat_rows(cache: Any, times: int, batch_axis: int = 0) -> Any:
   return KVCache(jax.tree_util.tree_map_with_path(layer, cache.layers), rows)
 
 
-MIN_PHASE = 16  # tokens: the smallest capacity `growth_phases` starts a decode with
+MIN_PHASE = 8   # tokens: the smallest capacity `growth_phases` starts a decode with
 
 
 def growth_phases(capacity: int, filled: int) -> tuple[int, ...]:
