@@ -100,12 +100,13 @@ def _decode(model, params, inputs, strategy, fill):
   return jax.tree.map(np.asarray, jax.jit(run)(params, inputs))
 
 
+@pytest.mark.slow   # test_grow_cache_option_reaches_the_decode_loop is the fast end-to-end check
 @pytest.mark.parametrize("kind, strategy", [
     ("encoder-decoder", "beam"),
-    pytest.param("encoder-decoder", "greedy", marks=pytest.mark.slow),
-    pytest.param("decoder-only", "beam", marks=pytest.mark.slow),
-    pytest.param("decoder-only", "greedy", marks=pytest.mark.slow),
-    pytest.param("decoder-only", "sample", marks=pytest.mark.slow),
+    ("encoder-decoder", "greedy"),
+    ("decoder-only", "beam"),
+    ("decoder-only", "greedy"),
+    ("decoder-only", "sample"),
 ])
 def test_growing_cache_gives_the_tokens_of_the_full_cache(kind, strategy):
   model, params, inputs = _model(kind)
