@@ -180,8 +180,6 @@ def cmd_eval(args) -> None:
   def draft():
     return inference_restore.restore_draft(args.draft_workdir, restored[-1], args.overrides, args.draft_tokens,
                                            args.quantize)
-  if args.draft_workdir and search.strategy != "greedy":
-    raise ValueError(f"speculative decoding (--draft-workdir) is greedy; drop it or the {search.strategy} options")
   options = EvalOptions(split=args.split, src=args.src, ref=args.ref, batch_size=args.batch_size, search=search,
                         output=output, workdir=args.workdir, draft=draft if args.draft_workdir else None)
 
@@ -223,8 +221,6 @@ def cmd_translate(args) -> None:
   if get_task(config).data_kind != PAIRS:
     raise ValueError(f"{args.workdir} holds a language model (model.kind={config.model.kind}); translate needs a "
                      "translation model, and `jaxformer generate` samples from a causal LM")
-  if args.draft_workdir and search.strategy != "greedy":
-    raise ValueError(f"speculative decoding (--draft-workdir) is greedy; drop it or the {search.strategy} options")
   restored = inference_restore.restore(args.workdir, config, args.step, args.average_last, args.quantize)
   draft = (inference_restore.restore_draft(args.draft_workdir, restored, args.overrides, args.draft_tokens,
                                            args.quantize) if args.draft_workdir else None)

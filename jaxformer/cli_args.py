@@ -70,21 +70,26 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
   g.add_argument("--seed", type=int, default=0,
                  help="sampling seed; a sentence's sample depends only on the seed and the sentence")
   g.add_argument("--grow-cache", action="store_true",
-                 help="decode in phases of growing KV-cache capacity: the same output, faster steps early "
-                      "in the decode, one more compile per phase (pays off over many batches of one shape)")
+                 help="decode in phases of growing KV-cache capacity: the same output up to float rounding, "
+                      "faster steps early in the decode, one more compile per phase (pays off over many batches "
+                      "of one shape)")
 
 
 def search_options(args):
-  """SearchOptions from the decoding flags; ValueError (one line) on a bad combination."""
+  """SearchOptions from the decoding flags (and `--draft-workdir`, which needs plain greedy
+  search); ValueError (one line) on a bad combination."""
   from jaxformer.inference.decode import SearchOptions
   sampling = [f for f, v in (("--temperature", args.temperature), ("--top-k", args.top_k), ("--top-p", args.top_p))
               if v is not None]
   if args.beam_size > 1 and sampling:
     raise ValueError(f"--beam-size {args.beam_size} cannot be combined with {'/'.join(sampling)}: "
                      "sampling needs --beam-size 1")
-  return SearchOptions(beam_size=args.beam_size, length_penalty=args.length_penalty, extra_tokens=args.max_length,
-                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                       grow_cache=args.grow_cache).validate()
+  options = SearchOptions(beam_size=args.beam_size, length_penalty=args.length_penalty, extra_tokens=args.max_length,
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          grow_cache=args.grow_cache).validate()
+  if getattr(args, "draft_workdir", None):
+    options.check_speculative()   # before anything is restored
+  return options
 
 
 def config_path(name: str) -> str:

@@ -75,3 +75,11 @@ def test_top_k_log_probs_equals_log_softmax_at_lax_top_k(vocab, k):
   want = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), want_ids, axis=1)
   np.testing.assert_allclose(logp, want, rtol=1e-6, atol=1e-5)
   assert logp.dtype == jnp.float32 and ids.dtype == jnp.int32
+
+
+@pytest.mark.parametrize("vocab, k", [(8000, 8), (37, 20)])
+def test_top_k_log_probs_keeps_precision_for_huge_logits(vocab, k):
+  """Both paths (blocks, and XLA's top-k for k > MAX_K) shift by the top logit before the
+  normaliser: a row of equal 1e30 logits gives -log(vocab), not 1e30 - 1e30 + ... = 0."""
+  logp, _ = topk.top_k_log_probs(jnp.full((2, vocab), 1e30, jnp.float32), k)
+  np.testing.assert_allclose(logp, -np.log(vocab), rtol=1e-6)

@@ -170,10 +170,11 @@ class SearchOptions:
   min(source length + `extra_tokens`, model max_length) (paper: + 50).
 
   `grow_cache` runs the decode loop in phases of growing cache capacity (`search.decode_loop`):
-  the same tokens, cheaper steps while the outputs are short (beam 4 on `multi30k_small`, 32
-  tokens: about 7% less decode time), but one more compile of the decode step per phase (three
-  or four at usual lengths). It pays when one compiled shape decodes many batches; `eval` on
-  test2016, a few batches per length bucket, got slower with it.
+  the same tokens up to float rounding (near-ties aside) and cheaper steps while the outputs
+  are short (beam 4 on `multi30k_small`, 32 tokens: about 7% less decode time), but one more
+  compile of the decode step per phase (three or four at usual lengths). It pays when one
+  compiled shape decodes many batches; `eval` on test2016, a few batches per length bucket,
+  got slower with it.
   """
   beam_size: int = 1
   length_penalty: float = LENGTH_PENALTY
@@ -212,6 +213,15 @@ class SearchOptions:
       check_sampling(*self.sampling_args())
       check_seed(self.seed)
     return self
+
+  def check_speculative(self) -> None:
+    """Raises ValueError (one line) unless these options suit speculative decoding (a draft
+    model): plain greedy search, without `grow_cache` (speculation runs its own loop)."""
+    if self.strategy != "greedy":
+      raise ValueError(f"speculative decoding (--draft-workdir) is greedy; drop it or the {self.strategy} options")
+    if self.grow_cache:
+      raise ValueError("--grow-cache does not apply to speculative decoding (--draft-workdir), which runs its own "
+                       "loop; drop one of them")
 
   def sampling_args(self) -> tuple[float, int, float]:
     """(temperature, top_k, top_p) with the unset ones at their 'off' values."""
@@ -269,8 +279,8 @@ def make_decode_fn(model: nn.Module, mesh: Mesh, max_length: int, options: Searc
     ValueError: bad options, or a draft with beam search or sampling (one line).
   """
   options = (options or SearchOptions()).validate()
-  if draft is not None and options.strategy != "greedy":
-    raise ValueError(f"speculative decoding (--draft-workdir) is greedy; it cannot run {options.strategy} search")
+  if draft is not None:
+    options.check_speculative()
 
   @functools.partial(jax.jit, static_argnums=(2,))
   def run(params, inputs, out_len, draft_params=None):

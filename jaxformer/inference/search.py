@@ -141,8 +141,10 @@ def decode_loop(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, strateg
   when the loop starts. The loop then runs in phases of growing capacity
   (`cache.growth_phases`): the cache is cut to the first phase's capacity, and each phase
   steps while every row has room for one more token, then the cache grows to the next.
-  Attention reads every slot of the cache each step, so early steps get cheaper; the tokens
-  are the same (keys past a row's length are masked either way).
+  Attention reads every slot of the cache each step, so early steps get cheaper. The masked
+  keys past a row's length add exact zeros either way, but the sums over keys run in another
+  order: logits agree to float rounding (about 1e-6), so only a near-tie could pick another
+  token.
   """
   k = strategy.rows_per_input
   phases = (None,)

@@ -104,10 +104,11 @@ def top_k_log_probs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """
   logits = logits.astype(jnp.float32)
   if _fallback(logits.shape[1], k):
+    ranked = logits
     values, ids = jax.lax.top_k(logits, k)
-    return values - jax.nn.logsumexp(logits, axis=-1, keepdims=True), ids.astype(jnp.int32)
-  ranked = _ranked(logits)
-  ids = _top_ids(ranked, k)
-  values = jnp.take_along_axis(ranked, ids, axis=1)
+  else:
+    ranked = _ranked(logits)
+    ids = _top_ids(ranked, k)
+    values = jnp.take_along_axis(ranked, ids, axis=1)
   shift = jnp.where(jnp.isfinite(values[:, :1]), values[:, :1], 0.0)
-  return values - shift - jnp.log(jnp.sum(jnp.exp(ranked - shift), axis=-1, keepdims=True)), ids
+  return values - shift - jnp.log(jnp.sum(jnp.exp(ranked - shift), axis=-1, keepdims=True)), ids.astype(jnp.int32)
