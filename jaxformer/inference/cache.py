@@ -101,8 +101,20 @@ def no_pad(logits: jax.Array) -> jax.Array:
   return jnp.where(jnp.arange(logits.shape[-1]) == PAD_ID, -jnp.inf, logits)
 
 
-def _is_cross(path) -> bool:
-  return any(getattr(p, "key", None) == "cross_attention" for p in path)
+def _map_self_attention(fn, layers: Any) -> Any:
+  """`layers` with `fn` applied to every self-attention leaf (cross-attention leaves kept)."""
+  def leaf(path, x):
+    return x if any(getattr(p, "key", None) == "cross_attention" for p in path) else fn(x)
+  return jax.tree_util.tree_map_with_path(leaf, layers)
+
+
+def _fit(x: jax.Array, axis: int, size: int) -> jax.Array:
+  """`x` cut, or zero-padded at the end, to `size` entries on `axis`."""
+  if size <= x.shape[axis]:
+    return jax.lax.slice_in_dim(x, 0, size, axis=axis)
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, pad)
 
 
 def repeat_rows(cache: Any, times: int, batch_axis: int = 0) -> Any:
@@ -124,16 +136,11 @@ def repeat_rows(cache: Any, times: int, batch_axis: int = 0) -> Any:
   if state.paged:
     raise ValueError("beam search needs a contiguous KV cache (cache.contiguous_cache), not a paged one")
 
-  def layer(path, x):
-    if _is_cross(path):
-      return x
-    pad = [(0, 0)] * x.ndim
-    pad[batch_axis + 2] = (0, (times - 1) * state.capacity)    # [.., batch, heads, positions, head_dim]
-    return jnp.pad(x, pad)
   rows = jax.tree.map(lambda x: jnp.repeat(x, times, axis=0), state)
   rows = rows.replace(beam_origin=jnp.zeros((state.lengths.shape[0] * times, state.capacity), jnp.int32),
                       beam_size=times)
-  return KVCache(jax.tree_util.tree_map_with_path(layer, cache.layers), rows)
+  # [.., batch, heads, positions, head_dim]: positions grow to one slot per beam
+  return KVCache(_map_self_attention(lambda x: _fit(x, batch_axis + 2, times * state.capacity), cache.layers), rows)
 
 
 MIN_PHASE = 8   # tokens: the smallest capacity `growth_phases` starts a decode with
@@ -172,22 +179,12 @@ def resize(cache: Any, capacity: int, batch_axis: int = 0) -> Any:
   if capacity == old:
     return cache
 
-  def fit(x, axis):  # positions on `axis` -> capacity
-    if capacity < old:
-      return jax.lax.slice_in_dim(x, 0, capacity, axis=axis)
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, capacity - old)
-    return jnp.pad(x, pad)
-
-  def layer(path, x):
-    if _is_cross(path):
-      return x
+  def layer(x):
     axis = batch_axis + 2                                        # [.., batch, heads, positions, head_dim]
     grouped = x.reshape(x.shape[:axis] + (beams, old) + x.shape[axis + 1:])
-    return fit(grouped, axis + 1).reshape(x.shape[:axis] + (beams * capacity,) + x.shape[axis + 1:])
-  origin = None if state.beam_origin is None else fit(state.beam_origin, 1)
-  return KVCache(jax.tree_util.tree_map_with_path(layer, cache.layers),
-                 state.replace(capacity=capacity, beam_origin=origin))
+    return _fit(grouped, axis + 1, capacity).reshape(x.shape[:axis] + (beams * capacity,) + x.shape[axis + 1:])
+  origin = None if state.beam_origin is None else _fit(state.beam_origin, 1, capacity)
+  return KVCache(_map_self_attention(layer, cache.layers), state.replace(capacity=capacity, beam_origin=origin))
 
 
 def reorder_beams(cache: Any, parent: jax.Array) -> Any:
