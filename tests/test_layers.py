@@ -258,3 +258,16 @@ def test_feed_forward_variants_match_hand_computation(activation, act, gated):
   h = act(xn @ p["wi_gate"] + p["bi_gate"]) * h if gated else act(h)
   y = np.asarray(ffn.apply({"params": params}, x))
   np.testing.assert_allclose(y, h @ p["wo"] + p["bo"], atol=1e-5, rtol=1e-5)
+
+
+def test_vocab_major_logits_equal_tokens_first():
+  """`Embed.attend(vocab_major=True)` (decode steps of few tokens) gives the tokens-first logits."""
+  from jaxformer.layers.embedding import Embed
+  embed = Embed(vocab_size=37, d_model=16)
+  x = jax.random.normal(jax.random.PRNGKey(1), (3, 2, 16))
+  params = embed.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))
+  rows = embed.apply(params, x, method="attend")
+  cols = embed.apply(params, x, True, method="attend")
+  assert cols.shape == rows.shape == (3, 2, 37) and cols.dtype == jnp.float32
+  np.testing.assert_allclose(cols, rows, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(rows, np.einsum("btd,vd->btv", x, jax.tree.leaves(params)[0]), rtol=1e-5, atol=1e-5)

@@ -52,11 +52,21 @@ class Embed(nn.Module):
     x = jnp.take(table, ids, axis=0)
     return (x * np.sqrt(self.d_model)).astype(self.dtype)
 
-  def attend(self, x: jax.Array) -> jax.Array:
-    """`[batch, length, d_model]` -> float32 logits `[batch, length, vocab_size]` (the tied output layer)."""
+  def attend(self, x: jax.Array, vocab_major: bool = False) -> jax.Array:
+    """`[batch, length, d_model]` -> float32 logits `[batch, length, vocab_size]` (the tied
+    output layer). `vocab_major`: compute them as `[vocab, tokens]` and transpose, for the few
+    tokens of a decode step (the values are the same up to float rounding)."""
     # One 2-D matmul over the flattened tokens: from the 3-D form XLA:CPU computes the
     # weight gradient through a transposed copy of the whole [batch, length, vocab]
     # logits gradient, which doubles the logits' share of the train step.
     flat = x.reshape(-1, x.shape[-1]).astype(self.dtype)                       # [B*T, D]
-    logits = jnp.einsum("nd,vd->nv", flat, self.embedding.astype(self.dtype))  # [B*T, V]
+    table = self.embedding.astype(self.dtype)
+    if vocab_major:
+      # The table as the left operand, read in its stored [vocab, d_model] order: XLA:CPU
+      # (YNNPACK) ran the tokens-first product 1.6x slower at 32 tokens (1.21 against 0.76 ms
+      # for 32 x 256 x 8000), where the table streams from memory. The barrier keeps XLA from
+      # folding the transpose back into the product.
+      logits = jax.lax.optimization_barrier(jnp.einsum("vd,nd->vn", table, flat)).T
+    else:
+      logits = jnp.einsum("nd,vd->nv", flat, table)                            # [B*T, V]
     return logits.reshape(*x.shape[:-1], self.vocab_size).astype(jnp.float32)

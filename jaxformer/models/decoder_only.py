@@ -87,7 +87,7 @@ class SelfAttentionStack(StackedInit, nn.Module):
                   rngs=layer_rngs(self, self.num_layers, deterministic))
     if self.config.pre_norm:
       x = self.final_norm(x)
-    return output_logits(self.config, self.embed, getattr(self, "output_proj", None), x)
+    return output_logits(self.config, self.embed, getattr(self, "output_proj", None), x, decode)
 
 
 class DecoderOnly(SelfAttentionStack):
