@@ -6,16 +6,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_layers import _normal, _random_params
 
 from jaxformer.config import ConfigError, ModelConfig, config_from_dict
 from jaxformer.inference import cache as kv
+from jaxformer.layers import kv_cache as kvc
 from jaxformer.layers.attention import MultiHeadAttention, dot_product_attention, fused_attention
 from jaxformer.layers.blockwise import blockwise_attention
 from jaxformer.layers.positions import alibi_bias, alibi_slopes, apply_rope
 from jaxformer.layers.scores import attention_mask, attention_scores
 from jaxformer.models.transformer import BOS_ID, PAD_ID, EncoderDecoder
 from jaxformer.runtime import check_model_fits_mesh
-from test_layers import _normal, _random_params
 
 B, T, S, N, H = 2, 13, 11, 4, 8  # batch, query length, key length, heads, head_dim
 
@@ -336,5 +337,5 @@ def test_option_is_causal_and_cached_decoding_matches(case):
   excess = np.abs(cached - full)[real] / bound[real]
   assert excess.max() <= 1.0, (excess.max(), np.abs(cached - full)[real].max())
   self_cache = cache.layers["decoder_0"]["self_attention"]
-  assert self_cache["key"].shape == (B, config.kv_heads, config.max_length, config.head_dim)
+  assert kvc.join_segments(self_cache["key"]).shape == (B, config.kv_heads, config.max_length, config.head_dim)
   np.testing.assert_array_equal(cache.state.lengths, real.sum(axis=1))   # PAD tokens are not cached

@@ -20,33 +20,41 @@ from jaxformer.models.decoder_only import DecoderOnly
 from jaxformer.models.transformer import PAD_ID, EncoderDecoder
 
 
-def test_beam_attention_equals_attention_over_each_rows_own_history():
-  """Sentences of 3 beams, GQA (4 query heads, 2 key heads), causal + sliding window + ALiBi:
-  each row's output equals `cached_attention` over the keys its origin table names, gathered
-  into a row of its own; a row that feeds PAD sees one key fewer."""
-  sentences, beams, capacity, kh, n, h = 2, 3, 6, 2, 4, 8
+@pytest.mark.parametrize("cached", [(4, 4, 4, 2, 2, 2), (12, 12, 12, 9, 9, 9)])
+def test_beam_attention_equals_attention_over_each_rows_own_history(cached):
+  """Sentences of 3 beams, GQA (4 query heads, 2 key heads), causal + sliding window + ALiBi,
+  storage in two segments (positions 0-9, 10-19): each row's output equals `cached_attention`
+  over the keys its origin table names, gathered into a row of its own; a row that feeds PAD
+  sees one key fewer. With at most 5 tokens the second segment is not read (NaN there)."""
+  sentences, beams, capacity, kh, n, h = 2, 3, 20, 2, 4, 8
   rows = sentences * beams
   rng = np.random.default_rng(0)
   k = jnp.asarray(rng.standard_normal((sentences, kh, beams * capacity, h)), jnp.float32)
   v = jnp.asarray(rng.standard_normal((sentences, kh, beams * capacity, h)), jnp.float32)
   q = jnp.asarray(rng.standard_normal((rows, 1, n, h)), jnp.float32)
-  lengths = jnp.asarray([4, 4, 4, 2, 2, 2], jnp.int32)                 # tokens cached before this step
+  lengths = jnp.asarray(cached, jnp.int32)                              # tokens cached before this step
   origin = jnp.asarray(rng.integers(0, beams, (rows, capacity)), jnp.int32)
   valid = jnp.asarray([[True], [True], [False], [True], [True], [True]])
   state = kvc.CacheState(lengths=lengths, beam_origin=origin, capacity=capacity, beam_size=beams)
   state = kvc.mark_beams(state, valid[:, 0])
   bias = (alibi_bias, jnp.asarray(alibi_slopes(n)))
   opts = dict(causal=True, sliding_window=3, position_bias=bias)
-  got = kvc.beam_attention(q, k, v, state, valid, **opts)
+  k_seg, v_seg = kvc.split_segments(k, beams), kvc.split_segments(v, beams)
+  assert [x.shape[2] for x in k_seg] == [beams * 10, beams * 10]
+  if max(cached) < 10:
+    k_seg, v_seg = (k_seg[0], k_seg[1] * jnp.nan), (v_seg[0], v_seg[1] * jnp.nan)
+  got = kvc.beam_attention(q, k_seg, v_seg, state, valid, **opts)
 
   slot = np.asarray(state.beam_origin) * capacity + np.arange(capacity)[None]        # [rows, S]
   sentence = np.arange(rows) // beams
   own_k = jnp.asarray(np.asarray(k)[sentence[:, None], :, slot].transpose(0, 2, 1, 3))  # [rows, kh, S, h]
   own_v = jnp.asarray(np.asarray(v)[sentence[:, None], :, slot].transpose(0, 2, 1, 3))
-  want = kvc.cached_attention(q, own_k, own_v, lengths[:, None], lengths + valid[:, 0], **opts)
+  want = kvc.cached_attention(q, (own_k,), (own_v,), lengths[:, None], lengths + valid[:, 0], **opts)
+  assert np.isfinite(np.asarray(got)).all()
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
   # the step's own key comes from the row's own slot
-  np.testing.assert_array_equal(np.asarray(state.beam_origin)[np.arange(rows), lengths], [0, 1, origin[2, 4], 0, 1, 2])
+  np.testing.assert_array_equal(np.asarray(state.beam_origin)[np.arange(rows), lengths],
+                                [0, 1, origin[2, cached[2]], 0, 1, 2])
 
 
 V = 29

@@ -12,6 +12,7 @@ from jaxformer.config import ModelConfig
 from jaxformer.inference import cache as kv
 from jaxformer.inference.decode import SearchOptions, cache_batch_axis, cache_fill, decode_with, start
 from jaxformer.inference.search import EOS_ID, beam_search_core, greedy_core, sample_core, source_row_keys
+from jaxformer.layers.kv_cache import join_segments, split_segments
 from jaxformer.models.decoder_only import DecoderOnly
 from jaxformer.models.transformer import PAD_ID, EncoderDecoder
 
@@ -40,21 +41,24 @@ def test_resize_moves_every_beam_slot_and_keeps_cross_attention(batch_axis):
   origin = jnp.asarray(rng.integers(0, beams, (sentences * beams, capacity)), jnp.int32)
   state = kv.CacheState(lengths=jnp.full((sentences * beams,), 3, jnp.int32), beam_origin=origin,
                         capacity=capacity, beam_size=beams)
-  cache = kv.KVCache({"self_attention": {"key": self_kv}, "cross_attention": {"key": cross}}, state)
+  axis = batch_axis + 2
+  cache = kv.KVCache({"self_attention": {"key": split_segments(self_kv, beams, axis)},
+                      "cross_attention": {"key": (cross,)}}, state)
 
-  grown = kv.resize(cache, 8, batch_axis)
-  assert grown.state.capacity == 8
-  got = np.asarray(grown.layers["self_attention"]["key"])
+  grown = kv.resize(cache, 16, batch_axis)   # one segment -> two (0-7, 8-15)
+  assert grown.state.capacity == 16
+  assert [x.shape[axis] for x in grown.layers["self_attention"]["key"]] == [beams * 8, beams * 8]
+  got = np.asarray(join_segments(grown.layers["self_attention"]["key"], beams, axis))
   old = np.asarray(self_kv)
   for m in range(beams):
-    np.testing.assert_array_equal(got[..., m * 8:m * 8 + capacity, :], old[..., m * capacity:(m + 1) * capacity, :])
-    assert not got[..., m * 8 + capacity:(m + 1) * 8, :].any()
-  np.testing.assert_array_equal(grown.layers["cross_attention"]["key"], cross)
+    np.testing.assert_array_equal(got[..., m * 16:m * 16 + capacity, :], old[..., m * capacity:(m + 1) * capacity, :])
+    assert not got[..., m * 16 + capacity:(m + 1) * 16, :].any()
+  np.testing.assert_array_equal(grown.layers["cross_attention"]["key"][0], cross)
   np.testing.assert_array_equal(np.asarray(grown.state.beam_origin)[:, :capacity], origin)
   assert not np.asarray(grown.state.beam_origin)[:, capacity:].any()
 
   back = kv.resize(grown, capacity, batch_axis)
-  np.testing.assert_array_equal(back.layers["self_attention"]["key"], self_kv)
+  np.testing.assert_array_equal(join_segments(back.layers["self_attention"]["key"], beams, axis), self_kv)
   np.testing.assert_array_equal(back.state.beam_origin, origin)
   with pytest.raises(ValueError, match="contiguous"):
     kv.resize(kv.KVCache({}, kv.CacheState(lengths=state.lengths, page_table=jnp.zeros((8, 2), jnp.int32))), 4)

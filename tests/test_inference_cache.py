@@ -15,6 +15,7 @@ import pytest
 from jaxformer.config import ModelConfig
 from jaxformer.inference import cache as kv
 from jaxformer.inference.decode import greedy_decode
+from jaxformer.layers import kv_cache as kvc
 from jaxformer.models.decoder_only import DecoderOnly
 from jaxformer.models.transformer import BOS_ID, PAD_ID, EncoderDecoder
 
@@ -110,12 +111,13 @@ def test_contiguous_cache_shapes(params):
   cache = kv.contiguous_cache(MODEL, params, 3, SRC_LEN)
   layer = cache.layers["decoder_0"]["self_attention"]
   head_dim = CONFIG.d_model // CONFIG.num_heads
-  assert layer["key"].shape == (3, CONFIG.kv_heads, CONFIG.max_length, head_dim)
-  assert layer["value"].shape == (3, CONFIG.kv_heads, CONFIG.max_length, head_dim)
+  bounds = kvc.segment_bounds(CONFIG.max_length)
+  for name in ("key", "value"):   # segments at the bounds, together the whole capacity
+    assert [x.shape for x in layer[name]] == [(3, CONFIG.kv_heads, b - a, head_dim) for a, b in zip(bounds, bounds[1:])]
   np.testing.assert_array_equal(cache.state.lengths, [0, 0, 0])
   assert cache.state.capacity == CONFIG.max_length and not cache.state.paged
   cross = cache.layers["decoder_1"]["cross_attention"]
-  assert cross["key"].shape == (3, CONFIG.kv_heads, SRC_LEN, head_dim)
+  assert [x.shape for x in cross["key"]] == [(3, CONFIG.kv_heads, SRC_LEN, head_dim)]
   assert all(float(jnp.abs(x).max()) == 0.0 for x in jax.tree.leaves(cache.layers))
 
 

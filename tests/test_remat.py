@@ -198,8 +198,10 @@ def test_scan_decoding_matches_unrolled(decode_params):
   stacked = _stacked(decode_params)
   src, _ = _batch()
   cache = contiguous_cache(EncoderDecoder(scanned), stacked, 3, SRC_LEN)
-  assert cache.layers["decoder"]["self_attention"]["key"].shape == (BASE["num_decoder_layers"], 3, 2, 16, 8)
-  assert cache.layers["decoder"]["cross_attention"]["key"].shape == (BASE["num_decoder_layers"], 3, 2, SRC_LEN, 8)
+  self_key = cache.layers["decoder"]["self_attention"]["key"]   # segments of positions 0-7 and 8-15
+  assert [x.shape for x in self_key] == [(BASE["num_decoder_layers"], 3, 2, 8, 8)] * 2
+  assert [x.shape for x in cache.layers["decoder"]["cross_attention"]["key"]] == [
+      (BASE["num_decoder_layers"], 3, 2, SRC_LEN, 8)]
   np.testing.assert_array_equal(cache.state.lengths, [0, 0, 0])
   runs = ((unrolled, decode_params), (scanned, stacked))
 

@@ -21,19 +21,20 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxformer.layers.kv_cache import CacheState, mark_beams
+from jaxformer.layers.kv_cache import CacheState, join_segments, mark_beams, split_segments
 from jaxformer.models.transformer import PAD_ID
 
 
 @flax.struct.dataclass
 class KVCache:
   """Keys/values of every attention layer (`layers`, the linen "cache" collection) and the
-  rows' bookkeeping (`state`). Contiguous self-attention leaves are `[batch, num_kv_heads,
-  capacity, head_dim]`, cross-attention leaves `[batch, num_kv_heads, src_len, head_dim]`,
-  paged ones `[num_pages, num_kv_heads, page_size, head_dim]`. In beam search's grouped
-  layout (`repeat_rows`) batch counts sentences, self-attention leaves hold `beam_size *
-  capacity` tokens and the state has a row per beam. Under `model.scan_layers` every leaf has
-  a leading `[num_layers]` axis."""
+  rows' bookkeeping (`state`). Contiguous self-attention keys (and values) are a tuple of
+  segments `[batch, num_kv_heads, length_j, head_dim]` at `layers.kv_cache.segment_bounds(
+  capacity)`, cross-attention ones one segment `[batch, num_kv_heads, src_len, head_dim]`,
+  paged ones a pool `[num_pages, num_kv_heads, page_size, head_dim]`. In beam search's
+  grouped layout (`repeat_rows`) batch counts sentences, each self-attention segment holds
+  `beam_size * length_j` slots and the state has a row per beam. Under `model.scan_layers`
+  every array has a leading `[num_layers]` axis."""
   layers: Any
   state: CacheState
 
@@ -102,10 +103,11 @@ def no_pad(logits: jax.Array) -> jax.Array:
 
 
 def _map_self_attention(fn, layers: Any) -> Any:
-  """`layers` with `fn` applied to every self-attention leaf (cross-attention leaves kept)."""
-  def leaf(path, x):
+  """`layers` with `fn` applied to the segments (tuple) of every self-attention key and value
+  (cross-attention storage kept)."""
+  def storage(path, x):
     return x if any(getattr(p, "key", None) == "cross_attention" for p in path) else fn(x)
-  return jax.tree_util.tree_map_with_path(leaf, layers)
+  return jax.tree_util.tree_map_with_path(storage, layers, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def _fit(x: jax.Array, axis: int, size: int) -> jax.Array:
@@ -139,8 +141,11 @@ def repeat_rows(cache: Any, times: int, batch_axis: int = 0) -> Any:
   rows = jax.tree.map(lambda x: jnp.repeat(x, times, axis=0), state)
   rows = rows.replace(beam_origin=jnp.zeros((state.lengths.shape[0] * times, state.capacity), jnp.int32),
                       beam_size=times)
-  # [.., batch, heads, positions, head_dim]: positions grow to one slot per beam
-  return KVCache(_map_self_attention(lambda x: _fit(x, batch_axis + 2, times * state.capacity), cache.layers), rows)
+  # [.., batch, heads, positions, head_dim]: each segment's positions grow to one slot per beam
+  axis = batch_axis + 2
+  layers = _map_self_attention(lambda segments: tuple(_fit(x, axis, times * x.shape[axis]) for x in segments),
+                               cache.layers)
+  return KVCache(layers, rows)
 
 
 MIN_PHASE = 8   # tokens: the smallest capacity `growth_phases` starts a decode with
@@ -179,10 +184,13 @@ def resize(cache: Any, capacity: int, batch_axis: int = 0) -> Any:
   if capacity == old:
     return cache
 
-  def layer(x):
-    axis = batch_axis + 2                                        # [.., batch, heads, positions, head_dim]
+  axis = batch_axis + 2                                        # [.., batch, heads, positions, head_dim]
+
+  def layer(segments):
+    x = join_segments(segments, beams, axis)
     grouped = x.reshape(x.shape[:axis] + (beams, old) + x.shape[axis + 1:])
-    return _fit(grouped, axis + 1, capacity).reshape(x.shape[:axis] + (beams * capacity,) + x.shape[axis + 1:])
+    x = _fit(grouped, axis + 1, capacity).reshape(x.shape[:axis] + (beams * capacity,) + x.shape[axis + 1:])
+    return split_segments(x, beams, axis)
   origin = None if state.beam_origin is None else _fit(state.beam_origin, 1, capacity)
   return KVCache(_map_self_attention(layer, cache.layers), state.replace(capacity=capacity, beam_origin=origin))
 

@@ -328,8 +328,9 @@ class MultiHeadAttention(nn.Module):
       k, v = k * keep, v * keep
     return jnp.einsum("bskh,sr->brkh", k, e), jnp.einsum("bskh,sr->brkh", v, f)       # [B, R, K, H]
 
-  def _storage(self, name: str, shape, dtype):
-    return self.variable("cache", name, jnp.zeros, shape, dtype)
+  def _storage(self, name: str, state: kvc.CacheState, rows: int, tokens: int, kh: int, h: int, dtype,
+               segmented: bool = True):
+    return self.variable("cache", name, kvc.empty_storage, state, rows, tokens, kh, h, dtype, segmented)
 
   def _cached(self, x, q, kv, q_valid, wk, wv, bias, state: kvc.CacheState):
     """Attention through the KV cache (see the class docstring); dense over the cached keys."""
@@ -342,11 +343,10 @@ class MultiHeadAttention(nn.Module):
       if kv is not None:  # prefill: project the encoder output once and keep it
         k, v = _project(kv.astype(self.dtype), wk), _project(kv.astype(self.dtype), wv)  # [B, S, K, H]
         src_len = k.shape[1]
-        shape = kvc.storage_shape(state, batch, src_len, kh, h)
         src_pos = jnp.broadcast_to(jnp.arange(src_len)[None], (batch, src_len))
         src_valid = src_pos < state.source_lengths[:, None]
         for name, new in (("key", k), ("value", v)):
-          store = self._storage(name, shape, k.dtype)
+          store = self._storage(name, state, batch, src_len, kh, h, k.dtype, segmented=False)
           store.value = kvc.write(store.value, new, src_pos, src_valid, state.source_page_table, state.page_size)
       k_all = kvc.read(self.get_variable("cache", "key"), state.source_page_table)
       v_all = kvc.read(self.get_variable("cache", "value"), state.source_page_table)
@@ -366,10 +366,9 @@ class MultiHeadAttention(nn.Module):
         store.value = kvc.write_beams(store.value, new, state, valid)
         stored.append(store.value)
       return kvc.beam_attention(q, *stored, state, valid, **opts)
-    shape = kvc.storage_shape(state, batch, state.capacity, kh, h)
     stored = []
     for name, new in (("key", k), ("value", v)):
-      store = self._storage(name, shape, k.dtype)
+      store = self._storage(name, state, batch, state.capacity, kh, h, k.dtype)
       store.value = kvc.write(store.value, new, q_pos, valid, state.page_table, state.page_size)
       stored.append(kvc.read(store.value, state.page_table))
     kv_lengths = state.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)
