@@ -69,10 +69,6 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
   g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1] (1 = all)")
   g.add_argument("--seed", type=int, default=0,
                  help="sampling seed; a sentence's sample depends only on the seed and the sentence")
-  g.add_argument("--grow-cache", action="store_true",
-                 help="decode in phases of growing KV-cache capacity: the same output up to float rounding, "
-                      "faster steps early in the decode, one more compile per phase (pays off over many batches "
-                      "of one shape)")
 
 
 def search_options(args):
@@ -85,8 +81,8 @@ def search_options(args):
     raise ValueError(f"--beam-size {args.beam_size} cannot be combined with {'/'.join(sampling)}: "
                      "sampling needs --beam-size 1")
   options = SearchOptions(beam_size=args.beam_size, length_penalty=args.length_penalty, extra_tokens=args.max_length,
-                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          grow_cache=args.grow_cache).validate()
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          seed=args.seed).validate()
   if getattr(args, "draft_workdir", None):
     options.check_speculative()   # before anything is restored
   return options

@@ -79,11 +79,9 @@ def jaxformer_params(cfg: Config, seed: int) -> Any:
   return jax.jit(lambda k: nn.meta.unbox(model.init(k, ids, ids)["params"]))(jax.random.key(seed))
 
 
-def jaxformer_decoder(cfg: Config, params: Any, beam_size: int, src_len: int, new_tokens: int,
-                      grow_cache: bool = False) -> Decoder:
+def jaxformer_decoder(cfg: Config, params: Any, beam_size: int, src_len: int, new_tokens: int) -> Decoder:
   """jaxformer's greedy (beam_size 1) or beam search over sources of `src_len` tokens, exactly
-  `new_tokens` per row (the only code here that calls jaxformer's decoding API); `grow_cache`
-  as in `SearchOptions`.
+  `new_tokens` per row (the only code here that calls jaxformer's decoding API).
 
   Raises:
     ConfigError: new_tokens < src_len or > model.max_length (today's API sets the output length
@@ -94,8 +92,7 @@ def jaxformer_decoder(cfg: Config, params: Any, beam_size: int, src_len: int, ne
   if not src_len <= new_tokens <= cfg.model.max_length:
     raise ConfigError(f"jaxformer decodes src_len + extra tokens: --new-tokens must be in [--src-len={src_len}, "
                       f"model.max_length={cfg.model.max_length}], got {new_tokens}")
-  options = SearchOptions(beam_size=beam_size, extra_tokens=new_tokens - src_len, eos_id=-1,  # -1: never argmax
-                          grow_cache=grow_cache)
+  options = SearchOptions(beam_size=beam_size, extra_tokens=new_tokens - src_len, eos_id=-1)  # -1: never argmax
   decode = make_decode_fn(get_task(cfg).make_model(), build_mesh(cfg), cfg.model.max_length, options,
                           rules=sh.rules_for(cfg.mesh))
 
@@ -193,8 +190,6 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--rounds", type=int, default=5, help="timed interleaved rounds (median reported)")
   p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads of every engine")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--grow-cache", action="store_true",
-                 help="jaxformer decodes in phases of growing cache capacity (SearchOptions.grow_cache)")
   p.add_argument("overrides", nargs="*", help="config overrides, e.g. model.d_model=512")
   return p
 
@@ -218,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
       inputs = random_sources(args.batch_size, args.src_len, m.vocab_size, args.seed)
       decoders = {}
       for search, k in searches.items():
-        engines = (jaxformer_decoder(cfg, params, k, args.src_len, args.new_tokens, args.grow_cache),
+        engines = (jaxformer_decoder(cfg, params, k, args.src_len, args.new_tokens),
                    transformers_decoder(hf, k, args.new_tokens),
                    ctranslate2_decoder(translator, m.vocab_size, k, args.new_tokens))
         decoders.update({(search, e): d for e, d in zip(ENGINES, engines)})
@@ -234,11 +229,11 @@ def main(argv: list[str] | None = None) -> int:
   tokens = args.batch_size * args.new_tokens
   result: dict[str, Any] = {
       "model": cfg.name, "batch_size": args.batch_size, "src_len": args.src_len, "new_tokens": args.new_tokens,
-      "rounds": args.rounds, "threads": args.threads, "grow_cache": args.grow_cache,
+      "rounds": args.rounds, "threads": args.threads,
       "versions": {"jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
                    "ctranslate2": ctranslate2.__version__}}
   print(f"{cfg.name}, {args.batch_size} rows x {args.new_tokens} new tokens, {args.threads} threads, "
-        f"median of {args.rounds} rounds{', jaxformer --grow-cache' if args.grow_cache else ''}: target tokens/s")
+        f"median of {args.rounds} rounds: target tokens/s")
   print("| search | jaxformer | transformers | ctranslate2 | jaxformer/transformers | jaxformer/ctranslate2 |")
   print("|---|---|---|---|---|---|")
   for search in searches:

@@ -366,10 +366,6 @@ def test_cli_decoding_flags_pick_the_strategy():
       "strategy": "beam", "extra_tokens": 10, "beam_size": 4, "length_penalty": 1.0}
   assert parse("--top-p", "0.9", "--seed", "3").summary() == {
       "strategy": "sample", "extra_tokens": 50, "temperature": 1.0, "top_k": 0, "top_p": 0.9, "seed": 3}
-  assert parse("--grow-cache").grow_cache and not parse().grow_cache
-  assert parse("--grow-cache").summary() == {"strategy": "greedy", "extra_tokens": 50, "grow_cache": True}
-  with pytest.raises(ValueError, match="--grow-cache does not apply to speculative decoding"):
-    parse("--grow-cache", "--draft-workdir", "d")
   with pytest.raises(ValueError, match="speculative decoding .* is greedy; drop it or the beam options"):
     parse("--beam-size", "2", "--draft-workdir", "d")
   with pytest.raises(ValueError, match="--beam-size 2 cannot be combined with --temperature/--top-k"):

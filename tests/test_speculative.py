@@ -71,8 +71,6 @@ def test_make_decode_fn_with_a_draft_reports_acceptance_and_refuses_beam_search(
   assert accepted == proposed > 0   # the target as its own draft
   with pytest.raises(ValueError, match="speculative decoding .* is greedy"):
     make_decode_fn(target, mesh, BASE["max_length"], SearchOptions(beam_size=4), Draft(draft, dp))
-  with pytest.raises(ValueError, match="--grow-cache does not apply to speculative decoding"):
-    make_decode_fn(target, mesh, BASE["max_length"], SearchOptions(grow_cache=True), Draft(draft, dp))
 
 
 def test_num_draft_tokens_must_be_positive():

@@ -21,7 +21,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxformer.layers.kv_cache import CacheState, join_segments, mark_beams, split_segments
+from jaxformer.layers.kv_cache import CacheState, mark_beams
 from jaxformer.models.transformer import PAD_ID
 
 
@@ -102,23 +102,6 @@ def no_pad(logits: jax.Array) -> jax.Array:
   return jnp.where(jnp.arange(logits.shape[-1]) == PAD_ID, -jnp.inf, logits)
 
 
-def _map_self_attention(fn, layers: Any) -> Any:
-  """`layers` with `fn` applied to the segments (tuple) of every self-attention key and value
-  (cross-attention storage kept)."""
-  def storage(path, x):
-    return x if any(getattr(p, "key", None) == "cross_attention" for p in path) else fn(x)
-  return jax.tree_util.tree_map_with_path(storage, layers, is_leaf=lambda x: isinstance(x, tuple))
-
-
-def _fit(x: jax.Array, axis: int, size: int) -> jax.Array:
-  """`x` cut, or zero-padded at the end, to `size` entries on `axis`."""
-  if size <= x.shape[axis]:
-    return jax.lax.slice_in_dim(x, 0, size, axis=axis)
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, pad)
-
-
 def repeat_rows(cache: Any, times: int, batch_axis: int = 0) -> Any:
   """`cache` with `times` decode rows per row (row b -> rows b*times .. b*times + times - 1),
   e.g. one per beam.
@@ -141,58 +124,14 @@ def repeat_rows(cache: Any, times: int, batch_axis: int = 0) -> Any:
   rows = jax.tree.map(lambda x: jnp.repeat(x, times, axis=0), state)
   rows = rows.replace(beam_origin=jnp.zeros((state.lengths.shape[0] * times, state.capacity), jnp.int32),
                       beam_size=times)
-  # [.., batch, heads, positions, head_dim]: each segment's positions grow to one slot per beam
-  axis = batch_axis + 2
-  layers = _map_self_attention(lambda segments: tuple(_fit(x, axis, times * x.shape[axis]) for x in segments),
-                               cache.layers)
-  return KVCache(layers, rows)
+  axis = batch_axis + 2                    # [.., batch, heads, positions, head_dim]
 
-
-MIN_PHASE = 8   # tokens: the smallest capacity `growth_phases` starts a decode with
-
-
-def growth_phases(capacity: int, filled: int) -> tuple[int, ...]:
-  """Capacities (tokens per row, ascending, the last = `capacity`) a decode loop grows a
-  contiguous cache through: `capacity` halved while the half still exceeds `filled` (the most
-  tokens a row holds when the loop starts) and is at least MIN_PHASE. Attention reads every
-  slot of the cache each step, so a step early in the decode costs what its phase holds, not
-  the full capacity; each phase is one more compile of the step."""
-  sizes = [capacity]
-  while True:
-    half = -(-sizes[-1] // 2)
-    if half >= sizes[-1] or half < MIN_PHASE or half <= filled:
-      return tuple(reversed(sizes))
-    sizes.append(half)
-
-
-def resize(cache: Any, capacity: int, batch_axis: int = 0) -> Any:
-  """A contiguous `KVCache` whose self-attention storage holds `capacity` tokens per row (per
-  beam slot in the grouped beam layout), cut or zero-padded at the end; cross-attention
-  storage is unchanged. Cutting drops positions >= capacity, so every row must hold at most
-  `capacity` tokens. Layer leaves have the batch on `batch_axis`; other pytrees come back as
-  they are.
-
-  Raises:
-    ValueError: a paged `KVCache`.
-  """
-  if not isinstance(cache, KVCache):
-    return cache
-  state = cache.state
-  if state.paged:
-    raise ValueError("resize needs a contiguous KV cache (cache.contiguous_cache), not a paged one")
-  old, beams = state.capacity, state.beam_size
-  if capacity == old:
-    return cache
-
-  axis = batch_axis + 2                                        # [.., batch, heads, positions, head_dim]
-
-  def layer(segments):
-    x = join_segments(segments, beams, axis)
-    grouped = x.reshape(x.shape[:axis] + (beams, old) + x.shape[axis + 1:])
-    x = _fit(grouped, axis + 1, capacity).reshape(x.shape[:axis] + (beams * capacity,) + x.shape[axis + 1:])
-    return split_segments(x, beams, axis)
-  origin = None if state.beam_origin is None else _fit(state.beam_origin, 1, capacity)
-  return KVCache(_map_self_attention(layer, cache.layers), state.replace(capacity=capacity, beam_origin=origin))
+  def grow(path, segments):   # each self-attention segment: one slot per beam and position, zeros after slot 0
+    if any(getattr(p, "key", None) == "cross_attention" for p in path):
+      return segments
+    return tuple(jnp.pad(x, [(0, (times - 1) * x.shape[axis]) if d == axis else (0, 0) for d in range(x.ndim)])
+                 for x in segments)
+  return KVCache(jax.tree_util.tree_map_with_path(grow, cache.layers, is_leaf=lambda x: isinstance(x, tuple)), rows)
 
 
 def reorder_beams(cache: Any, parent: jax.Array) -> Any:

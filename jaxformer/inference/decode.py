@@ -77,15 +77,6 @@ def start(model: nn.Module, params: Any, inputs: jax.Array, max_decode_len: int)
   return kv.no_pad(logits), cache, logits_fn
 
 
-def cache_fill(model: nn.Module, inputs: jax.Array, grow_cache: bool = True) -> int:
-  """The most tokens a row's self-attention cache holds after `start` (BOS for an
-  encoder-decoder, the prompt for a decoder-only model), which lets `search.decode_loop` grow
-  the cache in phases; 0 (one phase) when `grow_cache` is off."""
-  if not grow_cache:
-    return 0
-  return 1 if model.ENCODES_SOURCE else inputs.shape[1]
-
-
 def cache_batch_axis(model: nn.Module) -> int:
   """Axis of the batch in the cache's layer leaves: 1 under `model.scan_layers`
   (`[num_layers, batch, ...]`), else 0."""
@@ -93,19 +84,18 @@ def cache_batch_axis(model: nn.Module) -> int:
 
 
 def greedy_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_len: int,
-                  eos_id: int = EOS_ID, grow_cache: bool = False) -> jax.Array:
+                  eos_id: int = EOS_ID) -> jax.Array:
   """Greedy search: int32 `[batch, max_decode_len]` tokens through EOS, then PAD, for int
   `[batch, len]` inputs (PAD padded). Rows stop independently; the loop ends when every row
-  has emitted EOS. `max_decode_len` must not exceed the model's `max_length`. `grow_cache`:
-  as in `SearchOptions`."""
+  has emitted EOS. `max_decode_len` must not exceed the model's `max_length`."""
   logits, cache, step = start(model, params, inputs, max_decode_len)
   return greedy_core(step, logits, cache, max_decode_len=max_decode_len, eos_id=eos_id,
-                     cache_batch_axis=cache_batch_axis(model), cache_fill=cache_fill(model, inputs, grow_cache))
+                     cache_batch_axis=cache_batch_axis(model))
 
 
 def beam_search(model: nn.Module, params: Any, inputs: jax.Array, beam_size: int = BEAM_SIZE,
                 max_decode_len: int | None = None, alpha: float = LENGTH_PENALTY,
-                eos_id: int = EOS_ID, grow_cache: bool = False) -> tuple[jax.Array, jax.Array]:
+                eos_id: int = EOS_ID) -> tuple[jax.Array, jax.Array]:
   """Beam search with the KV cache (see `search.beam_strategy`). Jittable (`beam_size`,
   `max_decode_len`, `alpha`, `eos_id` static).
 
@@ -115,7 +105,6 @@ def beam_search(model: nn.Module, params: Any, inputs: jax.Array, beam_size: int
     max_decode_len: tokens per hypothesis at most, EOS included; None gives
       min(src_len + 50, model max_length) (paper section 6.1); must not exceed max_length.
     alpha: GNMT length-penalty exponent (paper: 0.6), >= 0.
-    grow_cache: as in `SearchOptions`.
 
   Returns:
     (int32 `[batch, max_decode_len]` best hypothesis per row, float32 `[batch]` its
@@ -130,20 +119,18 @@ def beam_search(model: nn.Module, params: Any, inputs: jax.Array, beam_size: int
     raise ValueError(f"beam_size must be an integer >= 1, got {beam_size!r}")
   logits, cache, step = start(model, params, inputs, length)
   return beam_search_core(step, logits, cache, beam_size=beam_size, max_decode_len=length, alpha=alpha,
-                          eos_id=eos_id, cache_batch_axis=cache_batch_axis(model),
-                          cache_fill=cache_fill(model, inputs, grow_cache))
+                          eos_id=eos_id, cache_batch_axis=cache_batch_axis(model))
 
 
 def sample_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_len: int | None,
                   rng: jax.Array, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                  eos_id: int = EOS_ID, grow_cache: bool = False) -> jax.Array:
+                  eos_id: int = EOS_ID) -> jax.Array:
   """Samples one output per row with the KV cache (temperature, top-k, nucleus).
 
   Reproducible: the output is a function of (params, rng, the row's input tokens, options)
   only. Each row's key is `source_row_keys(rng, inputs)`, so an input gets the same sample
   alone or in any batch; identical inputs in one call get identical samples. top_k = 1 is
-  greedy. Returns int32 `[batch, max_decode_len]`: tokens through EOS, then PAD. `grow_cache`:
-  as in `SearchOptions`.
+  greedy. Returns int32 `[batch, max_decode_len]`: tokens through EOS, then PAD.
 
   Raises:
     ValueError: malformed inputs or sampling options (one line).
@@ -154,7 +141,7 @@ def sample_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_l
   logits, cache, step = start(model, params, inputs, length)
   return sample_core(step, logits, cache, source_row_keys(rng, inputs), max_decode_len=length,
                      temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
-                     cache_batch_axis=cache_batch_axis(model), cache_fill=cache_fill(model, inputs, grow_cache))
+                     cache_batch_axis=cache_batch_axis(model))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,13 +155,6 @@ class SearchOptions:
 
   Beam search combined with sampling options is rejected by `validate`. Output length is
   min(source length + `extra_tokens`, model max_length) (paper: + 50).
-
-  `grow_cache` runs the decode loop in phases of growing cache capacity (`search.decode_loop`):
-  the same tokens up to float rounding (near-ties aside) and cheaper steps while the outputs
-  are short (beam 4 on `multi30k_small`, 32 tokens: about 7% less decode time), but one more
-  compile of the decode step per phase (three or four at usual lengths). It pays when one
-  compiled shape decodes many batches; `eval` on test2016, a few batches per length bucket,
-  got slower with it.
   """
   beam_size: int = 1
   length_penalty: float = LENGTH_PENALTY
@@ -184,7 +164,6 @@ class SearchOptions:
   top_p: float | None = None
   seed: int = 0
   eos_id: int = EOS_ID
-  grow_cache: bool = False
 
   @property
   def sampling(self) -> bool:
@@ -216,12 +195,9 @@ class SearchOptions:
 
   def check_speculative(self) -> None:
     """Raises ValueError (one line) unless these options suit speculative decoding (a draft
-    model): plain greedy search, without `grow_cache` (speculation runs its own loop)."""
+    model): plain greedy search."""
     if self.strategy != "greedy":
       raise ValueError(f"speculative decoding (--draft-workdir) is greedy; drop it or the {self.strategy} options")
-    if self.grow_cache:
-      raise ValueError("--grow-cache does not apply to speculative decoding (--draft-workdir), which runs its own "
-                       "loop; drop one of them")
 
   def sampling_args(self) -> tuple[float, int, float]:
     """(temperature, top_k, top_p) with the unset ones at their 'off' values."""
@@ -235,22 +211,17 @@ class SearchOptions:
     elif self.strategy == "sample":
       t, k, p = self.sampling_args()
       out.update(temperature=t, top_k=k, top_p=p, seed=self.seed)
-    if self.grow_cache:
-      out["grow_cache"] = True
     return out
 
 
 def decode_with(model: nn.Module, params: Any, inputs: jax.Array, out_len: int, options: SearchOptions) -> jax.Array:
   """int32 `[batch, out_len]` tokens for `inputs` by the strategy of `options` (traceable)."""
-  grow = options.grow_cache
   if options.strategy == "beam":
-    return beam_search(model, params, inputs, options.beam_size, out_len, options.length_penalty, options.eos_id,
-                       grow)[0]
+    return beam_search(model, params, inputs, options.beam_size, out_len, options.length_penalty, options.eos_id)[0]
   if options.strategy == "sample":
     t, k, p = options.sampling_args()
-    return sample_decode(model, params, inputs, out_len, jax.random.key(options.seed), t, k, p, options.eos_id,
-                         grow)
-  return greedy_decode(model, params, inputs, out_len, options.eos_id, grow)
+    return sample_decode(model, params, inputs, out_len, jax.random.key(options.seed), t, k, p, options.eos_id)
+  return greedy_decode(model, params, inputs, out_len, options.eos_id)
 
 
 @dataclasses.dataclass

@@ -15,7 +15,6 @@ alpha = 0.6, maximum output length = input length + 50.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -23,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.inference import topk
-from jaxformer.inference.cache import KVCache, growth_phases, reorder_beams, repeat_rows, resize
+from jaxformer.inference.cache import reorder_beams, repeat_rows
 from jaxformer.models.transformer import PAD_ID
 
 EOS_ID = 3
@@ -128,7 +127,7 @@ class Strategy(NamedTuple):
 
 
 def decode_loop(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, strategy: Strategy,
-                max_decode_len: int, cache_batch_axis: int = 0, cache_fill: int = 0) -> Any:
+                max_decode_len: int, cache_batch_axis: int = 0) -> Any:
   """Runs `strategy` for at most `max_decode_len` tokens or until it is done; returns its final state.
 
   Token 0 comes from `init_logits`; each loop step feeds the last tokens to `logits_fn` and
@@ -136,30 +135,14 @@ def decode_loop(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, strateg
   cache is repeated per beam first and, when a step returns parents, reordered
   (`cache.reorder_beams`: for a `KVCache`, only its per-row bookkeeping) before the chosen
   tokens are fed.
-
-  `cache_fill` > 0 is a (static) bound on the tokens each row of a contiguous `KVCache` holds
-  when the loop starts. The loop then runs in phases of growing capacity
-  (`cache.growth_phases`): the cache is cut to the first phase's capacity, and each phase
-  steps while every row has room for one more token, then the cache grows to the next.
-  Attention reads every slot of the cache each step, so early steps get cheaper. The masked
-  keys past a row's length add exact zeros either way, but the sums over keys run in another
-  order: logits agree to float rounding (about 1e-6), so only a near-tie could pick another
-  token.
   """
   k = strategy.rows_per_input
-  phases = (None,)
-  if cache_fill > 0 and isinstance(cache, KVCache):
-    phases = growth_phases(cache.state.capacity, cache_fill)
-    cache = resize(cache, phases[0], cache_batch_axis)
   if k > 1:
     cache = repeat_rows(cache, k, cache_batch_axis)
 
-  def cond(capacity, carry):
-    i, cache, _, _, state = carry
-    going = (i < max_decode_len) & ~strategy.done(state)
-    if capacity is not None:   # not the last phase: stop when a row has no room for the next token
-      going = going & (jnp.max(cache.state.lengths) < capacity)
-    return going
+  def cond(carry):
+    i, _, _, _, state = carry
+    return (i < max_decode_len) & ~strategy.done(state)
 
   def body(carry):
     i, cache, tokens, parent, state = carry
@@ -173,12 +156,7 @@ def decode_loop(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, strateg
   rows_logits = jnp.repeat(init_logits, k, axis=0) if k > 1 else init_logits
   state, tokens, parent = strategy.step(strategy.init(init_logits), rows_logits, 0)
   carry = (jnp.array(1, jnp.int32), cache, tokens, parent, state)
-  for j, capacity in enumerate(phases):
-    if j:
-      carry = (carry[0], resize(carry[1], capacity, cache_batch_axis)) + carry[2:]
-    last = j == len(phases) - 1
-    carry = jax.lax.while_loop(functools.partial(cond, None if last else capacity), body, carry)
-  return carry[4]
+  return jax.lax.while_loop(cond, body, carry)[4]
 
 
 def token_strategy(choose: Callable[[jax.Array, jax.Array], jax.Array], max_decode_len: int,
@@ -309,21 +287,21 @@ def best_hypothesis(s: BeamState, max_decode_len: int, alpha: float) -> tuple[ja
 
 def beam_search_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, *, beam_size: int,
                      max_decode_len: int, alpha: float = LENGTH_PENALTY, eos_id: int = EOS_ID,
-                     cache_batch_axis: int = 0, cache_fill: int = 0) -> tuple[jax.Array, jax.Array]:
+                     cache_batch_axis: int = 0) -> tuple[jax.Array, jax.Array]:
   """Beam search (`beam_strategy`) over `logits_fn` for `batch * beam_size` rows (row
   b * beam_size + k is beam k of sentence b), from float `[batch, vocab]` first-token logits
-  and a cache of `batch` rows (`cache_batch_axis`, `cache_fill` as in `decode_loop`). Returns
+  and a cache of `batch` rows (`cache_batch_axis` as in `decode_loop`). Returns
   `best_hypothesis`: int32 `[batch, L]`, float32 `[batch]`."""
   strategy = beam_strategy(beam_size, max_decode_len, alpha, eos_id)
-  state = decode_loop(logits_fn, init_logits, cache, strategy, max_decode_len, cache_batch_axis, cache_fill)
+  state = decode_loop(logits_fn, init_logits, cache, strategy, max_decode_len, cache_batch_axis)
   return best_hypothesis(state, max_decode_len, alpha)
 
 
 def sample_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, row_keys: jax.Array, *,
                 max_decode_len: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                eos_id: int = EOS_ID, cache_batch_axis: int = 0, cache_fill: int = 0) -> jax.Array:
+                eos_id: int = EOS_ID, cache_batch_axis: int = 0) -> jax.Array:
   """Sampling (`sample_strategy`) over `logits_fn`; int32 `[batch, max_decode_len]` tokens
-  through EOS, then PAD (`cache_batch_axis`, `cache_fill` as in `decode_loop`).
+  through EOS, then PAD (`cache_batch_axis` as in `decode_loop`).
 
   Raises:
     ValueError: bad sampling options or max_decode_len < 1.
@@ -332,12 +310,12 @@ def sample_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, row_key
   if not isinstance(max_decode_len, int) or max_decode_len < 1:
     raise ValueError(f"max_decode_len must be an integer >= 1, got {max_decode_len!r}")
   strategy = sample_strategy(row_keys, max_decode_len, temperature, top_k, top_p, eos_id)
-  return decode_loop(logits_fn, init_logits, cache, strategy, max_decode_len, cache_batch_axis, cache_fill)[0]
+  return decode_loop(logits_fn, init_logits, cache, strategy, max_decode_len, cache_batch_axis)[0]
 
 
 def greedy_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, *, max_decode_len: int,
-                eos_id: int = EOS_ID, cache_batch_axis: int = 0, cache_fill: int = 0) -> jax.Array:
+                eos_id: int = EOS_ID, cache_batch_axis: int = 0) -> jax.Array:
   """Greedy search over `logits_fn`; int32 `[batch, max_decode_len]` tokens through EOS, then PAD
-  (`cache_batch_axis`, `cache_fill` as in `decode_loop`)."""
+  (`cache_batch_axis` as in `decode_loop`)."""
   return decode_loop(logits_fn, init_logits, cache, greedy_strategy(max_decode_len, eos_id), max_decode_len,
-                     cache_batch_axis, cache_fill)[0]
+                     cache_batch_axis)[0]
