@@ -65,3 +65,23 @@ def test_writes_and_attention_over_segments_equal_one_array():
   got = jax.jit(lambda *a: kvc.cached_attention(*a, **opts))(q, poisoned_k, poisoned_v, positions, kv_lengths)
   assert np.isfinite(np.asarray(got)).all()
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("lengths", [(0, 0, 5, 5), (7, 7, 8, 8), (15, 15, 16, 16)])
+def test_beam_writes_over_segments_equal_one_array(lengths):
+  """Grouped beam layout, 2 sentences x 2 beams, capacity 16 (segments 0-7, 8-15): each row's
+  key lands in its own beam slot at its length, as in one array; nothing goes into another
+  beam's slots (a segment after the row's position must not take it at a negative offset), and
+  a position at capacity is dropped."""
+  beams, capacity, kh, h = 2, 16, 2, 4
+  rng = np.random.default_rng(1)
+  old = jnp.asarray(rng.standard_normal((2, kh, beams * capacity, h)), jnp.float32)
+  new = jnp.asarray(rng.standard_normal((4, 1, kh, h)), jnp.float32)
+  state = kvc.CacheState(lengths=jnp.asarray(lengths, jnp.int32), capacity=capacity, beam_size=beams)
+  valid = jnp.asarray([[True], [True], [True], [False]])
+  got = kvc.join_segments(kvc.write_beams(kvc.split_segments(old, beams), new, state, valid), beams)
+  want = np.asarray(old).copy()
+  for r, length in enumerate(lengths):
+    if valid[r, 0] and length < capacity:
+      want[r // beams, :, (r % beams) * capacity + length] = np.asarray(new)[r, 0]
+  np.testing.assert_array_equal(got, want)

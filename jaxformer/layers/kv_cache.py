@@ -12,8 +12,9 @@ Storage lives per layer in the linen "cache" collection, in one of two layouts:
 
 Why segments: a decode step's attention reads the whole cache from memory, and XLA:CPU
 copies a slice of an array before a matmul reads it, so one array cannot be read in part.
-Separate arrays can: a step skips (`lax.cond`) every segment that starts past the longest
-row, so it reads at most twice what the rows hold, not the whole capacity.
+Separate arrays can: a step skips (`lax.cond`) every segment after the first that starts past
+the longest row, so it reads the first segment or at most twice what the longest row holds,
+not the whole capacity (under `vmap` the conds become selects and every segment is read).
 
 Heads come before length so one step's scores are a batched matmul over (batch, kv head)
 with no copy of the cache. Which rows hold how many tokens is not stored here: it comes with
@@ -183,8 +184,9 @@ def cached_attention(q: jax.Array, k: tuple[jax.Array, ...], v: tuple[jax.Array,
     softcap: as in `scores.attention_scores`.
     kv_positions: int `[1, S]` position of each key when not 0..S-1 (the grouped beam layout).
     kv_mask: bool `[batch, T, S]` keys each query may see (with `kv_lengths` None).
-    kv_used: int scalar, no valid key at a position >= it (default: the largest kv_lengths).
-      Segments after the first that start there are not read: their keys are all masked.
+    kv_used: int scalar, no valid key at a position >= it (default: the largest kv_lengths;
+      with `kv_mask` and no `kv_used`, every segment is read). Segments after the first that
+      start there are not read: their keys are all masked.
     slots_per_position: slots of a segment per position (the grouped beam layout's beams).
 
   Returns:
@@ -194,8 +196,11 @@ def cached_attention(q: jax.Array, k: tuple[jax.Array, ...], v: tuple[jax.Array,
   b, t, n, h = q.shape
   kh = k[0].shape[1]
   g = n // kh
-  used = jnp.max(kv_lengths) if kv_used is None else kv_used
-  read_segment = [j == 0 or start < used for j, start in enumerate(_starts(k, slots_per_position))]
+  if kv_used is None and kv_lengths is None:
+    read_segment = [True] * len(k)
+  else:
+    used = jnp.max(kv_lengths) if kv_used is None else kv_used
+    read_segment = [j == 0 or start < used for j, start in enumerate(_starts(k, slots_per_position))]
 
   def skippable(j, fn, skipped_shape, *args):
     if j == 0:
@@ -269,7 +274,7 @@ def write_beams(storage: tuple[jax.Array, ...], new: jax.Array, state: CacheStat
   for seg, start in zip(storage, _starts(storage, beams)):
     length = seg.shape[2] // beams
     offset = state.lengths - start                                                          # [rows]
-    ok = valid[:, 0] & (offset < length)
+    ok = valid[:, 0] & (offset >= 0) & (offset < length)    # else the slot would be another beam's
     out.append(_write_rows(seg, _by_sentence(new, beams), (beam * length + offset).reshape(-1, beams),
                            ok.reshape(-1, beams)))
   return tuple(out)
