@@ -89,8 +89,7 @@ def greedy_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_l
   `[batch, len]` inputs (PAD padded). Rows stop independently; the loop ends when every row
   has emitted EOS. `max_decode_len` must not exceed the model's `max_length`."""
   logits, cache, step = start(model, params, inputs, max_decode_len)
-  return greedy_core(step, logits, cache, max_decode_len=max_decode_len, eos_id=eos_id,
-                     cache_batch_axis=cache_batch_axis(model))
+  return greedy_core(step, logits, cache, max_decode_len=max_decode_len, eos_id=eos_id)
 
 
 def beam_search(model: nn.Module, params: Any, inputs: jax.Array, beam_size: int = BEAM_SIZE,
@@ -140,8 +139,7 @@ def sample_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_l
   length = _resolve_decode_len(model, inputs, max_decode_len)
   logits, cache, step = start(model, params, inputs, length)
   return sample_core(step, logits, cache, source_row_keys(rng, inputs), max_decode_len=length,
-                     temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
-                     cache_batch_axis=cache_batch_axis(model))
+                     temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id)
 
 
 @dataclasses.dataclass(frozen=True)

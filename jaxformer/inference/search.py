@@ -155,8 +155,7 @@ def decode_loop(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, strateg
   init_logits = init_logits.astype(jnp.float32)
   rows_logits = jnp.repeat(init_logits, k, axis=0) if k > 1 else init_logits
   state, tokens, parent = strategy.step(strategy.init(init_logits), rows_logits, 0)
-  carry = (jnp.array(1, jnp.int32), cache, tokens, parent, state)
-  return jax.lax.while_loop(cond, body, carry)[4]
+  return jax.lax.while_loop(cond, body, (jnp.array(1, jnp.int32), cache, tokens, parent, state))[4]
 
 
 def token_strategy(choose: Callable[[jax.Array, jax.Array], jax.Array], max_decode_len: int,
@@ -299,9 +298,9 @@ def beam_search_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, *,
 
 def sample_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, row_keys: jax.Array, *,
                 max_decode_len: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                eos_id: int = EOS_ID, cache_batch_axis: int = 0) -> jax.Array:
+                eos_id: int = EOS_ID) -> jax.Array:
   """Sampling (`sample_strategy`) over `logits_fn`; int32 `[batch, max_decode_len]` tokens
-  through EOS, then PAD (`cache_batch_axis` as in `decode_loop`).
+  through EOS, then PAD.
 
   Raises:
     ValueError: bad sampling options or max_decode_len < 1.
@@ -310,12 +309,10 @@ def sample_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, row_key
   if not isinstance(max_decode_len, int) or max_decode_len < 1:
     raise ValueError(f"max_decode_len must be an integer >= 1, got {max_decode_len!r}")
   strategy = sample_strategy(row_keys, max_decode_len, temperature, top_k, top_p, eos_id)
-  return decode_loop(logits_fn, init_logits, cache, strategy, max_decode_len, cache_batch_axis)[0]
+  return decode_loop(logits_fn, init_logits, cache, strategy, max_decode_len)[0]
 
 
 def greedy_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, *, max_decode_len: int,
-                eos_id: int = EOS_ID, cache_batch_axis: int = 0) -> jax.Array:
-  """Greedy search over `logits_fn`; int32 `[batch, max_decode_len]` tokens through EOS, then PAD
-  (`cache_batch_axis` as in `decode_loop`)."""
-  return decode_loop(logits_fn, init_logits, cache, greedy_strategy(max_decode_len, eos_id), max_decode_len,
-                     cache_batch_axis)[0]
+                eos_id: int = EOS_ID) -> jax.Array:
+  """Greedy search over `logits_fn`; int32 `[batch, max_decode_len]` tokens through EOS, then PAD."""
+  return decode_loop(logits_fn, init_logits, cache, greedy_strategy(max_decode_len, eos_id), max_decode_len)[0]
