@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from jaxformer.config import Config, ModelConfig
-from jaxformer.layers.embedding import sinusoidal_positions
+from jaxformer.layers.embedding import sinusoid_table
 from jaxformer.models.transformer import BOS_ID, PAD_ID
 from jaxformer.train.optim import make_schedule
 
@@ -64,7 +64,7 @@ class PeerTransformer(nn.Module):
           activation="relu", layer_norm_eps=1e-6, batch_first=True, norm_first=m.pre_norm)
     _strip_to_paper(self.transformer, m)
     self.dropout = nn.Dropout(m.dropout_rate)
-    table = np.array(sinusoidal_positions(np.arange(m.max_length)[None], m.d_model)[0])
+    table = np.array(sinusoid_table(m.max_length, m.d_model))
     self.register_buffer("positions", torch.from_numpy(table), persistent=False)
 
   def _embed(self, embed: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:

@@ -141,7 +141,7 @@ def test_encoder_block_is_permutation_equivariant():
 def test_sinusoidal_positions_match_paper_formula():
   d = 10
   positions = np.array([[0, 1, 2, 7], [50, 3, 99, 511]])
-  pe = np.asarray(sinusoidal_positions(jnp.asarray(positions), d))
+  pe = np.asarray(sinusoidal_positions(jnp.asarray(positions), d, 512))
   assert pe.shape == (2, 4, d) and pe.dtype == np.float32
   for b in range(positions.shape[0]):
     for t in range(positions.shape[1]):
@@ -154,7 +154,7 @@ def test_sinusoidal_positions_match_paper_formula():
 
 def test_sinusoidal_positions_rejects_odd_width():
   with pytest.raises(ValueError):
-    sinusoidal_positions(jnp.zeros((1, 3), jnp.int32), 7)
+    sinusoidal_positions(jnp.zeros((1, 3), jnp.int32), 7, 8)
 
 
 # --- LayerNorm -----------------------------------------------------------------------------

@@ -115,8 +115,9 @@ def sample_tokens(logits: jax.Array, row_keys: jax.Array, index: jax.Array, temp
 class Strategy(NamedTuple):
   """How a decode loop turns logits into tokens.
 
-  init(logits [batch, vocab]) -> search state; step(state, logits, i) -> (state, tokens
-  [rows], parent int [batch, beam] or None: the rows whose cache each new row continues);
+  init(logits [batch, vocab]) -> search state; step(state, logits [rows, vocab], i) ->
+  (state, tokens [rows], parent int [batch, beam] or None: the rows whose cache each new row
+  continues), where step 0 gets the prefill's `[batch, vocab]` logits (a sentence's beams start alike);
   done(state) -> bool scalar (every row finished); `rows_per_input` rows decode each input
   row (the beam size, else 1).
   """
@@ -153,8 +154,7 @@ def decode_loop(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, strateg
     return i + 1, cache, tokens, parent, state
 
   init_logits = init_logits.astype(jnp.float32)
-  rows_logits = jnp.repeat(init_logits, k, axis=0) if k > 1 else init_logits
-  state, tokens, parent = strategy.step(strategy.init(init_logits), rows_logits, 0)
+  state, tokens, parent = strategy.step(strategy.init(init_logits), init_logits, 0)
   return jax.lax.while_loop(cond, body, (jnp.array(1, jnp.int32), cache, tokens, parent, state))[4]
 
 
@@ -238,6 +238,8 @@ def beam_strategy(beam_size: int, max_decode_len: int, alpha: float = LENGTH_PEN
     # those first, so no [batch, K * vocab] array of log-probs is built.
     per_beam = min(2 * k, vocab)
     top_logp, top_tok = topk.top_k_log_probs(logits, per_beam)                 # [B*K, P]
+    if logits.shape[0] != batch * k:   # step 0: one row per sentence, the same for its beams
+      top_logp, top_tok = jnp.repeat(top_logp, k, axis=0), jnp.repeat(top_tok, k, axis=0)
     flat = (s.live_logp.reshape(-1, 1) + top_logp).reshape(batch, k * per_beam)
     cand_logp, cand_idx = jax.lax.top_k(flat, 2 * k)                         # [B, 2K]
     cand_beam = cand_idx // per_beam

@@ -144,7 +144,7 @@ def embed_tokens(config: ModelConfig, embed: Embed, tokens: jax.Array, positions
   """
   x = embed(tokens)
   if config.position == "sinusoidal":
-    x = x + sinusoidal_positions(positions, config.d_model).astype(embed.dtype)
+    x = x + sinusoidal_positions(positions, config.d_model, config.max_length).astype(embed.dtype)
   elif config.position == "learned":
     x = x + learned(positions)
   return x
