@@ -10,7 +10,7 @@ import pytest
 from jaxformer import sharding as sh
 from jaxformer.config import Config, MeshConfig, ModelConfig, OptimConfig
 from jaxformer.evaluate import hypothesis_scores
-from jaxformer.inference.decode import (SearchOptions, beam_search, default_decode_len, greedy_decode,
+from jaxformer.inference.decode import (SearchOptions, beam_search, decode_with, default_decode_len, greedy_decode,
                                         make_decode_fn, sample_decode)
 from jaxformer.inference.search import (EOS_ID, beam_search_core, filter_logits, length_penalty, sample_core,
                                         source_row_keys)
@@ -355,6 +355,31 @@ def test_make_decode_fn_matches_direct_calls_on_a_mesh(model_and_params, fns):
       params, src)
   np.testing.assert_array_equal(out, sample(params, src, jax.random.key(0), 2.0, 0))
   assert default_decode_len(11, MAX_LEN) == MAX_LEN and default_decode_len(3, 100) == 53
+
+
+@pytest.mark.parametrize("options", [SearchOptions(beam_size=3, extra_tokens=1), SearchOptions(extra_tokens=2),
+                                     SearchOptions(temperature=2.0, seed=0, extra_tokens=1)])
+def test_make_decode_fn_reuses_its_cache_memory_without_reading_it(model_and_params, options):
+  """On one device the decode function donates the last call's KV cache to the next call of
+  that shape: its buffers are consumed (so their memory can be reused), one shape's cache is
+  kept, and whatever they hold never reaches the output, even NaN."""
+  model, params = model_and_params
+  decode = make_decode_fn(model, sh.make_mesh(MeshConfig(), jax.devices()[:1]), MAX_LEN, options)
+  a, b = _sources(0), _sources(1, lengths=(3, 9, 5))
+
+  def want(src):   # a fresh cache every call
+    out_len = default_decode_len(src.shape[1], MAX_LEN, options.extra_tokens)
+    return jax.jit(lambda p, x: decode_with(model, p, x, out_len, options))(params, src)
+
+  np.testing.assert_array_equal(decode(params, a), want(a))
+  (key, kept), = decode.workspace.items()
+  garbage = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan if jnp.issubdtype(x.dtype, jnp.floating) else 7), kept)
+  decode.workspace[key] = garbage
+  np.testing.assert_array_equal(decode(params, a), want(a))
+  assert all(x.is_deleted() for x in jax.tree.leaves(garbage))          # donated
+  np.testing.assert_array_equal(decode(params, b), want(b))              # another shape
+  assert [k[0] for k in decode.workspace] == [b.shape]
+  np.testing.assert_array_equal(decode(params, a), want(a))
 
 
 def test_cli_decoding_flags_pick_the_strategy():

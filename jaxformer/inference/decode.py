@@ -84,17 +84,18 @@ def cache_batch_axis(model: nn.Module) -> int:
 
 
 def greedy_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_len: int,
-                  eos_id: int = EOS_ID) -> jax.Array:
+                  eos_id: int = EOS_ID, return_cache: bool = False) -> Any:
   """Greedy search: int32 `[batch, max_decode_len]` tokens through EOS, then PAD, for int
   `[batch, len]` inputs (PAD padded). Rows stop independently; the loop ends when every row
-  has emitted EOS. `max_decode_len` must not exceed the model's `max_length`."""
+  has emitted EOS. `max_decode_len` must not exceed the model's `max_length`. With
+  `return_cache`: (tokens, the final `KVCache`)."""
   logits, cache, step = start(model, params, inputs, max_decode_len)
-  return greedy_core(step, logits, cache, max_decode_len=max_decode_len, eos_id=eos_id)
+  return greedy_core(step, logits, cache, max_decode_len=max_decode_len, eos_id=eos_id, return_cache=return_cache)
 
 
 def beam_search(model: nn.Module, params: Any, inputs: jax.Array, beam_size: int = BEAM_SIZE,
                 max_decode_len: int | None = None, alpha: float = LENGTH_PENALTY,
-                eos_id: int = EOS_ID) -> tuple[jax.Array, jax.Array]:
+                eos_id: int = EOS_ID, return_cache: bool = False) -> Any:
   """Beam search with the KV cache (see `search.beam_strategy`). Jittable (`beam_size`,
   `max_decode_len`, `alpha`, `eos_id` static).
 
@@ -107,7 +108,7 @@ def beam_search(model: nn.Module, params: Any, inputs: jax.Array, beam_size: int
 
   Returns:
     (int32 `[batch, max_decode_len]` best hypothesis per row, float32 `[batch]` its
-    length-normalised log-probability).
+    length-normalised log-probability); with `return_cache`, (that pair, the final `KVCache`).
 
   Raises:
     ValueError: malformed inputs or options (one line).
@@ -118,18 +119,19 @@ def beam_search(model: nn.Module, params: Any, inputs: jax.Array, beam_size: int
     raise ValueError(f"beam_size must be an integer >= 1, got {beam_size!r}")
   logits, cache, step = start(model, params, inputs, length)
   return beam_search_core(step, logits, cache, beam_size=beam_size, max_decode_len=length, alpha=alpha,
-                          eos_id=eos_id, cache_batch_axis=cache_batch_axis(model))
+                          eos_id=eos_id, cache_batch_axis=cache_batch_axis(model), return_cache=return_cache)
 
 
 def sample_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_len: int | None,
                   rng: jax.Array, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                  eos_id: int = EOS_ID) -> jax.Array:
+                  eos_id: int = EOS_ID, return_cache: bool = False) -> Any:
   """Samples one output per row with the KV cache (temperature, top-k, nucleus).
 
   Reproducible: the output is a function of (params, rng, the row's input tokens, options)
   only. Each row's key is `source_row_keys(rng, inputs)`, so an input gets the same sample
   alone or in any batch; identical inputs in one call get identical samples. top_k = 1 is
-  greedy. Returns int32 `[batch, max_decode_len]`: tokens through EOS, then PAD.
+  greedy. Returns int32 `[batch, max_decode_len]`: tokens through EOS, then PAD (with
+  `return_cache`: those and the final `KVCache`).
 
   Raises:
     ValueError: malformed inputs or sampling options (one line).
@@ -139,7 +141,7 @@ def sample_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_l
   length = _resolve_decode_len(model, inputs, max_decode_len)
   logits, cache, step = start(model, params, inputs, length)
   return sample_core(step, logits, cache, source_row_keys(rng, inputs), max_decode_len=length,
-                     temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id)
+                     temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, return_cache=return_cache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,14 +214,20 @@ class SearchOptions:
     return out
 
 
-def decode_with(model: nn.Module, params: Any, inputs: jax.Array, out_len: int, options: SearchOptions) -> jax.Array:
-  """int32 `[batch, out_len]` tokens for `inputs` by the strategy of `options` (traceable)."""
+def decode_with(model: nn.Module, params: Any, inputs: jax.Array, out_len: int, options: SearchOptions,
+                return_cache: bool = False) -> Any:
+  """int32 `[batch, out_len]` tokens for `inputs` by the strategy of `options` (traceable);
+  with `return_cache`, (tokens, the final `KVCache`)."""
   if options.strategy == "beam":
-    return beam_search(model, params, inputs, options.beam_size, out_len, options.length_penalty, options.eos_id)[0]
-  if options.strategy == "sample":
+    (tokens, _), cache = beam_search(model, params, inputs, options.beam_size, out_len, options.length_penalty,
+                                     options.eos_id, return_cache=True)
+  elif options.strategy == "sample":
     t, k, p = options.sampling_args()
-    return sample_decode(model, params, inputs, out_len, jax.random.key(options.seed), t, k, p, options.eos_id)
-  return greedy_decode(model, params, inputs, out_len, options.eos_id)
+    tokens, cache = sample_decode(model, params, inputs, out_len, jax.random.key(options.seed), t, k, p,
+                                  options.eos_id, return_cache=True)
+  else:
+    tokens, cache = greedy_decode(model, params, inputs, out_len, options.eos_id, return_cache=True)
+  return (tokens, cache) if return_cache else tokens
 
 
 @dataclasses.dataclass
@@ -244,6 +252,13 @@ def make_decode_fn(model: nn.Module, mesh: Mesh, max_length: int, options: Searc
   on batching. With a `draft`, greedy search runs speculatively (same tokens); the
   function's `speculation` list then gets `(accepted draft tokens, proposed)` per call.
 
+  On a one-device mesh without a draft, the function keeps the last call's KV cache (one
+  call's cache, for the last input shape) and donates it to the next call of that shape, whose
+  cache then takes its memory; its values are never read. XLA:CPU would otherwise allocate
+  the cache afresh with each call's temporaries: at beam 4 and batch 32 (`multi30k_small`)
+  a 34 MB buffer, over glibc's 32 MiB mmap limit, so every call faulted in 8,300 new pages
+  (about 4% of the call's time).
+
   Raises:
     ValueError: bad options, or a draft with beam search or sampling (one line).
   """
@@ -251,22 +266,48 @@ def make_decode_fn(model: nn.Module, mesh: Mesh, max_length: int, options: Searc
   if draft is not None:
     options.check_speculative()
 
+  reuse_cache = draft is None and mesh.devices.size == 1
+
+  def sharded(inputs):
+    return jax.lax.with_sharding_constraint(inputs, sh.batch_sharding(mesh, rules=rules))
+
   @functools.partial(jax.jit, static_argnums=(2,))
   def run(params, inputs, out_len, draft_params=None):
-    inputs = jax.lax.with_sharding_constraint(inputs, sh.batch_sharding(mesh, rules=rules))
     if draft is None:
-      return decode_with(model, params, inputs, out_len, options)
-    tokens, accepted, rounds = speculative_greedy(model, params, draft.model, draft_params, inputs, out_len,
+      return decode_with(model, params, sharded(inputs), out_len, options)
+    tokens, accepted, rounds = speculative_greedy(model, params, draft.model, draft_params, sharded(inputs), out_len,
                                                   draft.num_tokens, options.eos_id)
     return tokens, jnp.sum(accepted), jnp.sum(rounds) * draft.num_tokens
+
+  @functools.partial(jax.jit, static_argnums=(2,), donate_argnums=(3,), keep_unused=True)
+  def run_reusing(params, inputs, out_len, workspace):   # workspace: a cache of this shape, values unused
+    return decode_with(model, params, sharded(inputs), out_len, options, return_cache=True)
+
+  cache_shapes = {}   # per input shape: the cache's shapes (tracing them again would cost as much as a call)
+
+  def workspace_for(params, inputs, out_len):
+    key = (inputs.shape, jnp.dtype(inputs.dtype).name, out_len)
+    kept = decode_fn.workspace.pop(key, None)
+    decode_fn.workspace.clear()               # one shape's cache at most
+    if kept is None:
+      if key not in cache_shapes:
+        cache_shapes[key] = jax.eval_shape(
+            lambda p, x: decode_with(model, p, x, out_len, options, return_cache=True)[1], params, inputs)
+      kept = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), cache_shapes[key])
+    return key, kept
 
   def decode_fn(params, inputs):
     out_len = default_decode_len(inputs.shape[1], max_length, options.extra_tokens)
     with sh.bind(mesh, rules):
+      if reuse_cache:
+        key, workspace = workspace_for(params, inputs, out_len)
+        tokens, decode_fn.workspace[key] = run_reusing(params, inputs, out_len, workspace)
+        return tokens
       if draft is None:
         return run(params, inputs, out_len)
       tokens, accepted, proposed = run(params, inputs, out_len, draft.params)
     decode_fn.speculation.append((int(accepted), int(proposed)))
     return tokens
   decode_fn.speculation = []
+  decode_fn.workspace = {}
   return decode_fn

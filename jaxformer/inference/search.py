@@ -128,8 +128,9 @@ class Strategy(NamedTuple):
 
 
 def decode_loop(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, strategy: Strategy,
-                max_decode_len: int, cache_batch_axis: int = 0) -> Any:
-  """Runs `strategy` for at most `max_decode_len` tokens or until it is done; returns its final state.
+                max_decode_len: int, cache_batch_axis: int = 0) -> tuple[Any, Any]:
+  """Runs `strategy` for at most `max_decode_len` tokens or until it is done; returns its final
+  state and the final cache.
 
   Token 0 comes from `init_logits`; each loop step feeds the last tokens to `logits_fn` and
   picks the next ones, so `max_decode_len` tokens take `max_decode_len - 1` model calls. The
@@ -155,7 +156,8 @@ def decode_loop(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, strateg
 
   init_logits = init_logits.astype(jnp.float32)
   state, tokens, parent = strategy.step(strategy.init(init_logits), init_logits, 0)
-  return jax.lax.while_loop(cond, body, (jnp.array(1, jnp.int32), cache, tokens, parent, state))[4]
+  _, cache, _, _, state = jax.lax.while_loop(cond, body, (jnp.array(1, jnp.int32), cache, tokens, parent, state))
+  return state, cache
 
 
 def token_strategy(choose: Callable[[jax.Array, jax.Array], jax.Array], max_decode_len: int,
@@ -288,21 +290,23 @@ def best_hypothesis(s: BeamState, max_decode_len: int, alpha: float) -> tuple[ja
 
 def beam_search_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, *, beam_size: int,
                      max_decode_len: int, alpha: float = LENGTH_PENALTY, eos_id: int = EOS_ID,
-                     cache_batch_axis: int = 0) -> tuple[jax.Array, jax.Array]:
+                     cache_batch_axis: int = 0, return_cache: bool = False) -> Any:
   """Beam search (`beam_strategy`) over `logits_fn` for `batch * beam_size` rows (row
   b * beam_size + k is beam k of sentence b), from float `[batch, vocab]` first-token logits
   and a cache of `batch` rows (`cache_batch_axis` as in `decode_loop`). Returns
-  `best_hypothesis`: int32 `[batch, L]`, float32 `[batch]`."""
+  `best_hypothesis`: int32 `[batch, L]`, float32 `[batch]`; with `return_cache`, (that, the
+  final cache)."""
   strategy = beam_strategy(beam_size, max_decode_len, alpha, eos_id)
-  state = decode_loop(logits_fn, init_logits, cache, strategy, max_decode_len, cache_batch_axis)
-  return best_hypothesis(state, max_decode_len, alpha)
+  state, cache = decode_loop(logits_fn, init_logits, cache, strategy, max_decode_len, cache_batch_axis)
+  best = best_hypothesis(state, max_decode_len, alpha)
+  return (best, cache) if return_cache else best
 
 
 def sample_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, row_keys: jax.Array, *,
                 max_decode_len: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                eos_id: int = EOS_ID) -> jax.Array:
+                eos_id: int = EOS_ID, return_cache: bool = False) -> Any:
   """Sampling (`sample_strategy`) over `logits_fn`; int32 `[batch, max_decode_len]` tokens
-  through EOS, then PAD.
+  through EOS, then PAD (with `return_cache`: those and the final cache).
 
   Raises:
     ValueError: bad sampling options or max_decode_len < 1.
@@ -311,10 +315,13 @@ def sample_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, row_key
   if not isinstance(max_decode_len, int) or max_decode_len < 1:
     raise ValueError(f"max_decode_len must be an integer >= 1, got {max_decode_len!r}")
   strategy = sample_strategy(row_keys, max_decode_len, temperature, top_k, top_p, eos_id)
-  return decode_loop(logits_fn, init_logits, cache, strategy, max_decode_len)[0]
+  state, cache = decode_loop(logits_fn, init_logits, cache, strategy, max_decode_len)
+  return (state[0], cache) if return_cache else state[0]
 
 
 def greedy_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, *, max_decode_len: int,
-                eos_id: int = EOS_ID) -> jax.Array:
-  """Greedy search over `logits_fn`; int32 `[batch, max_decode_len]` tokens through EOS, then PAD."""
-  return decode_loop(logits_fn, init_logits, cache, greedy_strategy(max_decode_len, eos_id), max_decode_len)[0]
+                eos_id: int = EOS_ID, return_cache: bool = False) -> Any:
+  """Greedy search over `logits_fn`; int32 `[batch, max_decode_len]` tokens through EOS, then
+  PAD (with `return_cache`: those and the final cache)."""
+  state, cache = decode_loop(logits_fn, init_logits, cache, greedy_strategy(max_decode_len, eos_id), max_decode_len)
+  return (state[0], cache) if return_cache else state[0]
