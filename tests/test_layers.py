@@ -152,6 +152,16 @@ def test_sinusoidal_positions_match_paper_formula():
         assert abs(pe[b, t, 2 * i + 1] - math.cos(angle)) < 1e-4, (pos, i)
 
 
+def test_sinusoidal_positions_past_max_length_follow_the_formula():
+  """A sequence longer than the model's max_length (a library call with a long source) gets
+  the formula's encodings, as before the table, not the table's last row."""
+  positions = jnp.arange(40)[None]
+  pe = np.asarray(sinusoidal_positions(positions, 8, 24))
+  angles = np.arange(40)[:, None] / 10000.0 ** (np.arange(0, 8, 2) / 8)
+  np.testing.assert_allclose(pe[0, :, 0::2], np.sin(angles), atol=1e-5)
+  np.testing.assert_allclose(pe[0, :, 1::2], np.cos(angles), atol=1e-5)
+
+
 def test_sinusoidal_positions_rejects_odd_width():
   with pytest.raises(ValueError):
     sinusoidal_positions(jnp.zeros((1, 3), jnp.int32), 7, 8)

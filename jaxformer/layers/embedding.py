@@ -25,15 +25,17 @@ def sinusoid_table(max_length: int, d_model: int) -> jax.Array:
 
 def sinusoidal_positions(positions: jax.Array, d_model: int, max_length: int) -> jax.Array:
   """float32 `[batch, length, d_model]`: the `sinusoid_table` rows of int `[batch, length]`
-  positions, which must be below `max_length` (the model's; larger ones get row
-  max_length - 1).
+  positions. The table covers max(max_length, length) positions (`max_length`: the model's),
+  so a sequence longer than the model's `max_length` still gets the formula's encodings;
+  positions past the table (only a cached step's padding) get its last row.
 
   Raises:
     ValueError: odd d_model.
   """
   # A row per token rather than sine and cosine per token: XLA hoists the table out of a
   # decode loop, and computing them for each new token cost about 0.1 ms a step at 128 rows.
-  return jnp.take(sinusoid_table(max_length, d_model), positions, axis=0, mode="clip")
+  table = sinusoid_table(max(max_length, positions.shape[-1]), d_model)
+  return jnp.take(table, positions, axis=0, mode="clip")
 
 
 class Embed(nn.Module):
