@@ -1,6 +1,9 @@
 """`python -m jaxformer` is the `jaxformer` command."""
 import sys
 
-from jaxformer.cli import main
+try:
+  from jaxformer.cli import main
+except KeyboardInterrupt:   # Ctrl-C while importing: the status of one during a command (128 + SIGINT)
+  sys.exit(130)
 
 sys.exit(main())

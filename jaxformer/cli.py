@@ -330,12 +330,12 @@ def main(argv: list[str] | None = None) -> int:
   Returns:
     The exit status: 0, or 2 after printing a user mistake as one `error:` line on stderr.
   """
-  args = _parser().parse_args(argv)
   commands = {"train": cmd_train, "eval": cmd_eval, "translate": cmd_translate, "generate": cmd_generate,
               "serve": cmd_serve, "average": cmd_average, "bench": cmd_bench, "compile": cmd_compile,
               "config": cmd_config,
               **cli_plots.COMMANDS, **cli_interop.COMMANDS}
   try:
+    args = _parser().parse_args(argv)   # inside: a Ctrl-C while parsing exits 130 like one during the command
     commands[args.command](args)
   except (ConfigError, CheckpointError, NonFiniteError, FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
