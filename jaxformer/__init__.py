@@ -9,6 +9,7 @@ The public Python API is the names below; everything else is internal. Each does
   jaxformer.translate(model, sentences)             # `jaxformer translate`
   jaxformer.generate(model, prompt, max_new_tokens) # `jaxformer generate` (a causal LM)
   jaxformer.score(model, split="test")              # `jaxformer eval`
+  jaxformer.logits(model, ids)                      # float32 logits, to compare with another implementation
   jaxformer.export(workdir, out)                    # `jaxformer export --format hf`
 
 (Training is `fit` and evaluation `score` because `jaxformer.train` and `jaxformer.evaluate`
@@ -28,6 +29,7 @@ _PUBLIC = {
     "translate": "jaxformer.api:translate",
     "generate": "jaxformer.inference.generate:generate",
     "score": "jaxformer.api:score",
+    "logits": "jaxformer.api:logits",
     "export": "jaxformer.interop.hf_export:export_workdir",
 }
 

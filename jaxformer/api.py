@@ -8,7 +8,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from jaxformer import evaluate
+from jaxformer import sharding as sh
 from jaxformer.config import Config, runtime_from_overrides
 from jaxformer.inference import restore as inference_restore
 from jaxformer.inference.decode import SearchOptions
@@ -56,6 +59,55 @@ def restore(workdir: str | Path, *, step: int | None = None, average_last: int |
   init_runtime(runtime_from_overrides(overrides))
   config = inference_restore.workdir_config(workdir, overrides)
   return inference_restore.restore(workdir, config, step, average_last, quantize)
+
+
+def logits(model: Restored, inputs: Any, targets: Any = None) -> np.ndarray:
+  """The model's float32 logits `[batch, length, vocab_size]` (numpy) for token ids, dropout off:
+  what to compare with another implementation's (transformers', say) on the same ids.
+
+  Args:
+    model: what `restore` returns.
+    inputs: int `[batch, length]` ids (a list of lists or an array): a causal or masked LM's
+      input, or an encoder-decoder's source.
+    targets: an encoder-decoder's decoder input ids `[batch, tgt_len]` (fed as they are, not
+      shifted: put the decoder start token first); must be None for the other kinds.
+
+  Returns:
+    float32 `[batch, length, vocab_size]` (`[batch, tgt_len, vocab_size]` for an encoder-decoder):
+    position t's logits predict the token after t for causal models.
+
+  Raises:
+    ValueError: ids that are not a 2-D integer array within the vocabulary, or `targets`
+      given (missing) for a model that takes none (needs them).
+  """
+  import jax  # noqa: PLC0415
+  kind, vocab = model.config.model.kind, model.config.model.vocab_size
+  arrays = [_ids(name, x, vocab) for name, x in (("inputs", inputs), ("targets", targets)) if x is not None]
+  if (kind == "encoder_decoder") != (targets is not None):
+    raise ValueError(f"targets {'are required' if targets is None else 'are only taken'} for an encoder_decoder "
+                     f"model; this one is model.kind={kind}")
+  if kind == "encoder_decoder":
+    fn = jax.jit(lambda p, x, y: model.model.apply({"params": p}, x, y, method=_teacher_forced))
+  else:
+    fn = jax.jit(lambda p, x: model.model.apply({"params": p}, x))
+  with sh.bind(model.mesh, model.rules):
+    return np.asarray(jax.device_get(fn(model.params, *arrays)), np.float32)
+
+
+def _teacher_forced(module, inputs, decoder_inputs):
+  """An encoder-decoder's logits for given decoder inputs (no shift)."""
+  return module.decode(module.encode(inputs), inputs, decoder_inputs)
+
+
+def _ids(name: str, x: Any, vocab_size: int) -> np.ndarray:
+  """`x` as an int32 `[batch, length]` array of ids below `vocab_size` (raises ValueError naming `name`)."""
+  array = np.asarray(x)
+  if array.ndim != 2 or array.size == 0 or not np.issubdtype(array.dtype, np.integer):
+    raise ValueError(f"{name} must be a non-empty 2-D array of integer token ids [batch, length], "
+                     f"got shape {array.shape} and dtype {array.dtype}")
+  if array.min() < 0 or array.max() >= vocab_size:
+    raise ValueError(f"{name} holds ids outside [0, {vocab_size}) (the model's vocab_size)")
+  return array.astype(np.int32)
 
 
 def translate(model: Restored, sentences: Sequence[str], *, batch_size: int = 64, **search: Any) -> list[str]:

@@ -16,8 +16,9 @@ from jaxformer.tasks import TASKS
 CHOICES: dict[str, tuple[str, ...]] = {
     "position": ("sinusoidal", "learned", "rope", "alibi", "t5", "none"),
     "norm": ("layernorm", "rmsnorm"),
-    "ffn": ("relu", "gelu", "swiglu", "geglu"),
+    "ffn": ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu", "geglu_tanh"),
     "attention": ("dense", "blockwise", "linformer", "fused"),
+    "attention_bias": ("none", "qkv", "all"),
     "rope_scaling": ROPE_SCALINGS,
 }
 
@@ -35,6 +36,7 @@ class ModelConfig:
   vocab_size: int = 8000        # shared source/target vocabulary, tokens
   d_model: int = 256           # width of the residual stream and embeddings
   num_heads: int = 4            # attention heads (d_model / num_heads = head_dim)
+  attention_head_dim: int = 0   # width of each head; 0 = d_model / num_heads (Llama 3.2 3B-style models set it)
   d_ff: int = 1024              # hidden width of the position-wise feed-forward network
   num_encoder_layers: int = 3   # encoder blocks (encoder_decoder, encoder_only)
   num_decoder_layers: int = 3   # decoder blocks (encoder_decoder, decoder_only)
@@ -50,11 +52,19 @@ class ModelConfig:
   position: str = "sinusoidal"  # sinusoidal | learned | rope | alibi | t5 | none
   relative_buckets: int = 32    # t5: buckets of the shared relative-position bias table
   relative_max_distance: int = 128  # t5: distance (tokens) from which all keys share the last bucket
-  rope_scaling: str = "none"    # rope past the trained context: none | linear | ntk | yarn
+  rope_theta: float = 10000.0   # rope: base of the frequencies (Llama 3: 500000)
+  rope_scaling: str = "none"    # rope past the trained context: none | linear | ntk | dynamic | yarn | llama3
   rope_scaling_factor: float = 1.0  # rope_scaling: extended / trained context
-  rope_trained_length: int = 0  # yarn: the trained context, tokens; 0 = max_length / rope_scaling_factor
+  rope_trained_length: int = 0  # dynamic/yarn/llama3: the trained context, tokens; 0 = max_length / factor
+  rope_low_freq_factor: float = 1.0   # llama3: wavelengths over trained_length / this are interpolated
+  rope_high_freq_factor: float = 4.0  # llama3: wavelengths under trained_length / this are kept
   norm: str = "layernorm"       # layernorm | rmsnorm
-  ffn: str = "relu"             # relu | gelu | swiglu | geglu
+  norm_epsilon: float = 1e-6    # epsilon of every LayerNorm / RMSNorm (BERT, Marian: 1e-5 or 1e-12)
+  ffn: str = "relu"             # relu | gelu | gelu_tanh | silu | swiglu | geglu | geglu_tanh
+  mlp_bias: bool = True         # biases in the FFN (Llama, Mistral, Qwen2 and T5 have none)
+  attention_bias: str = "none"  # none | qkv (Qwen2) | all (also the output projection: GPT-2, BERT, Marian)
+  embedding_scale: bool = True  # token embeddings times sqrt(d_model) (paper 3.4); GPT-2, Llama, BERT: false
+  pad_id: int = 0               # the id the model masks as padding (and never caches); -1 = none (GPT-2, Llama)
   num_kv_heads: int = 0         # key/value heads (grouped-query); 0 = num_heads, 1 = multi-query
   attn_logit_softcap: float = 0.0  # c > 0: attention scores become c * tanh(score / c); 0 = off
   sliding_window: int = 0       # causal self-attention sees the last w tokens (itself included); 0 = all
@@ -74,10 +84,11 @@ class ModelConfig:
     """Raises ConfigError (one line) for an unknown kind, dtype or option, a size <= 0 or a rate outside [0, 1)."""
     if self.kind not in MODEL_KINDS:
       raise ConfigError(f"model.kind={self.kind!r} is unknown; use one of {', '.join(MODEL_KINDS)}")
-    if self.d_model % self.num_heads:
+    if self.d_model % self.num_heads and not self.attention_head_dim:
       raise ConfigError(
           f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}; "
-          f"choose num_heads among {[h for h in range(1, 33) if self.d_model % h == 0]}")
+          f"choose num_heads among {[h for h in range(1, 33) if self.d_model % h == 0]} "
+          "or set model.attention_head_dim")
     for name in ("vocab_size", "d_model", "num_heads", "d_ff", "num_encoder_layers",
                  "num_decoder_layers", "max_length"):
       if getattr(self, name) <= 0:
@@ -96,8 +107,16 @@ class ModelConfig:
 
   @property
   def head_dim(self) -> int:
-    """`d_model // num_heads`."""
-    return self.d_model // self.num_heads
+    """Width of each attention head: `attention_head_dim`, or `d_model // num_heads` when it is 0."""
+    return self.attention_head_dim or self.d_model // self.num_heads
+
+  def require_zero_pad(self, what: str) -> None:
+    """Raises ConfigError (one line) unless `pad_id` is 0: `what` (decoding, training) pads
+    batches with id 0 and reads the data's special ids, not an imported tokenizer's yet."""
+    if self.pad_id != 0:
+      raise ConfigError(f"{what} a model whose padding id is not 0 (model.pad_id={self.pad_id}, an imported published "
+                        "model) is not supported yet: its batches would be padded with a real token; "
+                        "compute its logits with jaxformer.logits or export it")
 
   @property
   def kv_heads(self) -> int:

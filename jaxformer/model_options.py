@@ -11,7 +11,8 @@ from typing import Any
 
 from jaxformer.schema import ConfigError
 
-ROPE_SCALINGS = ("none", "linear", "ntk", "yarn")   # values of model.rope_scaling (layers.positions.RopeScaling)
+# values of model.rope_scaling (layers.positions.RopeScaling)
+ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
 
 
 def validate_architecture(m: Any) -> None:
@@ -20,7 +21,7 @@ def validate_architecture(m: Any) -> None:
     raise ConfigError(
         f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads}; "
         f"use one of {[k for k in range(1, m.num_heads + 1) if m.num_heads % k == 0]} (or 0 = num_heads)")
-  for name in ("attn_logit_softcap", "sliding_window", "global_tokens", "rope_trained_length"):
+  for name in ("attn_logit_softcap", "sliding_window", "global_tokens", "rope_trained_length", "attention_head_dim"):
     if getattr(m, name) < 0:
       raise ConfigError(f"model.{name} must be >= 0 (0 turns it off), got {getattr(m, name)}")
   if m.attention_block_size <= 0:
@@ -36,6 +37,11 @@ def validate_architecture(m: Any) -> None:
                       "change model.d_model or model.num_heads")
   if m.position == "sinusoidal" and m.d_model % 2:
     raise ConfigError(f"model.position=sinusoidal needs an even model.d_model, got {m.d_model}")
+  if not 0.0 < m.norm_epsilon < math.inf:
+    raise ConfigError(f"model.norm_epsilon must be a finite number > 0, got {m.norm_epsilon}; e.g. 1e-6")
+  if m.num_experts and not m.mlp_bias:
+    raise ConfigError("model.mlp_bias=false acts on the dense FFN; a mixture of experts keeps its biases: "
+                      "set model.mlp_bias=true or model.num_experts=0")
   _validate_experts(m)
   _validate_rope_scaling(m)
   _validate_t5(m)
@@ -66,6 +72,12 @@ def _validate_rope_scaling(m: Any) -> None:
   if not 1.0 <= m.rope_scaling_factor < math.inf:   # written so that NaN fails too
     raise ConfigError(f"model.rope_scaling_factor must be a finite number >= 1 (extended / trained context), "
                       f"got {m.rope_scaling_factor}")
+  if not 1.0 < m.rope_theta < math.inf:
+    raise ConfigError(f"model.rope_theta must be a finite number > 1 (the base of RoPE's frequencies), "
+                      f"got {m.rope_theta}; e.g. 10000")
+  if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+    raise ConfigError(f"model.rope_scaling=llama3 needs 0 < model.rope_low_freq_factor < model.rope_high_freq_factor, "
+                      f"got {m.rope_low_freq_factor} and {m.rope_high_freq_factor}; Llama 3.1 uses 1 and 4")
 
 
 def _validate_t5(m: Any) -> None:

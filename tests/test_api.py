@@ -33,7 +33,8 @@ def run(tmp_path_factory, multi30k_dir):
 def test_import_is_lazy_and_exports_the_api():
   code = "import sys, jaxformer; print(sorted(jaxformer.__all__)); print('jax' in sys.modules)"
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
-  assert out.split("\n")[:2] == ["['export', 'fit', 'generate', 'load_config', 'restore', 'score', 'translate']", "False"]
+  assert out.split("\n")[:2] == [
+      "['export', 'fit', 'generate', 'load_config', 'logits', 'restore', 'score', 'translate']", "False"]
   with pytest.raises(AttributeError, match="has no attribute 'nope'"):
     jaxformer.nope  # noqa: B018
 
@@ -72,6 +73,27 @@ def test_fit_restore_translate_score(run, tmp_path, capsys):
   assert out.read_bytes().startswith(b"\x89PNG")
   fig = plots.plot_training([workdir], tmp_path / "loss.png")
   assert list(fig.axes[0].lines[0].get_ydata()) == [r["loss"] for r in rows if "loss" in r]
+
+
+def test_logits_are_the_teacher_forced_forward(run):
+  import jax
+  import numpy as np
+
+  from jaxformer.models.transformer import shift_right
+  model = jaxformer.restore(run[0], overrides=["mesh.data=8", "runtime.deterministic=false"])
+  src = np.array([[5, 9, 17, 3, 0], [7, 3, 0, 0, 0]])
+  tgt = np.array([[11, 4, 3], [6, 3, 0]])
+  decoder_inputs = np.asarray(shift_right(tgt))
+  ours = jaxformer.logits(model, src, decoder_inputs)
+  assert ours.dtype == np.float32 and ours.shape == (2, 3, model.config.model.vocab_size)
+  forced = model.model.apply({"params": jax.device_get(model.params)}, src, tgt)   # shifts right itself
+  np.testing.assert_allclose(ours, np.asarray(forced), atol=1e-5)
+  with pytest.raises(ValueError, match="targets are required for an encoder_decoder model"):
+    jaxformer.logits(model, src)
+  with pytest.raises(ValueError, match=r"inputs holds ids outside \[0, 1000\)"):
+    jaxformer.logits(model, [[1, 1000]], [[2]])
+  with pytest.raises(ValueError, match="inputs must be a non-empty 2-D array"):
+    jaxformer.logits(model, [1, 2], [[2]])
 
 
 def test_export_writes_the_run_as_a_marian_directory(run, tmp_path):

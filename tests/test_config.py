@@ -49,7 +49,7 @@ def test_overrides_are_typed():
     ("train.num_steps", "not of the form section.key=value"),
     ("model.position=relative", "model.position='relative' is unknown; use one of sinusoidal, learned, rope, alibi, t5, none"),
     ("model.norm=batchnorm", "use one of layernorm, rmsnorm"),
-    ("model.ffn=swish", "use one of relu, gelu, swiglu, geglu"),
+    ("model.ffn=swish", "use one of relu, gelu, gelu_tanh, silu, swiglu, geglu, geglu_tanh"),
     ("model.attention=flash", "use one of dense, blockwise"),
     ("model.num_kv_heads=3", "model.num_kv_heads=3 must divide model.num_heads=4; use one of [1, 2, 4]"),
     ("model.sliding_window=-2", "model.sliding_window must be >= 0"),

@@ -231,8 +231,8 @@ def test_ctranslate2_translates_like_us(exported, tmp_path):
 
 
 def test_import_a_llama_made_by_transformers(exported, tmp_path):
-  """A Llama written by transformers itself (tied embeddings, no MLP biases, no jaxformer
-  config) imports, and our model then computes its logits."""
+  """A Llama written by transformers itself (tied unscaled embeddings, no MLP biases, no jaxformer
+  config) imports as such, and our model then computes its logits."""
   import torch
   import transformers
   from jaxformer.interop.hf_import import params_from_hf, read_hf
@@ -246,9 +246,11 @@ def test_import_a_llama_made_by_transformers(exported, tmp_path):
   hf.save_pretrained(str(tmp_path))
   save_tokenizer(tokenizer, tmp_path, 1000, add_eos=False)
   config, tensors = read_hf(tmp_path)
-  assert (config.model.kind, config.model.num_kv_heads, config.model.tie_embeddings) == ("decoder_only", 2, False)
+  m = config.model
+  assert (m.kind, m.num_kv_heads, m.tie_embeddings, m.embedding_scale, m.mlp_bias) == ("decoder_only", 2, True,
+                                                                                     False, False)
   params = params_from_hf(config, tensors)
-  assert not np.any(params["layer_0"]["ffn"]["bi"])   # mlp_bias=False: zero biases
+  assert "bi" not in params["layer_0"]["ffn"] and "output_proj" not in params   # no MLP biases, one tied matrix
   inputs = np.asarray([tokenizer.encode(_sentences("en", 1)[0])])
   ours = jax.jit(get_task(config).make_model().apply)({"params": params}, jnp.asarray(inputs))
   with torch.no_grad():

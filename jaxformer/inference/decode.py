@@ -62,10 +62,12 @@ def _resolve_decode_len(model: nn.Module, inputs: jax.Array, max_decode_len: int
 def start(model: nn.Module, params: Any, inputs: jax.Array, max_decode_len: int):
   """Prefills a contiguous cache with int `[batch, len]` inputs; returns (first-token logits
   `[batch, vocab]`, cache, `LogitsFn` of one cached step), PAD excluded (`cache.no_pad`).
+  Raises ConfigError for a model whose `pad_id` is not 0 (`ModelConfig.require_zero_pad`).
 
   The cache holds just what `max_decode_len` generated tokens need (the last one is never
   read), so attention touches no unused slots. int8 params
   (`inference.quantize`) are dequantized here, inside the caller's jit."""
+  model.config.require_zero_pad("decoding")
   params = dequantize_params(params)
   capacity = max_decode_len + (0 if model.ENCODES_SOURCE else inputs.shape[1])   # + BOS, - the unread last token
   cache = kv.contiguous_cache(model, params, inputs.shape[0], inputs.shape[1], min(capacity, model.config.max_length))

@@ -105,6 +105,7 @@ class Engine:
 
   Raises:
     ValueError: bad sizes or batching (one line).
+    ConfigError: a model whose `pad_id` is not 0 (`ModelConfig.require_zero_pad`).
   """
 
   def __init__(self, model, params, *, max_batch: int = 8, page_size: int = 16, num_pages: int | None = None,
@@ -113,6 +114,7 @@ class Engine:
       raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     if batching not in BATCHING:
       raise ValueError(f"batching must be one of {', '.join(BATCHING)}, got {batching!r}")
+    model.config.require_zero_pad("serving")
     self.batching = batching
     self.model, self.params = model, params
     self.max_length = model.config.max_length

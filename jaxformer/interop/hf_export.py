@@ -8,8 +8,10 @@ fast tokenizer (`tokenizer.json`, `tokenizer_config.json`, plus our `spiece.mode
 | our model | Hugging Face |
 |---|---|
 | encoder_decoder, post-LN, sinusoidal, LayerNorm, ReLU/GELU (the paper's) | `MarianMTModel` |
-| decoder_only, pre-LN, RoPE, RMSNorm, SwiGLU, any number of KV heads | `LlamaForCausalLM` |
-| decoder_only, pre-LN, learned positions, LayerNorm, GELU | `GPT2LMHeadModel` |
+| decoder_only, pre-LN, RoPE (not ntk), RMSNorm, SwiGLU, no or all attention biases | `LlamaForCausalLM` |
+| the same with attention biases on query/key/value only, no FFN biases | `Qwen2ForCausalLM` |
+| the same with a sliding window, no biases | `MistralForCausalLM` |
+| decoder_only, pre-LN, learned positions, LayerNorm, GELU (exact or tanh), ReLU or SiLU | `GPT2LMHeadModel` |
 | encoder_only, pre-LN, learned positions, LayerNorm, GELU | `XLMRobertaXLForMaskedLM` |
 
 Anything else gets one line naming the options without a counterpart. The weights are
@@ -28,17 +30,19 @@ from typing import Any
 import numpy as np
 
 from jaxformer.config import Config, ConfigError, to_dict
-from jaxformer.interop import hf_bert, hf_gpt2, hf_llama, hf_marian
+from jaxformer.interop import hf_bert, hf_gpt2, hf_llama, hf_marian, hf_mistral, hf_qwen2
 from jaxformer.interop import links as L
 from jaxformer.interop.hf_tokenizer import save_tokenizer
 
-MAPPINGS: tuple[ModuleType, ...] = (hf_marian, hf_llama, hf_gpt2, hf_bert)
+# The first that fits a model is its export (`select_mapping`): Llama's variants come before it.
+MAPPINGS: tuple[ModuleType, ...] = (hf_marian, hf_qwen2, hf_mistral, hf_llama, hf_gpt2, hf_bert)
 CONFIG_KEY = "jaxformer"   # our run config inside config.json
 EXPORT_FILE = "jaxformer_export.json"   # which workdir and step(s) an export holds
 
 
-def select_mapping(config: Config) -> ModuleType:
-  """The mapping module of `config`'s model (see the table in the module docstring).
+def select_mapping(config: Config, prefer: str | None = None) -> ModuleType:
+  """The mapping module of `config`'s model (see the table in the module docstring): the one
+  whose architecture is `prefer` (an imported model's own) if it fits, else the first that fits.
 
   Raises:
     ConfigError: no architecture fits; names the options of the closest one that do not.
@@ -47,7 +51,7 @@ def select_mapping(config: Config) -> ModuleType:
   misses = [(experts + m.unsupported(config.model), m) for m in MAPPINGS]
   fitting = [m for bad, m in misses if not bad]
   if fitting:
-    return fitting[0]
+    return next((m for m in fitting if m.ARCHITECTURE == prefer), fitting[0])
   bad, closest = min(misses, key=lambda x: len(x[0]))
   raise ConfigError(f"no Hugging Face counterpart for {', '.join(bad)} (closest architecture: "
                     f"{closest.ARCHITECTURE}); the export table is in jaxformer/interop/hf_export.py")
@@ -65,15 +69,15 @@ def hf_state(config: Config, params: Any) -> dict:
   return L.to_hf(links, consts, L.flatten(params))
 
 
-def hf_model(config: Config, params: Any):
-  """A float32 transformers model (eval mode) holding our params.
+def hf_model(config: Config, params: Any, prefer: str | None = None):
+  """A float32 transformers model (eval mode) holding our params, of `select_mapping(config, prefer)`.
 
   Raises:
     ValueError: a tensor of the transformers model the mapping does not set (a mapping bug).
   """
   import torch  # noqa: PLC0415
   import transformers  # noqa: PLC0415
-  mapping = select_mapping(config)
+  mapping = select_mapping(config, prefer)
   hf_config = mapping.hf_config(config)
   hf_config.update({CONFIG_KEY: to_dict(config)})
   model = getattr(transformers, mapping.ARCHITECTURE)(hf_config).eval()
@@ -95,7 +99,7 @@ def hf_model(config: Config, params: Any):
 
 
 def export_params(config: Config, params: Any, tokenizer, out: str | Path,
-                  origin: dict | None = None) -> dict[str, Any]:
+                  origin: dict | None = None, prefer: str | None = None) -> dict[str, Any]:
   """Writes our model as a Hugging Face directory `out` (config, safetensors weights,
   generation config, tokenizer), under a temporary name renamed when complete.
 
@@ -103,6 +107,7 @@ def export_params(config: Config, params: Any, tokenizer, out: str | Path,
     config: the run config; params: its params (float32 pytree, either layer layout);
     tokenizer: the run's (shared) SentencePiece tokenizer.
     origin: written as `jaxformer_export.json` (which workdir and step), if given.
+    prefer: the architecture to write when it fits (an imported model's own; see `select_mapping`).
 
   Returns:
     `{"out", "architecture", "files"}`: what was written.
@@ -113,8 +118,8 @@ def export_params(config: Config, params: Any, tokenizer, out: str | Path,
   out = Path(out)
   if out.exists():
     raise ConfigError(f"--out {out} already exists; remove it or pass another --out")
-  mapping = select_mapping(config)
-  model = hf_model(config, params)
+  mapping = select_mapping(config, prefer)
+  model = hf_model(config, params, prefer)
   tmp = out.with_name(out.name + ".incomplete")
   shutil.rmtree(tmp, ignore_errors=True)
   model.save_pretrained(str(tmp))
@@ -129,7 +134,8 @@ def export_workdir(workdir: str | Path, out: str | Path, step: int | None = None
                    overrides=()) -> dict[str, Any]:
   """`jaxformer export --workdir DIR --format hf --out OUT [--step N | --average-last N]`:
   restores the workdir's params (`inference.restore`: the newest step, `step`, or the mean of
-  the newest `average_last`) and writes them with `export_params`.
+  the newest `average_last`) and writes them with `export_params`, as the architecture it was
+  imported from (`imported.json`) when that still fits.
 
   Raises:
     ConfigError, CheckpointError: no mapping, `out` exists, no such checkpoint; one line each.
@@ -144,8 +150,10 @@ def export_workdir(workdir: str | Path, out: str | Path, step: int | None = None
     raise ConfigError("export needs one shared SentencePiece tokenizer; this workdir has "
                       + ("separate source and target vocabularies" if not config.data.shared_vocab
                          else "a character tokenizer (data.tokenizer=char)"))
+  imported = Path(workdir) / "imported.json"   # hf_import.IMPORT_FILE (that module imports this one)
+  prefer = json.loads(imported.read_text()).get("architecture") if imported.is_file() else None
   select_mapping(config)
   restored = inference_restore.restore(workdir, config, step, average_last)
   origin = {"workdir": str(Path(workdir).absolute()), "step": restored.step, "averaged_steps": restored.averaged}
-  result = export_params(config, jax.device_get(restored.params), restored.tokenizer, out, origin)
+  result = export_params(config, jax.device_get(restored.params), restored.tokenizer, out, origin, prefer)
   return {**result, **origin}

@@ -2,9 +2,10 @@
 `GPT2LMHeadModel` (pre-LN, final LayerNorm `ln_f`).
 
 GPT-2 keeps its kernels as `Conv1D` `[in, out]` (our orientation) and fuses the query, key
-and value kernels into `c_attn`; its attention biases are zero in ours. Its activation is
-the exact (erf) GELU, `activation_function="gelu"`. Embeddings are not scaled in GPT-2:
-`wte` holds ours times sqrt(d_model), `lm_head` (untied) our unscaled output matrix.
+and value kernels (and biases) into `c_attn`. An imported GPT-2 has `model.attention_bias=all`,
+its activation (`gelu_new`: `model.ffn=gelu_tanh`), LayerNorm epsilon and tied, unscaled
+embeddings; one of ours without attention biases exports them as zeros, and with the paper's
+embedding scale as `wte` = ours times sqrt(d_model) and an untied `lm_head` (`hf_llama.output_links`).
 """
 
 from __future__ import annotations
@@ -12,23 +13,29 @@ from __future__ import annotations
 import numpy as np
 
 from jaxformer.config import Config, ModelConfig
-from jaxformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from jaxformer.data.tokenizer import BOS_ID, EOS_ID
 from jaxformer.interop import links as L
-from jaxformer.interop.hf_llama import generation, output_links  # noqa: F401  (the same generation settings)
+from jaxformer.interop.hf_llama import generation, output_links, pad_token, tied_in_hf  # noqa: F401  (generation: the same)
 
 MODEL_TYPE = "gpt2"
 ARCHITECTURE = "GPT2LMHeadModel"
 TOKENIZER = {"add_eos": False}
-EPSILON = 1e-6   # our LayerNorm's
 HF_COMPUTED = (".attn.bias", ".attn.masked_bias")   # causal-mask buffers of older GPT-2 code
+# transformers' activation_function -> our model.ffn (gelu_new and gelu_pytorch_tanh are both the tanh GELU)
+ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
+               "silu": "silu", "swish": "silu"}
 
 
 def unsupported(m: ModelConfig) -> list[str]:
   """`key=value` of each option of `m` GPT-2 has no counterpart for (empty: it maps)."""
-  wanted = {"kind": "decoder_only", "pre_norm": True, "position": "learned", "norm": "layernorm", "ffn": "gelu",
-            "attn_logit_softcap": 0.0, "sliding_window": 0}
+  wanted = {"kind": "decoder_only", "pre_norm": True, "position": "learned", "norm": "layernorm",
+            "attn_logit_softcap": 0.0, "sliding_window": 0, "mlp_bias": True}
   bad = [f"model.{k}={getattr(m, k)}" for k, v in wanted.items() if getattr(m, k) != v]
-  return bad + ([f"model.num_kv_heads={m.num_kv_heads}"] if m.kv_heads != m.num_heads else [])
+  bad += [f"model.{k}={getattr(m, k)}" for k, ok in (
+      ("ffn", m.ffn in ACTIVATIONS.values()), ("attention_bias", m.attention_bias != "qkv"),
+      ("num_kv_heads", m.kv_heads == m.num_heads), ("attention_head_dim", m.head_dim * m.num_heads == m.d_model))
+      if not ok]
+  return bad
 
 
 def hf_config(config: Config):
@@ -37,9 +44,10 @@ def hf_config(config: Config):
   m = config.model
   return transformers.GPT2Config(
       vocab_size=m.vocab_size, n_positions=m.max_length, n_embd=m.d_model, n_layer=m.num_decoder_layers,
-      n_head=m.num_heads, n_inner=m.d_ff, activation_function="gelu", resid_pdrop=m.dropout_rate,
-      embd_pdrop=m.dropout_rate, attn_pdrop=m.attention_dropout_rate, layer_norm_epsilon=EPSILON,
-      tie_word_embeddings=False, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+      n_head=m.num_heads, n_inner=m.d_ff, activation_function={v: k for k, v in ACTIVATIONS.items()}[m.ffn],
+      resid_pdrop=m.dropout_rate, embd_pdrop=m.dropout_rate, attn_pdrop=m.attention_dropout_rate,
+      layer_norm_epsilon=m.norm_epsilon, tie_word_embeddings=tied_in_hf(m), bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+      pad_token_id=pad_token(m),
       architectures=[ARCHITECTURE])
 
 
@@ -50,24 +58,27 @@ def model_config(hf) -> dict:
     ValueError: options jaxformer has no counterpart for (named in one line).
   """
   bad = [f"{k}={getattr(hf, k)}" for k, ok in (
-      ("activation_function", hf.activation_function == "gelu"),
-      ("scale_attn_weights", hf.scale_attn_weights), ("scale_attn_by_inverse_layer_idx",
-                                                      not hf.scale_attn_by_inverse_layer_idx)) if not ok]
+      ("activation_function", hf.activation_function in ACTIVATIONS), ("scale_attn_weights", hf.scale_attn_weights),
+      ("scale_attn_by_inverse_layer_idx", not hf.scale_attn_by_inverse_layer_idx),
+      ("add_cross_attention", not hf.add_cross_attention)) if not ok]
   if bad:
-    raise ValueError(f"this GPT-2 model has options jaxformer has no counterpart for: {', '.join(bad)} "
-                     "(GPT-2's own checkpoints use gelu_new, the tanh approximation)")
+    raise ValueError(f"this GPT-2 model has options jaxformer has no counterpart for: {', '.join(bad)}")
   return dict(kind="decoder_only", vocab_size=hf.vocab_size, d_model=hf.n_embd, num_heads=hf.n_head,
               d_ff=hf.n_inner or 4 * hf.n_embd, num_decoder_layers=hf.n_layer, dropout_rate=hf.resid_pdrop,
-              attention_dropout_rate=hf.attn_pdrop, pre_norm=True, tie_embeddings=False, max_length=hf.n_positions,
-              position="learned", norm="layernorm", ffn="gelu")
+              attention_dropout_rate=hf.attn_pdrop, pre_norm=True, tie_embeddings=bool(hf.tie_word_embeddings),
+              embedding_scale=False, max_length=hf.n_positions, position="learned", norm="layernorm",
+              norm_epsilon=hf.layer_norm_epsilon, ffn=ACTIVATIONS[hf.activation_function], attention_bias="all",
+              pad_id=-1 if hf.pad_token_id is None else hf.pad_token_id)
 
 
-def _qkv(d: int, n: int, h: int) -> tuple:
+def _fused(*shape: int) -> tuple:
+  """GPT-2's `c_attn` (kernel `[d_model, 3 * d_model]` or bias `[3 * d_model]`) from our query, key
+  and value tensors of `shape` (`[d_model, heads, head_dim]` or `[heads, head_dim]`), and back."""
   def to_hf(q, k, v):
-    return np.concatenate([w.reshape(d, n * h) for w in (q, k, v)], axis=1)
+    return np.concatenate([w.reshape(*shape[:-2], -1) for w in (q, k, v)], axis=-1)
 
   def from_hf(y):
-    return tuple(w.reshape(d, n, h) for w in np.split(y, 3, axis=1))
+    return tuple(w.reshape(shape) for w in np.split(y, 3, axis=-1))
   return to_hf, from_hf
 
 
@@ -85,7 +96,7 @@ def links(m: ModelConfig) -> tuple[list[L.Link], list[L.Const]]:
     attn = f"{ours}/self_attention"
     out += [L.vector(f"{ours}/attention_sublayer/norm/scale", f"{hf}.ln_1.weight", b),
             L.vector(f"{ours}/attention_sublayer/norm/bias", f"{hf}.ln_1.bias", b),
-            L.Link((f"{attn}/query", f"{attn}/key", f"{attn}/value"), f"{hf}.attn.c_attn.weight", *_qkv(d, n, h)),
+            L.Link((f"{attn}/query", f"{attn}/key", f"{attn}/value"), f"{hf}.attn.c_attn.weight", *_fused(d, n, h)),
             L.linear_out(f"{attn}/out", f"{hf}.attn.c_proj.weight", b, (n, h, d), transpose=False),
             L.vector(f"{ours}/ffn_sublayer/norm/scale", f"{hf}.ln_2.weight", b),
             L.vector(f"{ours}/ffn_sublayer/norm/bias", f"{hf}.ln_2.bias", b),
@@ -93,6 +104,11 @@ def links(m: ModelConfig) -> tuple[list[L.Link], list[L.Const]]:
             L.plain(f"{ours}/ffn/bi", f"{hf}.mlp.c_fc.bias"),
             L.linear_out(f"{ours}/ffn/wo", f"{hf}.mlp.c_proj.weight", b, (f, d), transpose=False),
             L.vector(f"{ours}/ffn/bo", f"{hf}.mlp.c_proj.bias", b)]
-    consts += [L.Const(f"{hf}.attn.c_attn.bias", np.zeros(3 * d, np.float32)),
-               L.Const(f"{hf}.attn.c_proj.bias", np.zeros(d, np.float32))]
+    if m.attention_bias == "all":
+      out += [L.Link((f"{attn}/query_bias", f"{attn}/key_bias", f"{attn}/value_bias"), f"{hf}.attn.c_attn.bias",
+                     *_fused(n, h)),
+              L.vector(f"{attn}/out_bias", f"{hf}.attn.c_proj.bias", b)]
+    else:
+      consts += [L.Const(f"{hf}.attn.c_attn.bias", np.zeros(3 * d, np.float32)),
+                 L.Const(f"{hf}.attn.c_proj.bias", np.zeros(d, np.float32))]
   return out, consts

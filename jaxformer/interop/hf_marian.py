@@ -32,7 +32,8 @@ ACTIVATIONS = ("relu", "gelu")
 def unsupported(m: ModelConfig) -> list[str]:
   """`key=value` of each option of `m` Marian has no counterpart for (empty: it maps)."""
   wanted = {"kind": "encoder_decoder", "pre_norm": False, "position": "sinusoidal", "norm": "layernorm",
-            "attn_logit_softcap": 0.0, "sliding_window": 0}
+            "attn_logit_softcap": 0.0, "sliding_window": 0, "attention_bias": "none", "mlp_bias": True,
+            "embedding_scale": True, "attention_head_dim": 0, "pad_id": 0}
   bad = [f"model.{k}={getattr(m, k)}" for k, v in wanted.items() if getattr(m, k) != v]
   if m.ffn not in ACTIVATIONS:
     bad.append(f"model.ffn={m.ffn}")

@@ -72,6 +72,11 @@ def plain(ours: str, hf: str, absent: tuple[int, ...] | None = None) -> Link:
   return Link((ours,), hf, lambda x: x, lambda y: (y,), absent)
 
 
+def reshaped(ours: str, hf: str, shape: Sequence[int]) -> Link:
+  """Our `shape` tensor (an attention projection's bias `[heads, head_dim]`) as a flat Hugging Face vector."""
+  return Link((ours,), hf, lambda x: x.reshape(-1), lambda y: (y.reshape(shape),))
+
+
 def linear_in(ours: str, hf: str, basis: Basis, shape: Sequence[int], transpose: bool = True) -> Link:
   """Our kernel `[d_model, *rest]` (attention `[d_model, heads, head_dim]`, FFN `[d_model, d_ff]`)
   as a torch `Linear` weight `[prod(rest), d_model]` (or, `transpose=False`, a GPT-2 `Conv1D`

@@ -179,6 +179,10 @@ class MultiHeadAttention(nn.Module):
   output, given once at prefill, None afterwards) stores the projected encoder keys/values and
   reuses them at every step.
 
+  `bias`: none (the paper's), qkv (biases on the query/key/value projections, Qwen2) or all (also
+  on the output projection: GPT-2, BERT, Marian); params `query_bias` `[num_heads, head_dim]`,
+  `key_bias`/`value_bias` `[num_kv_heads, head_dim]`, `out_bias` `[d_model]`.
+
   Raises:
     ValueError: blockwise or fused attention with dropout (any attention, with context parallelism),
       fused with a soft-cap; decode without `cache_state`; a cross-attention decode step before the
@@ -203,9 +207,19 @@ class MultiHeadAttention(nn.Module):
   relative_max_distance: int = 128  # t5: distance of the last bucket, tokens
   linformer_k: int = 64      # linformer: projected key/value rows
   max_length: int = 0        # linformer: longest sequence (rows of E and F)
+  bias: str = "none"         # none | qkv | all: which projections have biases
 
   def _kernel(self, name: str, shape, axes, in_axis, out_axis):
     return self.param(name, sh.param_with_axes(_proj_init(in_axis, out_axis), axes), shape).astype(self.dtype)
+
+  def _heads(self, x: jax.Array, w: jax.Array, name: str) -> jax.Array:
+    """`_project(x, w)` `[batch, length, heads, head_dim]` plus the `name` projection's bias
+    `[heads, head_dim]` when `bias` is qkv or all."""
+    y = _project(x, w)
+    if self.bias == "none":
+      return y
+    b = self.param(f"{name}_bias", sh.param_with_axes(nn.initializers.zeros, (sh.HEADS, sh.KV)), w.shape[1:])
+    return y + b.astype(self.dtype)
 
   @nn.compact
   def __call__(self, x: jax.Array, kv: jax.Array | None, q_valid: jax.Array | None = None,
@@ -239,7 +253,7 @@ class MultiHeadAttention(nn.Module):
     head_axes = (sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_HEADS, sh.ACT_KV)
 
     x = x.astype(self.dtype)
-    q = sh.constrain(_project(x, wq), head_axes)  # [B, T, N, H]
+    q = sh.constrain(self._heads(x, wq, "query"), head_axes)  # [B, T, N, H]
     q = checkpoint_name(q, remat.QUERY)  # tags for the named remat policies
     bias = self._position_bias(bias_table)
     if decode:
@@ -251,7 +265,11 @@ class MultiHeadAttention(nn.Module):
     b, t = out.shape[:2]  # out: [B, T, N, H]
     # One contracting axis (heads x head_dim): with two, XLA:CPU transposed the cached decode
     # step's attention output and the weight to head_dim-major every step.
-    return jnp.dot(out.reshape(b * t, n * h), wo.reshape(n * h, d_model)).reshape(b, t, d_model)
+    y = jnp.dot(out.reshape(b * t, n * h), wo.reshape(n * h, d_model)).reshape(b, t, d_model)
+    if self.bias == "all":
+      y = y + self.param("out_bias", sh.param_with_axes(nn.initializers.zeros, (sh.EMBED,)), (d_model,)).astype(
+          self.dtype)
+    return y
 
   def _position_bias(self, bias_table):
     """The self-attention score bias as `positions.PositionBias`, or None."""
@@ -269,11 +287,12 @@ class MultiHeadAttention(nn.Module):
     q_pos = jnp.arange(x.shape[1])[None]                              # [1, T]
     causal, window = False, 0
     if self.is_cross:
-      k, v = _project(kv.astype(self.dtype), wk), _project(kv.astype(self.dtype), wv)  # [B, S, K, H]
+      kv = kv.astype(self.dtype)
+      k, v = self._heads(kv, wk, "key"), self._heads(kv, wv, "value")  # [B, S, K, H]
       kv_pos = jnp.arange(k.shape[1])[None]                           # [1, S]
     else:
       causal, window = self.causal, self.sliding_window
-      k, v = _project(x, wk), _project(x, wv)  # [B, S, K, H]
+      k, v = self._heads(x, wk, "key"), self._heads(x, wv, "value")  # [B, S, K, H]
       if positions is not None:
         q_pos = positions                                             # [B, T]
       kv_valid, kv_pos, kv_segment_ids = q_valid, q_pos, q_segment_ids
@@ -341,7 +360,8 @@ class MultiHeadAttention(nn.Module):
       if kv is None and not self.has_variable("cache", "key"):
         raise ValueError("cross-attention decode step before prefill: pass the encoder output first")
       if kv is not None:  # prefill: project the encoder output once and keep it
-        k, v = _project(kv.astype(self.dtype), wk), _project(kv.astype(self.dtype), wv)  # [B, S, K, H]
+        kv = kv.astype(self.dtype)
+        k, v = self._heads(kv, wk, "key"), self._heads(kv, wv, "value")  # [B, S, K, H]
         src_len = k.shape[1]
         src_pos = jnp.broadcast_to(jnp.arange(src_len)[None], (batch, src_len))
         src_valid = src_pos < state.source_lengths[:, None]
@@ -353,7 +373,7 @@ class MultiHeadAttention(nn.Module):
       if state.beam_size > 1:
         return kvc.beam_attention(q, k_all, v_all, state, None, softcap=self.softcap)
       return kvc.cached_attention(q, k_all, v_all, q_pos, state.source_lengths, causal=False, softcap=self.softcap)
-    k, v = _project(x, wk), _project(x, wv)                             # [B, T, K, H]
+    k, v = self._heads(x, wk, "key"), self._heads(x, wv, "value")       # [B, T, K, H]
     if self.position == "rope":
       q, k = apply_rope(q, q_pos, scaling=self.rope_scaling), apply_rope(k, q_pos, scaling=self.rope_scaling)
     valid = jnp.ones((batch, t), bool) if q_valid is None else q_valid

@@ -42,12 +42,14 @@ class Embed(nn.Module):
   """Token embedding table `[vocab_size, d_model]`, sharded over vocab (tensor) and embed (fsdp).
 
   `__call__` maps int `[batch, length]` ids to `[batch, length, d_model]` vectors times
-  sqrt(d_model); `attend` maps `[batch, length, d_model]` to float32 logits
+  sqrt(d_model) (section 3.4; `scale=False`: unscaled, as in GPT-2, Llama and BERT); `attend`
+  maps `[batch, length, d_model]` to float32 logits
   `[batch, length, vocab_size]` with the same matrix (weight tying, section 3.4).
   """
   vocab_size: int
   d_model: int
   dtype: jnp.dtype = jnp.float32
+  scale: bool = True
 
   def setup(self):
     """Creates the `[vocab_size, d_model]` table, initialised N(0, 1/d_model)."""
@@ -56,12 +58,12 @@ class Embed(nn.Module):
         "embedding", sh.param_with_axes(init, (sh.VOCAB, sh.EMBED)), (self.vocab_size, self.d_model))
 
   def __call__(self, ids: jax.Array) -> jax.Array:
-    """int `[batch, length]` ids -> `[batch, length, d_model]` vectors times sqrt(d_model), in `dtype`."""
+    """int `[batch, length]` ids -> `[batch, length, d_model]` vectors (times sqrt(d_model) if `scale`), in `dtype`."""
     # Gather the table over the vocab (tensor) axis first: a lookup into a vocab-sharded
     # table would make XLA replicate it anyway, with a warning and extra copies.
     table = sh.constrain(self.embedding, (None, sh.EMBED))
     x = jnp.take(table, ids, axis=0)
-    return (x * np.sqrt(self.d_model)).astype(self.dtype)
+    return (x * np.sqrt(self.d_model) if self.scale else x).astype(self.dtype)
 
   def attend(self, x: jax.Array, vocab_major: bool = False) -> jax.Array:
     """`[batch, length, d_model]` -> float32 logits `[batch, length, vocab_size]` (the tied

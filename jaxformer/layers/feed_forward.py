@@ -1,5 +1,5 @@
 """Position-wise feed-forward network, FFN(x) = max(0, x W1 + b1) W2 + b2 (paper eq. 2),
-and the GELU / gated (SwiGLU, GEGLU; Shazeer 2020) variants."""
+and the GELU / SiLU / gated (SwiGLU, GEGLU; Shazeer 2020) variants."""
 
 import flax.linen as nn
 import jax
@@ -9,20 +9,25 @@ from jaxformer import sharding as sh
 
 xavier_uniform = nn.initializers.xavier_uniform
 
-# activation name -> (nonlinearity, gated?)
+# activation name -> (nonlinearity, gated?). GELU is the exact (erf) one; the `_tanh` names use
+# the tanh approximation (GPT-2's `gelu_new`, T5 v1.1's gated-GELU); silu is Marian's `swish`.
 ACTIVATIONS = {
     "relu": (nn.relu, False),
     "gelu": (lambda h: nn.gelu(h, approximate=False), False),
+    "gelu_tanh": (lambda h: nn.gelu(h, approximate=True), False),
+    "silu": (nn.silu, False),
     "swiglu": (nn.silu, True),
     "geglu": (lambda h: nn.gelu(h, approximate=False), True),
+    "geglu_tanh": (lambda h: nn.gelu(h, approximate=True), True),
 }
 
 
 class FeedForward(nn.Module):
   """`[batch, length, d_model]` -> `[batch, length, d_model]`.
 
-  relu / gelu: act(x W1 + b1) W2 + b2. swiglu / geglu: (act(x Wg + bg) * (x W1 + b1)) W2 + b2,
-  with act = SiLU / exact GELU and one more `[d_model, d_ff]` kernel `wi_gate`.
+  relu / gelu / gelu_tanh / silu: act(x W1 + b1) W2 + b2. swiglu / geglu / geglu_tanh:
+  (act(x Wg + bg) * (x W1 + b1)) W2 + b2, with act = SiLU / GELU and one more `[d_model, d_ff]`
+  kernel `wi_gate`. `use_bias=False` drops the biases (Llama's and T5's FFNs have none).
   W1 (and Wg) are split over the tensor axis by columns (d_ff) and W2 by rows (d_ff), so
   the hidden activation `[batch, length, d_ff]` never needs gathering (Megatron style).
 
@@ -31,15 +36,18 @@ class FeedForward(nn.Module):
   """
   d_ff: int
   dtype: jnp.dtype = jnp.float32
-  activation: str = "relu"  # relu | gelu | swiglu | geglu
+  activation: str = "relu"  # a key of ACTIVATIONS
+  use_bias: bool = True
 
   def _dense_in(self, name: str, x: jax.Array) -> jax.Array:
     d_model = x.shape[-1]
     w = self.param(name, sh.param_with_axes(xavier_uniform(), (sh.EMBED, sh.MLP)), (d_model, self.d_ff))
-    b = self.param(name.replace("wi", "bi"), sh.param_with_axes(nn.initializers.zeros, (sh.MLP,)), (self.d_ff,))
     # Matmuls over the flattened tokens `[batch*length, ...]`: XLA:CPU runs the 2-D form's
     # weight gradients without transposed copies of the activations (a third faster there).
-    h = jnp.einsum("nd,df->nf", x.reshape(-1, d_model), w.astype(self.dtype)) + b.astype(self.dtype)
+    h = jnp.einsum("nd,df->nf", x.reshape(-1, d_model), w.astype(self.dtype))
+    if self.use_bias:
+      b = self.param(name.replace("wi", "bi"), sh.param_with_axes(nn.initializers.zeros, (sh.MLP,)), (self.d_ff,))
+      h = h + b.astype(self.dtype)
     return h.reshape(*x.shape[:-1], self.d_ff)
 
   @nn.compact
@@ -54,6 +62,7 @@ class FeedForward(nn.Module):
     h = act(self._dense_in("wi_gate", x)) * h if gated else act(h)
     h = sh.constrain(h, (sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_MLP))
     w2 = self.param("wo", sh.param_with_axes(xavier_uniform(), (sh.MLP, sh.EMBED)), (self.d_ff, d_model))
-    b2 = self.param("bo", sh.param_with_axes(nn.initializers.zeros, (sh.EMBED,)), (d_model,))
-    y = jnp.einsum("nf,fd->nd", h.reshape(-1, self.d_ff), w2.astype(self.dtype)) + b2.astype(self.dtype)
+    y = jnp.einsum("nf,fd->nd", h.reshape(-1, self.d_ff), w2.astype(self.dtype))
+    if self.use_bias:
+      y = y + self.param("bo", sh.param_with_axes(nn.initializers.zeros, (sh.EMBED,)), (d_model,)).astype(self.dtype)
     return y.reshape(*x.shape[:-1], d_model)

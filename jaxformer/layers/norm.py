@@ -75,8 +75,8 @@ class RMSNorm(nn.Module):
     return (y * scale).astype(self.dtype)
 
 
-def make_norm(kind: str, dtype: jnp.dtype, name: str | None = None) -> nn.Module:
-  """`kind` = layernorm | rmsnorm (config `model.norm`).
+def make_norm(kind: str, dtype: jnp.dtype, name: str | None = None, epsilon: float = 1e-6) -> nn.Module:
+  """`kind` = layernorm | rmsnorm (config `model.norm`), with `epsilon` (`model.norm_epsilon`).
 
   Raises:
     ValueError: an unknown kind.
@@ -84,4 +84,4 @@ def make_norm(kind: str, dtype: jnp.dtype, name: str | None = None) -> nn.Module
   norms = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
   if kind not in norms:
     raise ValueError(f"unknown norm {kind!r}; use one of {', '.join(norms)}")
-  return norms[kind](dtype=dtype, name=name)
+  return norms[kind](epsilon=epsilon, dtype=dtype, name=name)

@@ -43,18 +43,31 @@ PositionBias = tuple[Callable[[jax.Array, jax.Array, jax.Array], jax.Array], jax
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-  """How RoPE's frequencies are rescaled to run past the trained context.
+  """RoPE's base and how its frequencies are rescaled to run past the trained context.
+
+  The kinds are those transformers defines for Llama, Mistral and Qwen2 (`rope_type`), computed
+  as it does, so imported models rotate as they were trained:
 
   Attributes:
-    kind: none | linear (position interpolation, Chen et al. 2023: positions / factor) | ntk
-      ("NTK-aware" base change, base * factor^(d/(d-2)), bloc97 2023) | yarn (Peng et al. 2023,
-      section 3.2: per-frequency interpolation ramp plus an attention temperature).
+    kind: none | linear (position interpolation, Chen et al. 2023: frequencies / factor) | ntk
+      (static "NTK-aware" base change, base * factor^(d/(d-2)), bloc97 2023) | dynamic (the same
+      base change computed from the sequence length L' > L: base * (s L'/L - (s - 1))^(d/(d-2)),
+      nothing within the trained context) | yarn (Peng et al. 2023: frequencies interpolated by a
+      ramp over the dimension index, between the dimensions that turn `beta_fast` and `beta_slow`
+      times over L, rounded outward, plus the attention factor 0.1 ln(s) + 1) | llama3 (Llama 3.1:
+      wavelengths longer than L / low_freq_factor divided by s, shorter than L / high_freq_factor
+      kept, a smooth ramp between).
     factor: s >= 1, the extended context over the trained one.
-    original_length: the trained context L, tokens (yarn's ramp); 0 = unused.
+    original_length: the trained context L, tokens (dynamic, yarn, llama3); 0 = unused.
+    base: the base of the frequencies, `rope_theta` (10000 in the RoPE paper, 500000 in Llama 3).
+    low_freq_factor, high_freq_factor: llama3's wavelength bounds (1 and 4 in Llama 3.1).
   """
   kind: str = "none"
   factor: float = 1.0
   original_length: int = 0
+  base: float = 10000.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
 
 
 # YaRN's ramp bounds (Peng et al. 2023, section 3.2: alpha = 1, beta = 32 for LLaMA), in
@@ -62,39 +75,63 @@ class RopeScaling:
 YARN_ALPHA, YARN_BETA = 1.0, 32.0
 
 
-def rope_frequencies(head_dim: int, scaling: RopeScaling = RopeScaling(),
-                     base: float = 10000.0) -> tuple[np.ndarray, float]:
+def _yarn_ramp(half: int, base: float, length: int) -> np.ndarray:
+  """Weight of the interpolated frequency per dimension pair, float32 `[half]`: 0 up to the pair that
+  turns YARN_BETA times over `length` tokens (rounded down), 1 from the one that turns YARN_ALPHA
+  times (rounded up), linear in the pair index between."""
+  def pair(rotations):   # the (fractional) pair index i whose frequency base^(-i/half) turns `rotations` times
+    return half * math.log(length / (rotations * 2 * math.pi)) / math.log(base)
+  low, high = max(math.floor(pair(YARN_BETA)), 0), min(math.ceil(pair(YARN_ALPHA)), 2 * half - 1)
+  high = high + 0.001 if high == low else high
+  return np.clip((np.arange(half, dtype=np.float32) - low) / (high - low), 0.0, 1.0)
+
+
+def rope_frequencies(head_dim: int, scaling: RopeScaling = RopeScaling()) -> tuple[np.ndarray, float]:
   """RoPE's angular frequencies theta_i = base^(-2i/head_dim), float32 `[head_dim/2]` (radians
-  per token), after `scaling`, and the factor q and k are each multiplied by (1 but for yarn,
-  whose sqrt(1/t) = 0.1 ln(s) + 1 sharpens the softmax, YaRN eq. 22)."""
+  per token), after `scaling` (any kind but dynamic, which depends on the length: see
+  `dynamic_base`), and the factor q and k are each multiplied by (1 but for yarn, whose
+  sqrt(1/t) = 0.1 ln(s) + 1 sharpens the softmax, YaRN eq. 22)."""
   half = head_dim // 2
-  s = float(scaling.factor)
+  s, base = float(scaling.factor), float(scaling.base)
   if scaling.kind == "ntk":
     base = base * s ** (head_dim / (head_dim - 2))
   theta = base ** (-np.arange(half, dtype=np.float32) / half)   # float32 as before scaling existed: same bits
+  mscale = 1.0
   if scaling.kind == "linear":
     theta = theta / s
-  mscale = 1.0
-  if scaling.kind == "yarn":
-    rotations = scaling.original_length * theta / (2 * np.pi)        # r(d) = L / wavelength
-    gamma = np.clip((rotations - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA), 0.0, 1.0)
-    theta = (1 - gamma) * theta / s + gamma * theta                # slow frequencies interpolate, fast keep
-    mscale = 0.1 * math.log(s) + 1.0
+  elif scaling.kind == "yarn":
+    ramp = _yarn_ramp(half, base, scaling.original_length)
+    theta = (theta / s) * ramp + theta * (1 - ramp)   # slow frequencies interpolate, fast keep
+    mscale = 0.1 * math.log(s) + 1.0 if s > 1 else 1.0
+  elif scaling.kind == "llama3":
+    wavelength = 2 * np.pi / theta
+    length = scaling.original_length
+    smooth = (length / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    theta = np.where(wavelength > length / scaling.low_freq_factor, theta / s,
+                     np.where(wavelength < length / scaling.high_freq_factor, theta,
+                              (1 - smooth) * theta / s + smooth * theta))
   return theta.astype(np.float32), mscale
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, base: float = 10000.0,
-               scaling: RopeScaling = RopeScaling()) -> jax.Array:
+def dynamic_base(scaling: RopeScaling, head_dim: int, positions: jax.Array) -> jax.Array:
+  """Dynamic NTK scaling's base for a call whose largest position is max(`positions`): float32 scalar,
+  `scaling.base` while the length L' = max + 1 stays within the trained context L."""
+  length = jnp.maximum(jnp.max(positions).astype(jnp.float32) + 1, scaling.original_length)
+  s = scaling.factor
+  return scaling.base * (s * length / scaling.original_length - (s - 1)) ** (head_dim / (head_dim - 2))
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, scaling: RopeScaling = RopeScaling()) -> jax.Array:
   """Rotates each head vector by position-dependent angles (RoPE, Su et al. 2021, eq. 34).
 
   Dimension pair (i, i + head_dim/2) is rotated by the angle positions * theta_i
   (`rope_frequencies`: base^(-2i/head_dim) unless `scaling` changes it), so the score
-  q(m) . k(n) depends on m - n only.
+  q(m) . k(n) depends on m - n only. This pairing is Llama's `rotate_half` convention.
 
   Args:
     x: `[batch, length, heads, head_dim]` queries or keys; head_dim must be even.
     positions: int `[batch, length]` absolute token positions.
-    scaling: context-extension scaling of the frequencies (`RopeScaling`).
+    scaling: the base and context-extension scaling of the frequencies (`RopeScaling`).
 
   Returns:
     `[batch, length, heads, head_dim]` in x's dtype (the rotation is computed in float32).
@@ -102,9 +139,14 @@ def apply_rope(x: jax.Array, positions: jax.Array, base: float = 10000.0,
   Raises:
     ValueError: odd head_dim.
   """
-  if x.shape[-1] % 2:
-    raise ValueError(f"rope needs an even head_dim, got {x.shape[-1]}")
-  inv_freq, mscale = rope_frequencies(x.shape[-1], scaling, base)                   # [H/2]
+  head_dim = x.shape[-1]
+  if head_dim % 2:
+    raise ValueError(f"rope needs an even head_dim, got {head_dim}")
+  if scaling.kind == "dynamic":
+    exponents = jnp.arange(head_dim // 2, dtype=jnp.float32) / (head_dim // 2)
+    inv_freq, mscale = dynamic_base(scaling, head_dim, positions) ** -exponents, 1.0    # [H/2]
+  else:
+    inv_freq, mscale = rope_frequencies(head_dim, scaling)                              # [H/2]
   angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq                # [B, T, 1, H/2]
   cos, sin = jnp.cos(angles) * mscale, jnp.sin(angles) * mscale
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)                               # [B, T, N, H/2] each

@@ -55,7 +55,7 @@ class Residual(nn.Module):
     """`x + dropout(fn(norm(x)))` (pre-norm) or `norm(x + dropout(fn(x)))` (post-norm, the paper's);
     `[batch, length, d_model]` -> same."""
     dtype = jnp.dtype(self.config.dtype)
-    norm = make_norm(self.config.norm, dtype, name="norm")
+    norm = make_norm(self.config.norm, dtype, name="norm", epsilon=self.config.norm_epsilon)
     drop = Dropout(self.config.dropout_rate)
     if self.config.pre_norm:
       return x + drop(fn(norm(x)), deterministic=deterministic, rng=rng)
@@ -72,7 +72,8 @@ def _attention(config: ModelConfig, name: str, is_cross: bool = False, causal: b
   if implementation == "linformer" and (causal or is_cross):
     implementation = "dense"   # Linformer is non-causal self-attention; the decoder stays dense
   rope = RopeScaling(config.rope_scaling, config.rope_scaling_factor,
-                     config.rope_trained_length or round(config.max_length / config.rope_scaling_factor))
+                     config.rope_trained_length or round(config.max_length / config.rope_scaling_factor),
+                     config.rope_theta, config.rope_low_freq_factor, config.rope_high_freq_factor)
   return MultiHeadAttention(num_heads=config.num_heads, head_dim=config.head_dim,
                             dropout_rate=config.attention_dropout_rate, dtype=jnp.dtype(config.dtype),
                             is_cross=is_cross, num_kv_heads=config.kv_heads,
@@ -82,7 +83,8 @@ def _attention(config: ModelConfig, name: str, is_cross: bool = False, causal: b
                             global_tokens=config.global_tokens, rope_scaling=rope,
                             relative_buckets=config.relative_buckets,
                             relative_max_distance=config.relative_max_distance,
-                            linformer_k=config.linformer_k, max_length=config.max_length, name=name)
+                            linformer_k=config.linformer_k, max_length=config.max_length,
+                            bias=config.attention_bias, name=name)
 
 
 def _ffn(config: ModelConfig, valid: jax.Array | None) -> Callable[[jax.Array], jax.Array]:
@@ -90,7 +92,7 @@ def _ffn(config: ModelConfig, valid: jax.Array | None) -> Callable[[jax.Array], 
   real tokens (`valid`)."""
   dtype = jnp.dtype(config.dtype)
   if not config.num_experts:
-    return FeedForward(config.d_ff, dtype=dtype, activation=config.ffn, name="ffn")
+    return FeedForward(config.d_ff, dtype=dtype, activation=config.ffn, use_bias=config.mlp_bias, name="ffn")
   moe = MixtureOfExperts(config.num_experts, config.experts_per_token, config.d_ff, config.expert_capacity_factor,
                          dtype, config.ffn, name="ffn")
   return lambda h: moe(h, valid)

@@ -4,8 +4,8 @@ self-attention + FFN blocks under a causal mask, and output logits.
 The block is the paper's encoder block (section 3.1) with causal self-attention, so every
 option of the encoder-decoder (positions, norm and its placement, FFN, grouped-query
 attention, soft-cap, sliding window, blockwise attention, remat, scan_layers, tied
-embeddings) applies unchanged. Token id 0 is padding: padded keys are masked and padded
-positions get zero loss weight. Packed rows (several examples per row) pass segment ids and
+embeddings) applies unchanged. Token id `model.pad_id` (0 unless imported) is padding: padded
+keys are masked and not cached. Packed rows (several examples per row) pass segment ids and
 per-segment positions, as in `models.transformer`.
 """
 
@@ -27,7 +27,6 @@ from jaxformer.layers.positions import LearnedPositions
 from jaxformer.models.blocks import BLOCK_AXES, EncoderBlock
 from jaxformer.models.layout import StackedInit, layer_rngs
 from jaxformer.models.transformer import (
-  PAD_ID,
   advance,
   bias_table,
   cache_positions,
@@ -56,7 +55,7 @@ class SelfAttentionStack(StackedInit, nn.Module):
     """Creates the embedding, positions, layer stack and final norm for `config`."""
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
-    self.embed = Embed(cfg.vocab_size, cfg.d_model, dtype, name="embed")
+    self.embed = Embed(cfg.vocab_size, cfg.d_model, dtype, cfg.embedding_scale, name="embed")
     if not cfg.tie_embeddings:
       self.output_proj = untied_output_proj(self, cfg)
     if cfg.position == "learned":
@@ -66,7 +65,7 @@ class SelfAttentionStack(StackedInit, nn.Module):
     self.stack = layer_stack(EncoderBlock, cfg, self.num_layers, name, self.pipeline, causal=self.CAUSAL)
     self.bias_table = bias_table(self, cfg, "relative_bias")
     if cfg.pre_norm:  # pre-LN leaves the residual stream unnormalized: close the stack with a norm
-      self.final_norm = make_norm(cfg.norm, dtype)
+      self.final_norm = make_norm(cfg.norm, dtype, epsilon=cfg.norm_epsilon)
     self.dropout = Dropout(cfg.dropout_rate)
 
   def _logits(self, tokens, valid, positions, segment_ids, deterministic: bool,
@@ -103,7 +102,7 @@ class DecoderOnly(SelfAttentionStack):
     """Next-token logits.
 
     Args:
-      inputs: int `[batch, length]` token ids, PAD (0) padded at the end.
+      inputs: int `[batch, length]` token ids, padded at the end with `model.pad_id`.
       targets: ignored; accepted so the model has the `(inputs, targets)` call form the
         training state's initialisation uses (the targets are the inputs shifted by one).
       positions: int `[batch, length]` positions, restarting at 0 in each segment when
@@ -122,18 +121,19 @@ class DecoderOnly(SelfAttentionStack):
       ValueError: `segment_ids` or `positions` with `cache_state`.
     """
     del targets
-    return self._logits(inputs, inputs != PAD_ID, positions, segment_ids, deterministic, cache_state)
+    return self._logits(inputs, inputs != self.config.pad_id, positions, segment_ids, deterministic, cache_state)
 
   def prefill(self, prompt: jax.Array, cache_state: CacheState) -> tuple[jax.Array, CacheState]:
     """Starts cached decoding of int `[batch, T]` prompts (PAD padded at the end, at least
     one token each). Returns float32 logits `[batch, vocab_size]` of the token after each
     prompt and the state with the prompts cached."""
     logits = self(prompt, cache_state=cache_state)
-    last = jnp.sum(prompt != PAD_ID, axis=1) - 1                       # [B]
-    return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0], advance(cache_state, prompt)
+    pad = self.config.pad_id
+    last = jnp.sum(prompt != pad, axis=1) - 1                          # [B]
+    return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0], advance(cache_state, prompt, pad)
 
   def extend(self, tokens: jax.Array, cache_state: CacheState) -> tuple[jax.Array, CacheState]:
     """Feeds int `[batch, T]` tokens after each row's cached ones (PAD: not fed). Returns
     float32 logits `[batch, T, vocab_size]` and the advanced state."""
-    return self(tokens, cache_state=cache_state), advance(cache_state, tokens)
+    return self(tokens, cache_state=cache_state), advance(cache_state, tokens, self.config.pad_id)
 

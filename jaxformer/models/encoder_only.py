@@ -9,12 +9,11 @@ from typing import ClassVar
 import jax
 
 from jaxformer.models.decoder_only import SelfAttentionStack
-from jaxformer.models.transformer import PAD_ID
 
 
 class EncoderOnly(SelfAttentionStack):
   """Masked LM over int `[batch, length]` ids -> float32 logits `[batch, length, vocab_size]`.
-  Layers: `model.num_encoder_layers`. PAD (0) positions are masked as keys, so appending
+  Layers: `model.num_encoder_layers`. Padding (`model.pad_id`) positions are masked as keys, so appending
   padding does not change the logits of real positions."""
   STACKS: ClassVar = (("layer", "num_encoder_layers"),)
 
@@ -24,7 +23,7 @@ class EncoderOnly(SelfAttentionStack):
     """Logits for every position of `inputs` (ids with [MASK] substitutions already made).
 
     Args:
-      inputs: int `[batch, length]` ids, PAD (0) padded.
+      inputs: int `[batch, length]` ids, padded with `model.pad_id`.
       targets: ignored; accepted so the model has the `(inputs, targets)` call form the
         training state's initialisation uses.
       positions: int `[batch, length]` positions, restarting at 0 in each segment when
@@ -36,4 +35,4 @@ class EncoderOnly(SelfAttentionStack):
       float32 `[batch, length, vocab_size]`.
     """
     del targets
-    return self._logits(inputs, inputs != PAD_ID, positions, segment_ids, deterministic)
+    return self._logits(inputs, inputs != self.config.pad_id, positions, segment_ids, deterministic)

@@ -116,9 +116,9 @@ def run_stack(stack, x: jax.Array, *args, rngs: jax.Array | None = None) -> jax.
   return stack(x, *args, rngs)[0]
 
 
-def advance(state: CacheState, tokens: jax.Array) -> CacheState:
+def advance(state: CacheState, tokens: jax.Array, pad_id: int = PAD_ID) -> CacheState:
   """`state` after caching int `[batch, T]` tokens: each row's length grows by its non-PAD tokens."""
-  return state.replace(lengths=state.lengths + jnp.sum(tokens != PAD_ID, axis=1, dtype=jnp.int32))
+  return state.replace(lengths=state.lengths + jnp.sum(tokens != pad_id, axis=1, dtype=jnp.int32))
 
 
 def cache_positions(state: CacheState, tokens: jax.Array) -> jax.Array:
@@ -197,18 +197,19 @@ class EncoderDecoder(StackedInit, nn.Module):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     if cfg.tie_embeddings:
-      self.source_embed = self.target_embed = Embed(cfg.vocab_size, cfg.d_model, dtype, name="embed")
+      embed = Embed(cfg.vocab_size, cfg.d_model, dtype, cfg.embedding_scale, name="embed")
+      self.source_embed = self.target_embed = embed
     else:
-      self.source_embed = Embed(cfg.vocab_size, cfg.d_model, dtype, name="source_embed")
-      self.target_embed = Embed(cfg.vocab_size, cfg.d_model, dtype, name="target_embed")
+      self.source_embed = Embed(cfg.vocab_size, cfg.d_model, dtype, cfg.embedding_scale, name="source_embed")
+      self.target_embed = Embed(cfg.vocab_size, cfg.d_model, dtype, cfg.embedding_scale, name="target_embed")
       self.output_proj = untied_output_proj(self, cfg)
     self.encoder_stack = layer_stack(EncoderBlock, cfg, cfg.num_encoder_layers, "encoder", self.pipeline)
     self.decoder_stack = layer_stack(DecoderBlock, cfg, cfg.num_decoder_layers, "decoder", self.pipeline)
     self.encoder_bias = bias_table(self, cfg, "encoder_relative_bias")
     self.decoder_bias = bias_table(self, cfg, "decoder_relative_bias")
     if cfg.pre_norm:  # pre-LN leaves the residual stream unnormalized: close each stack with a norm
-      self.encoder_norm = make_norm(cfg.norm, dtype)
-      self.decoder_norm = make_norm(cfg.norm, dtype)
+      self.encoder_norm = make_norm(cfg.norm, dtype, epsilon=cfg.norm_epsilon)
+      self.decoder_norm = make_norm(cfg.norm, dtype, epsilon=cfg.norm_epsilon)
     if cfg.position == "learned":
       self.source_positions = LearnedPositions(cfg.max_length, cfg.d_model, dtype)
       self.target_positions = LearnedPositions(cfg.max_length, cfg.d_model, dtype)

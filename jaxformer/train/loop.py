@@ -192,8 +192,9 @@ def train(config: Config, workdir: str | Path, dry_run: bool = False, verbose: b
   and nothing else when `dry_run`; else the totals (and with `verbose` the table) to stderr.
   Returns the last logged training metrics. Raises ConfigError for a mesh,
   `mesh.rules` or batch that does not fit the devices, or a workdir that holds a
-  different model.
+  different model, or a model whose `pad_id` is not 0 (`ModelConfig.require_zero_pad`).
   """
+  config.model.require_zero_pad("training")
   # One run per workdir: process 0 holds its lock until the last checkpoint is written.
   lock = workdir_lock.hold(workdir) if not dry_run and jax.process_index() == 0 else contextlib.nullcontext()
   with lock:

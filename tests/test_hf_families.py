@@ -1,0 +1,145 @@
+"""Published decoder-only families imported exactly: GPT-2, Llama, Mistral and Qwen2 models that
+transformers itself builds from configs with each family's published options (two or more
+variants each), every weight perturbed so biases and norms carry values, saved with
+`save_pretrained`, then read by `hf_import`. Checked against transformers on the same ids (token
+0 included, which is a real token in these vocabularies): our logits within 1e-4, and the export
+back (`hf_export.hf_model`, the family's own class) computing the original model's logits.
+torch/transformers are imported inside the tests.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow   # builds and runs transformers models (CI runs the slow set)
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+VARIANTS = {
+    # GPT-2's defaults: gelu_new, tied unscaled embeddings, LayerNorm eps 1e-5, biases everywhere.
+    "gpt2-default": ("GPT2Config", dict(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=32)),
+    "gpt2-gelu-untied": ("GPT2Config", dict(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=32, n_inner=48,
+                                            activation_function="gelu", tie_word_embeddings=False,
+                                            layer_norm_epsilon=1e-6)),
+    # Llama 3-style: theta 500000 with llama3 scaling, tied, head_dim != d_model / heads, GQA, all biases.
+    "llama3-tied-headdim": ("LlamaConfig", dict(SMALL, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                                                attention_bias=True, mlp_bias=True, max_position_embeddings=64,
+                                                rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
+                                                                 "factor": 8.0, "low_freq_factor": 1.0,
+                                                                 "high_freq_factor": 4.0,
+                                                                 "original_max_position_embeddings": 16})),
+    "llama-linear": ("LlamaConfig", dict(SMALL, max_position_embeddings=64, rms_norm_eps=1e-5,
+                                         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
+    "llama-yarn": ("LlamaConfig", dict(SMALL, num_key_value_heads=1, max_position_embeddings=64,
+                                       rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                        "original_max_position_embeddings": 16})),
+    # Dynamic NTK past the trained context: 24 tokens on a model trained on 16.
+    "llama-dynamic": ("LlamaConfig", dict(SMALL, max_position_embeddings=16,
+                                          rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                           "factor": 2.0})),
+    "mistral-window": ("MistralConfig", dict(SMALL, num_key_value_heads=2, sliding_window=5, max_position_embeddings=64,
+                                             head_dim=8)),
+    "mistral-no-window": ("MistralConfig", dict(SMALL, num_key_value_heads=4, sliding_window=None, max_position_embeddings=64, head_dim=8,
+                                                tie_word_embeddings=True)),
+    "qwen2-tied": ("Qwen2Config", dict(SMALL, num_key_value_heads=2, tie_word_embeddings=True,
+                                       max_position_embeddings=64, rope_parameters={"rope_type": "default",
+                                                                                    "rope_theta": 1000000.0})),
+    "qwen2-untied": ("Qwen2Config", dict(SMALL, num_key_value_heads=4, max_position_embeddings=64, rms_norm_eps=1e-6)),
+}
+LENGTH = 24
+
+
+def _hf_model(name: str, seed: int = 0):
+  """The transformers causal LM of variant `name`, every weight perturbed (biases and norms too)."""
+  cls, kwargs = VARIANTS[name]
+  config = getattr(transformers, cls)(**kwargs, attn_implementation="eager")
+  torch.manual_seed(seed)
+  model = transformers.AutoModelForCausalLM.from_config(config).eval()
+  with torch.no_grad():
+    for param in model.parameters():
+      param.add_(0.05 * torch.randn_like(param))
+  return model
+
+
+def _hf_logits(model, ids: np.ndarray) -> np.ndarray:
+  with torch.no_grad():
+    return model(torch.from_numpy(ids).long()).logits.float().numpy()
+
+
+@pytest.fixture(scope="module")
+def ids():
+  rng = np.random.default_rng(0)
+  out = rng.integers(0, 96, size=(2, LENGTH)).astype(np.int32)
+  out[:, 3] = 0   # a real token here, not padding
+  return out
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_import_gives_transformers_logits_and_exports_back(name, ids, tmp_path):
+  from jaxformer.interop.hf_export import hf_model
+  from jaxformer.interop.hf_import import params_from_hf, read_hf
+  from jaxformer.tasks import get_task
+  hf = _hf_model(name)
+  hf.save_pretrained(str(tmp_path / "hf"))
+  config, tensors = read_hf(tmp_path / "hf")
+  params = params_from_hf(config, tensors)
+  ours = np.asarray(get_task(config).make_model().apply({"params": params}, ids))
+  expected = _hf_logits(hf, ids)
+  np.testing.assert_allclose(ours, expected, atol=1e-4, rtol=1e-4)
+
+  back = hf_model(config, params, prefer=hf.config.architectures[0] if hf.config.architectures else None)
+  assert type(back).__name__ == type(hf).__name__
+  np.testing.assert_allclose(_hf_logits(back, ids), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_imported_options_are_the_published_ones(tmp_path):
+  from jaxformer.interop.hf_import import read_hf
+  _hf_model("llama3-tied-headdim").save_pretrained(str(tmp_path / "llama"))
+  m = read_hf(tmp_path / "llama")[0].model
+  assert (m.rope_theta, m.rope_scaling, m.rope_scaling_factor, m.rope_trained_length) == (500000.0, "llama3", 8.0, 16)
+  assert (m.head_dim, m.kv_heads, m.attention_bias, m.mlp_bias) == (16, 2, "all", True)
+  assert (m.tie_embeddings, m.embedding_scale, m.pad_id) == (True, False, -1)
+  _hf_model("gpt2-default").save_pretrained(str(tmp_path / "gpt2"))
+  m = read_hf(tmp_path / "gpt2")[0].model
+  assert (m.ffn, m.norm_epsilon, m.attention_bias, m.tie_embeddings) == ("gelu_tanh", 1e-5, "all", True)
+
+
+@pytest.mark.parametrize("cls, kwargs, message", [
+    ("LlamaConfig", dict(SMALL, hidden_act="gelu"), "hidden_act=gelu"),
+    ("LlamaConfig", dict(SMALL, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4,
+                                                 "long_factor": [1.0] * 4, "original_max_position_embeddings": 16}),
+     "rope_type=longrope"),
+    ("LlamaConfig", dict(SMALL, max_position_embeddings=64,
+                         rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "beta_fast": 16,
+                                          "original_max_position_embeddings": 16}), "beta_fast"),
+    ("Qwen2Config", dict(SMALL, use_sliding_window=True, sliding_window=4), "use_sliding_window"),
+    ("GPT2Config", dict(vocab_size=96, n_embd=32, n_layer=1, n_head=4, scale_attn_by_inverse_layer_idx=True),
+     "scale_attn_by_inverse_layer_idx"),
+])
+def test_options_without_counterpart_are_one_line(cls, kwargs, message, tmp_path):
+  from jaxformer.interop.hf_import import read_hf
+  config = getattr(transformers, cls)(**kwargs)
+  transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path))
+  with pytest.raises(ValueError, match=message) as info:
+    read_hf(tmp_path)
+  assert "\n" not in str(info.value)
+
+
+def test_imported_model_without_pad_zero_is_refused_for_decoding_and_training(tmp_path):
+  import jax.numpy as jnp
+  from jaxformer.config import ConfigError
+  from jaxformer.inference.decode import greedy_decode
+  from jaxformer.interop.hf_import import params_from_hf, read_hf
+  from jaxformer.tasks import get_task
+  from jaxformer.train.loop import train
+  _hf_model("gpt2-default").save_pretrained(str(tmp_path / "hf"))
+  config, tensors = read_hf(tmp_path / "hf")
+  model = get_task(config).make_model()
+  with pytest.raises(ConfigError, match=r"decoding a model whose padding id is not 0 \(model.pad_id=-1"):
+    greedy_decode(model, params_from_hf(config, tensors), jnp.ones((1, 3), jnp.int32), 4)
+  with pytest.raises(ConfigError, match="training a model whose padding id is not 0"):
+    train(config, tmp_path / "run")
+  assert not (tmp_path / "run").exists()
