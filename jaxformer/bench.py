@@ -97,13 +97,14 @@ def forward_flops_per_pair(m: ModelConfig, src_length: int, tgt_length: int) -> 
   """Matmul FLOPs of one forward pass over one sentence pair, or one decoder-only row of
   `tgt_length` tokens (2 FLOPs per multiply-add).
 
-  With S = src_length, T = tgt_length, D = d_model, F = d_ff, V = vocab_size, C = key/value
-  heads x head_dim (= D without grouped-query heads), G = 3 for a gated FFN (SwiGLU, GeGLU), else 2:
-    encoder layer, per source token:  4·D² + 4·D·C (Q, output; K, V projections) + 2·G·D·F (FFN)
-                                      + 4·S·D (scores q·k and the weighted sum of v)
-    decoder layer, per target token:  4·D² + 4·D·C + 4·T·D (masked self-attention, full T×T as computed)
+  With S = src_length, T = tgt_length, D = d_model, F = d_ff, V = vocab_size, Q = heads x
+  head_dim (= D unless `model.attention_head_dim` says otherwise), C = key/value heads x head_dim
+  (= Q without grouped-query heads), G = 3 for a gated FFN (SwiGLU, GeGLU), else 2:
+    encoder layer, per source token:  4·D·Q + 4·D·C (Q, output; K, V projections) + 2·G·D·F (FFN)
+                                      + 4·S·Q (scores q·k and the weighted sum of v)
+    decoder layer, per target token:  4·D·Q + 4·D·C + 4·T·Q (masked self-attention, full T×T as computed)
                                       + 2·G·D·F (FFN); with an encoder also
-                                      4·D² + 4·S·D (cross-attention Q and output, scores, sum)
+                                      4·D·Q + 4·S·Q (cross-attention Q and output, scores, sum)
                   and per source token: 4·D·C (cross-attention K and V of the encoder output)
     output logits, per target token:  2·D·V
   For the paper's model (C = D, G = 2) the layers are 8·D² + 4·D·F per token plus attention.
@@ -112,13 +113,13 @@ def forward_flops_per_pair(m: ModelConfig, src_length: int, tgt_length: int) -> 
   Embedding gathers, norms, softmax, dropout and the optimizer are not counted.
   """
   d, f, s, t = m.d_model, m.d_ff, src_length, tgt_length
-  c, g = m.kv_heads * m.head_dim, 3 if m.ffn in ("swiglu", "geglu") else 2
+  q, c, g = m.num_heads * m.head_dim, m.kv_heads * m.head_dim, 3 if m.ffn in ("swiglu", "geglu", "geglu_tanh") else 2
   ffn = 2 * g * d * f * m.experts_per_token + 2 * d * m.num_experts if m.num_experts else 2 * g * d * f
-  block = 4 * d * d + 4 * d * c + ffn
+  block = 4 * d * q + 4 * d * c + ffn
   if m.kind != Translation.kind:
-    return m.num_decoder_layers * t * (block + 4 * t * d) + t * 2 * d * m.vocab_size
-  encoder = s * m.num_encoder_layers * (block + 4 * s * d)
-  decoder = m.num_decoder_layers * (t * (block + 4 * t * d + 4 * d * d + 4 * s * d) + s * 4 * d * c)
+    return m.num_decoder_layers * t * (block + 4 * t * q) + t * 2 * d * m.vocab_size
+  encoder = s * m.num_encoder_layers * (block + 4 * s * q)
+  decoder = m.num_decoder_layers * (t * (block + 4 * t * q + 4 * d * q + 4 * s * q) + s * 4 * d * c)
   return encoder + decoder + t * 2 * d * m.vocab_size
 
 

@@ -23,6 +23,10 @@ def add_parsers(sub) -> None:
   which.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   which.add_argument("--average-last", type=positive_int, default=None, metavar="N",
                      help="the mean params of the newest N checkpoints (paper section 6.1)")
+  x.add_argument("--lora-format", choices=("merged", "peft"), default="merged",
+                 help="a LoRA workdir (model.lora_rank > 0): merged (default) folds the adapters into the weights; "
+                 "peft writes a PEFT adapter directory (adapter_config.json, adapter_model.safetensors) with the "
+                 "frozen base model in OUT/base (the Llama family only)")
   x.add_argument("overrides", nargs="*", help="runtime/mesh overrides, e.g. runtime.num_cpu_devices=1")
 
   im = sub.add_parser("import", help="build a workdir from a local Hugging Face directory of a supported "
@@ -37,7 +41,8 @@ def cmd_export(args: argparse.Namespace) -> None:
   from jaxformer.runtime import init_runtime
   init_runtime(runtime_from_overrides(args.overrides))
   from jaxformer.interop.hf_export import export_workdir
-  print(json.dumps(export_workdir(args.workdir, args.out, args.step, args.average_last, args.overrides)), flush=True)
+  print(json.dumps(export_workdir(args.workdir, args.out, args.step, args.average_last, args.overrides,
+                                  args.lora_format)), flush=True)
 
 
 def cmd_import(args: argparse.Namespace) -> None:

@@ -157,8 +157,8 @@ class DataConfig:
   target_lang: str = "de"              # free label of the target language (multi30k: en or de)
   tfds_data_dir: str = ""              # tfds: the TFDS data dir it was prepared in; empty = TFDS's default
   data_dir: str = "~/.cache/jaxformer"  # prepared (tokenized) splits and trained tokenizers are cached here
-  tokenizer: str = "unigram"           # SentencePiece unigram | bpe; char (language models: one id per character)
-  tokenizer_model: str = ""            # path of an existing SentencePiece .model (instead of training one)
+  tokenizer: str = "unigram"           # SentencePiece unigram | bpe; char (language models); hf (a tokenizer.json)
+  tokenizer_model: str = ""            # an existing SentencePiece .model; hf: a model directory or its tokenizer.json
   shared_vocab: bool = True            # translation: one vocabulary for source and target; false = one per side
   input_sentence_size: int = 1000000   # SentencePiece trains on at most this many sentences, sampled from train
   max_length: int = 64                 # tokens per side including EOS (language models: the context)
@@ -186,8 +186,11 @@ class DataConfig:
       raise ConfigError("data.source_lang and data.target_lang must be non-empty labels")
     if self.overlong not in ("drop", "truncate"):
       raise ConfigError(f"data.overlong={self.overlong!r} is unknown; use drop or truncate")
-    if self.tokenizer not in ("unigram", "bpe", "char"):
-      raise ConfigError(f"data.tokenizer={self.tokenizer!r} is unknown; use unigram, bpe or char")
+    if self.tokenizer not in ("unigram", "bpe", "char", "hf"):
+      raise ConfigError(f"data.tokenizer={self.tokenizer!r} is unknown; use unigram, bpe, char or hf")
+    if self.tokenizer == "hf" and not self.tokenizer_model:
+      raise ConfigError("data.tokenizer=hf needs data.tokenizer_model: a Hugging Face model directory or its "
+                        "tokenizer.json")
     if self.input_sentence_size < 1:
       raise ConfigError(f"data.input_sentence_size must be >= 1, got {self.input_sentence_size}")
     if self.max_length < 2:
@@ -267,7 +270,8 @@ class RuntimeConfig:
 class Config:
   """The whole run: every section is validated on construction by `load_config`.
 
-  `model.dtype` is derived: construction sets it to the compute dtype of `precision.policy`,
+  `model.dtype` is derived: construction sets it to the compute dtype of `precision.policy`
+  (and `model.frozen_dtype`, LoRA's frozen kernels, to its params dtype),
   the one place a user chooses precision.
   """
   name: str = "unnamed"         # a label for the run
@@ -280,8 +284,9 @@ class Config:
   runtime: RuntimeConfig = RuntimeConfig()
 
   def __post_init__(self):
-    compute = self.precision.parsed.compute_dtype
-    object.__setattr__(self, "model", dataclasses.replace(self.model, dtype=compute))
+    policy = self.precision.parsed
+    object.__setattr__(self, "model", dataclasses.replace(self.model, dtype=policy.compute_dtype,
+                                                          frozen_dtype=policy.param_dtype))
 
   def validate(self) -> None:
     """Validates every section, the task, and the settings that span sections; raises ConfigError (one line)."""
@@ -297,6 +302,10 @@ class Config:
       raise ConfigError(f"train.keep_best={self.train.keep_best!r} is not a validation metric of "
                         f"model.kind={self.model.kind}; use one of {', '.join(metrics)}, or empty")
     validate_with_data(self.model, self.data)
+    if self.model.frozen_dtype != "float32" and not self.model.lora_rank:
+      raise ConfigError(f"precision.policy={self.precision.policy!r}: params={self.model.frozen_dtype}: parameters and "
+                        "optimizer state stay float32 (only a LoRA run, model.lora_rank > 0, holds its frozen base in "
+                        "another dtype); use params=float32")
     if self.data.max_length > self.model.max_length:
       raise ConfigError(
           f"data.max_length={self.data.max_length} exceeds model.max_length={self.model.max_length}; "

@@ -28,7 +28,7 @@ from jaxformer.inference.cache import no_pad
 from jaxformer.inference.decode import Draft, SearchOptions, make_decode_fn
 from jaxformer.inference.quantize import dequantize_params
 from jaxformer.inference.restore import Restored
-from jaxformer.inference.search import EOS_ID, LENGTH_PENALTY, length_penalty
+from jaxformer.inference.search import LENGTH_PENALTY, length_penalty
 from jaxformer.models.pipeline import pipeline_for
 from jaxformer.train.loop import evaluate_loss
 from jaxformer.train.step import make_eval_step
@@ -106,7 +106,7 @@ def translate(restored: Restored, sources: Sequence[str], batch_size: int = 64,
 
 
 def hypothesis_scores(model: nn.Module, params: Any, inputs: jax.Array, tokens: jax.Array,
-                      alpha: float = LENGTH_PENALTY, eos_id: int = EOS_ID) -> jax.Array:
+                      alpha: float = LENGTH_PENALTY, eos_id: int | None = None) -> jax.Array:
   """Beam search's objective for given hypotheses, by teacher forcing.
 
   score(Y) = sum_t log p(y_t | y_<t, X) / length_penalty(|Y|, alpha), the sum over the
@@ -120,15 +120,17 @@ def hypothesis_scores(model: nn.Module, params: Any, inputs: jax.Array, tokens: 
     tokens: int `[batch, out_len]` hypotheses as decoding returns them (tokens through EOS,
       then PAD). A PAD id before a row's end would be read as padding by teacher forcing.
     alpha: GNMT length-penalty exponent >= 0 (paper: 0.6).
+    eos_id: the end token (None: `model.eos_id`).
 
   Returns:
     float32 `[batch]` length-normalised log-probabilities (<= 0).
   """
   tokens = jnp.asarray(tokens, jnp.int32)
+  eos_id = model.config.eos_id if eos_id is None else eos_id
   out_len = tokens.shape[1]
   is_eos = tokens == eos_id
   length = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1) + 1, out_len)      # [B]
-  logits = no_pad(model.apply({"params": params}, inputs, tokens))                      # [B, T, V]
+  logits = no_pad(model.apply({"params": params}, inputs, tokens), model.config.pad_id)                      # [B, T, V]
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   token_logp = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]           # [B, T]
   in_hypothesis = jnp.arange(out_len)[None, :] < length[:, None]

@@ -64,7 +64,14 @@ class ModelConfig:
   mlp_bias: bool = True         # biases in the FFN (Llama, Mistral, Qwen2 and T5 have none)
   attention_bias: str = "none"  # none | qkv (Qwen2) | all (also the output projection: GPT-2, BERT, Marian)
   embedding_scale: bool = True  # token embeddings times sqrt(d_model) (paper 3.4); GPT-2, Llama, BERT: false
+  embedding_norm: bool = False  # a norm over the summed embeddings, before dropout (BERT, RoBERTa); not encoder_decoder
+  type_vocab_size: int = 0      # rows of a token-type (segment) table; every token is type 0 (BERT: 2); 0 = none
+  position_offset: int = 0      # learned: position p reads table row p + offset (RoBERTa: pad_id + 1); 0 = none
+  mlm_head: bool = False        # encoder_only: LayerNorm(act(x W + b)) before the logits, plus an output bias (BERT)
   pad_id: int = 0               # the id the model masks as padding (and never caches); -1 = none (GPT-2, Llama)
+  bos_id: int = 2               # the start token (our decoders start with it; Llama's tokenizer prepends it)
+  eos_id: int = 3               # the end token: decoding stops there, data appends it
+  decoder_start_id: int = -1    # an encoder-decoder's first decoder input; -1 = bos_id (Marian: its pad)
   num_kv_heads: int = 0         # key/value heads (grouped-query); 0 = num_heads, 1 = multi-query
   attn_logit_softcap: float = 0.0  # c > 0: attention scores become c * tanh(score / c); 0 = off
   sliding_window: int = 0       # causal self-attention sees the last w tokens (itself included); 0 = all
@@ -79,6 +86,13 @@ class ModelConfig:
   expert_capacity_factor: float = 1.25  # an expert takes ceil(f * length * k / E) tokens per row; 0 = no limit
   router_aux_loss: float = 0.01  # weight of the load-balancing loss (Switch Transformer)
   router_z_loss: float = 0.001  # weight of the router z-loss (ST-MoE)
+  # LoRA (Hu et al. 2021; layers/lora.py): adapters beside the named projections; only they train.
+  # The dtype LoRA's frozen projection kernels are held in; not a user key: precision.policy's params sets it.
+  frozen_dtype: str = dataclasses.field(default="float32", metadata={
+      "set_by": "precision.policy", "example": "precision.policy=params=bfloat16,compute=bfloat16 (with LoRA)"})
+  lora_rank: int = 0            # rank r of the adapters; 0 = off (full fine-tuning)
+  lora_alpha: float = 16.0      # the adapters add (lora_alpha / lora_rank) * x A B to each target's x W
+  lora_targets: tuple[str, ...] = ("query", "value")  # among query, key, value, out, mlp_in (wi, wi_gate), mlp_out
 
   def validate(self) -> None:
     """Raises ConfigError (one line) for an unknown kind, dtype or option, a size <= 0 or a rate outside [0, 1)."""
@@ -110,13 +124,12 @@ class ModelConfig:
     """Width of each attention head: `attention_head_dim`, or `d_model // num_heads` when it is 0."""
     return self.attention_head_dim or self.d_model // self.num_heads
 
-  def require_zero_pad(self, what: str) -> None:
-    """Raises ConfigError (one line) unless `pad_id` is 0: `what` (decoding, training) pads
-    batches with id 0 and reads the data's special ids, not an imported tokenizer's yet."""
-    if self.pad_id != 0:
-      raise ConfigError(f"{what} a model whose padding id is not 0 (model.pad_id={self.pad_id}, an imported published "
-                        "model) is not supported yet: its batches would be padded with a real token; "
-                        "compute its logits with jaxformer.logits or export it")
+  @property
+  def special_ids(self):
+    """The model's `data.special_ids.SpecialIds` (pad, bos, eos, decoder start; unk and mask are
+    the tokenizer's)."""
+    from jaxformer.data.special_ids import SpecialIds  # noqa: PLC0415  (the config loads without numpy)
+    return SpecialIds(pad=self.pad_id, bos=self.bos_id, eos=self.eos_id, decoder_start=self.decoder_start_id)
 
   @property
   def kv_heads(self) -> int:

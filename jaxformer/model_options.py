@@ -46,6 +46,8 @@ def validate_architecture(m: Any) -> None:
   _validate_rope_scaling(m)
   _validate_t5(m)
   _validate_linformer(m)
+  _validate_lora(m)
+  _validate_embeddings(m)
   if m.global_tokens and not m.sliding_window:
     raise ConfigError(f"model.global_tokens={m.global_tokens} acts on top of a sliding window; "
                       "set model.sliding_window too, or model.global_tokens=0")
@@ -98,6 +100,48 @@ def _validate_linformer(m: Any) -> None:
   if m.position in ("alibi", "t5"):
     raise ConfigError(f"model.position={m.position} biases scores by token distance, which Linformer's projected "
                       "keys no longer have; use model.position=sinusoidal, learned or rope")
+
+
+def _validate_embeddings(m: Any) -> None:
+  """The BERT-style options: an embedding norm, token types, a position offset and the MLM head."""
+  for name in ("type_vocab_size", "position_offset"):
+    if getattr(m, name) < 0:
+      raise ConfigError(f"model.{name} must be >= 0 (0 turns it off), got {getattr(m, name)}")
+  if m.position_offset and m.position != "learned":
+    raise ConfigError(f"model.position_offset={m.position_offset} shifts the rows of the learned position table; "
+                      "set model.position=learned or model.position_offset=0")
+  used = [f"model.{k}={getattr(m, k)}" for k in ("embedding_norm", "type_vocab_size", "position_offset")
+          if getattr(m, k)]
+  if used and m.kind == "encoder_decoder":
+    raise ConfigError(f"{used[0]} acts in the decoder_only and encoder_only models; "
+                      "turn it off (false / 0) for model.kind=encoder_decoder")
+  if m.mlm_head and m.kind != "encoder_only":
+    raise ConfigError(f"model.mlm_head=true is the masked LM's output transform; set model.kind=encoder_only "
+                      f"or model.mlm_head=false (model.kind={m.kind})")
+
+
+# values of model.lora_targets: the projections LoRA adapters can sit beside (layers/lora.py)
+LORA_TARGETS = ("query", "key", "value", "out", "mlp_in", "mlp_out")
+
+
+def _validate_lora(m: Any) -> None:
+  bad = [t for t in m.lora_targets if t not in LORA_TARGETS]
+  if bad:
+    raise ConfigError(f"model.lora_targets: unknown target {bad[0]!r}; use a list among {', '.join(LORA_TARGETS)}, "
+                      "e.g. model.lora_targets=[query,value]")
+  if m.lora_rank < 0:
+    raise ConfigError(f"model.lora_rank must be >= 0 (0 turns LoRA off), got {m.lora_rank}; e.g. 8")
+  if not m.lora_rank:
+    return
+  if not m.lora_targets or len(set(m.lora_targets)) != len(m.lora_targets):
+    raise ConfigError(f"model.lora_targets={list(m.lora_targets)} must name each target once and at least one; "
+                      "e.g. model.lora_targets=[query,value]")
+  if not 0.0 < m.lora_alpha < math.inf:   # written so that NaN fails too
+    raise ConfigError(f"model.lora_alpha must be a finite number > 0, got {m.lora_alpha}; e.g. 16")
+  mlp = [t for t in m.lora_targets if t.startswith("mlp")]
+  if mlp and m.num_experts:
+    raise ConfigError(f"model.lora_targets={list(m.lora_targets)}: a mixture of experts (model.num_experts="
+                      f"{m.num_experts}) has no dense FFN for {mlp[0]}; target the attention projections only")
 
 
 def validate_with_data(model: Any, data: Any) -> None:

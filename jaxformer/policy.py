@@ -4,6 +4,9 @@ A policy names three dtypes: `params` (storage of parameters and optimizer state
 `compute` (activations and matmuls inside the model) and `output` (logits and the loss).
 Parameters and optimizer state are always float32, and so are LayerNorm statistics,
 attention softmax, logits and the loss; only `compute` varies (float32, bfloat16, float16).
+One exception: a LoRA run (`model.lora_rank` > 0) may set `params=bfloat16|float16` to hold its
+frozen base's projection kernels in that dtype (`layers.lora.hold_frozen`; `Config.validate`
+refuses it without LoRA); the adapters and their optimizer state stay float32.
 Parsing needs no JAX, so a config is checked before JAX is imported.
 """
 
@@ -32,7 +35,7 @@ def parse_policy(text: str) -> Policy:
 
   Raises:
     ValueError: one line naming the problem: empty text, an item without "=", an unknown
-      or repeated key, an unknown dtype, or params/output other than float32.
+      or repeated key, an unknown dtype, or output other than float32.
   """
   names = {}
   for item in text.split(","):
@@ -46,8 +49,6 @@ def parse_policy(text: str) -> Policy:
     if name not in DTYPES:
       raise ValueError(f"unknown dtype {name!r} for {key}; use {', '.join(DTYPES)}")
     names[key] = name
-  if names.get("params", "float32") != "float32":
-    raise ValueError(f"params={names['params']}: parameters and optimizer state stay float32; use params=float32")
   if names.get("output", "float32") != "float32":
     raise ValueError(f"output={names['output']}: logits and the loss are always float32; use output=float32")
-  return Policy(compute_dtype=names.get("compute", "float32"))
+  return Policy(param_dtype=names.get("params", "float32"), compute_dtype=names.get("compute", "float32"))

@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from jaxformer.inference.engine import Engine, Request
-from jaxformer.inference.search import EOS_ID, EXTRA_TOKENS
+from jaxformer.inference.search import EXTRA_TOKENS
 from jaxformer.tasks import get_task
 
 
@@ -128,7 +128,7 @@ class Server:
     page = self.engine.pages.page_size
     for width in range(page, self.engine.max_input_len + page, page):
       n = min(width, self.engine.max_input_len)
-      await run_in_threadpool(self._run_blocking, Request([4] * (n - 1) + [EOS_ID], 2))
+      await run_in_threadpool(self._run_blocking, Request([4] * n, 2))
     yield
     self.worker.stop()
 
@@ -195,7 +195,8 @@ class Server:
     max_length = _field(body, "max_length", int, None, 1)
     if stream and (beam > 1 or not isinstance(text, str)):
       raise BadRequest('"stream" needs one "text" string and beam_size 1')
-    sources = [self._encode(self.restored.source_tokenizer, t, [EOS_ID]) for t in texts]
+    eos = self.restored.config.model.eos_id
+    sources = [self._encode(self.restored.source_tokenizer, t, [eos]) for t in texts]
     limit = self.restored.config.model.max_length
     lengths = [min(max_length or len(s) + EXTRA_TOKENS, limit) for s in sources]
     if beam > 1:

@@ -38,6 +38,7 @@ MLP = "mlp"
 LAYERS = "layers"  # leading axis of params stacked by nn.scan (model.scan_layers)
 STAGES = "stages"  # leading axis of a pipeline's per-stage buffers (models/pipeline.py)
 EXPERTS = "experts"  # the experts of a mixture-of-experts layer (layers/moe.py)
+LORA = "lora"      # the rank axis of LoRA adapters (layers/lora.py): small, replicated
 # Activation axes.
 ACT_BATCH = "act_batch"
 ACT_LENGTH = "act_length"
@@ -52,7 +53,7 @@ ACT_EXPERT_BATCH = "act_expert_batch"  # their batch: act_batch without the expe
 # Logical axis -> mesh axis (or axes, or None = replicated). Batch over data+fsdp+expert (outside the
 # MoE's expert buffers the expert axis is one more data axis); the length of activations over context;
 # weights fully sharded over fsdp along embed (ZeRO-3); heads/d_ff/vocab over tensor; experts over
-# expert; scanned layers (contiguous blocks of them) and pipeline buffers over stage.
+# expert; scanned layers (contiguous blocks of them) and pipeline buffers over stage; LoRA ranks replicated.
 Rules = tuple[tuple[str, Any], ...]
 LOGICAL_RULES: Rules = (
     (ACT_BATCH, ("data", "fsdp", "expert")),
@@ -69,6 +70,7 @@ LOGICAL_RULES: Rules = (
     (HEADS, "tensor"),
     (KV, None),
     (MLP, "tensor"),
+    (LORA, None),
     (STAGES, "stage"),
     (LAYERS, "stage"),
     (EXPERTS, "expert"),

@@ -254,6 +254,13 @@ MODEL_CASES = {
     "rope_ntk-linformer": dict(position="rope", attention="linformer", linformer_k=5, rope_scaling="ntk",
                                rope_scaling_factor=2.0),
     "rope-fused": dict(position="rope", attention="fused", num_kv_heads=2, sliding_window=3, pre_norm=True),
+    # The published families' options: biases, head_dim, norm epsilon, unscaled embeddings, Llama 3's RoPE.
+    "rope_llama3-biases": dict(position="rope", rope_scaling="llama3", rope_scaling_factor=8.0, rope_trained_length=4,
+                               rope_theta=500000.0, attention_bias="qkv", mlp_bias=False, embedding_scale=False,
+                               attention_head_dim=6, num_kv_heads=2, norm="rmsnorm", norm_epsilon=1e-5, pre_norm=True,
+                               ffn="swiglu"),
+    "learned-gpt2": dict(position="learned", attention_bias="all", ffn="gelu_tanh", embedding_scale=False,
+                         norm_epsilon=1e-5, pre_norm=True, attention="blockwise"),
 }
 
 

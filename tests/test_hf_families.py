@@ -9,6 +9,10 @@ torch/transformers are imported inside the tests.
 
 from __future__ import annotations
 
+import gzip
+import itertools
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -52,10 +56,10 @@ VARIANTS = {
 LENGTH = 24
 
 
-def _hf_model(name: str, seed: int = 0):
-  """The transformers causal LM of variant `name`, every weight perturbed (biases and norms too)."""
+def _hf_model(name: str, seed: int = 0, config=None):
+  """The transformers causal LM of variant `name` (or of `config`), every weight perturbed (biases and norms too)."""
   cls, kwargs = VARIANTS[name]
-  config = getattr(transformers, cls)(**kwargs, attn_implementation="eager")
+  config = config or getattr(transformers, cls)(**kwargs, attn_implementation="eager")
   torch.manual_seed(seed)
   model = transformers.AutoModelForCausalLM.from_config(config).eval()
   with torch.no_grad():
@@ -128,18 +132,101 @@ def test_options_without_counterpart_are_one_line(cls, kwargs, message, tmp_path
   assert "\n" not in str(info.value)
 
 
-def test_imported_model_without_pad_zero_is_refused_for_decoding_and_training(tmp_path):
-  import jax.numpy as jnp
-  from jaxformer.config import ConfigError
+SHAKESPEARE = Path(__file__).resolve().parents[1] / "jaxformer" / "data" / "raw" / "tinyshakespeare" / "input.txt.gz"
+STYLES = {   # a published tokenizer's special tokens: GPT-2's one <|endoftext|>, Llama's <unk> <s> </s> and a BOS
+    "gpt2": dict(specials=["<|endoftext|>"], bos="<|endoftext|>", eos="<|endoftext|>", unk=None, add_bos=False),
+    "llama": dict(specials=["<unk>", "<s>", "</s>"], bos="<s>", eos="</s>", unk="<unk>", add_bos=True),
+}
+
+
+def _shakespeare(n: int) -> list[str]:
+  with gzip.open(SHAKESPEARE, "rt", encoding="utf-8") as f:
+    return [line.strip() for line in itertools.islice(f, 4000) if line.strip()][:n]
+
+
+def _write_tokenizer(folder: Path, style: str) -> dict[str, int]:
+  """A byte-level BPE tokenizer trained on Tiny Shakespeare, saved as transformers saves a model's
+  (tokenizer.json + tokenizer_config.json); returns the special tokens' ids."""
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+  spec = STYLES[style]
+  tok = tokenizers.Tokenizer(models.BPE(unk_token=spec["unk"]))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=spec["specials"],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tok.train_from_iterator(_shakespeare(2000), trainer)
+  bos = tok.token_to_id(spec["bos"])
+  if spec["add_bos"]:
+    tok.post_processor = processors.TemplateProcessing(single=f"{spec['bos']} $A", special_tokens=[(spec["bos"], bos)])
+  else:
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=spec["bos"], eos_token=spec["eos"],
+                                              unk_token=spec["unk"])
+  fast.save_pretrained(str(folder))
+  return {"vocab_size": tok.get_vocab_size(), "bos_token_id": bos, "eos_token_id": tok.token_to_id(spec["eos"])}
+
+
+def _published(folder: Path, name: str, style: str):
+  """A transformers model of variant `name` with a trained tokenizer of `style`, saved to `folder`."""
+  ids = _write_tokenizer(folder, style)
+  cls, kwargs = VARIANTS[name]
+  kwargs = {**kwargs, **ids}
+  if cls == "GPT2Config":
+    kwargs["n_positions"] = 64
+  model = _hf_model(name, config=getattr(transformers, cls)(**kwargs, attn_implementation="eager"))
+  model.save_pretrained(str(folder))
+  return model
+
+
+@pytest.mark.parametrize("name, style", [("gpt2-default", "gpt2"), ("llama3-tied-headdim", "llama"),
+                                         ("qwen2-tied", "gpt2")])
+def test_published_model_with_its_tokenizer_imports_generates_trains_and_exports(name, style, tmp_path):
+  import jaxformer
+  from jaxformer.config import load_config
   from jaxformer.inference.decode import greedy_decode
-  from jaxformer.interop.hf_import import params_from_hf, read_hf
-  from jaxformer.tasks import get_task
-  from jaxformer.train.loop import train
-  _hf_model("gpt2-default").save_pretrained(str(tmp_path / "hf"))
-  config, tensors = read_hf(tmp_path / "hf")
-  model = get_task(config).make_model()
-  with pytest.raises(ConfigError, match=r"decoding a model whose padding id is not 0 \(model.pad_id=-1"):
-    greedy_decode(model, params_from_hf(config, tensors), jnp.ones((1, 3), jnp.int32), 4)
-  with pytest.raises(ConfigError, match="training a model whose padding id is not 0"):
-    train(config, tmp_path / "run")
-  assert not (tmp_path / "run").exists()
+  from jaxformer.interop.hf_import import import_hf
+  hf = _published(tmp_path / "hf", name, style)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+  workdir = tmp_path / "run"
+  assert import_hf(tmp_path / "hf", workdir)["architecture"] == type(hf).__name__
+  model = jaxformer.restore(workdir)
+  m = model.config.model
+  assert (m.bos_id, m.eos_id, m.pad_id) == (hf.config.bos_token_id, hf.config.eos_token_id, -1)
+  assert model.config.data.tokenizer == "hf" and (workdir / "hf_tokenizer" / "tokenizer.json").is_file()
+
+  # Real text through the model's own tokenizer: our ids and logits are transformers'.
+  lines = _shakespeare(40)[30:32]
+  ids = [tokenizer(t)["input_ids"] for t in lines]
+  assert ids == [model.tokenizer.encode(t) for t in lines]
+  assert (ids[0][0] == m.bos_id) == STYLES[style]["add_bos"]
+  assert model.tokenizer.decode(ids[0]) == lines[0]
+  batch = np.asarray([row[:min(map(len, ids))] for row in ids])
+  np.testing.assert_allclose(jaxformer.logits(model, batch), _hf_logits(hf, batch), atol=1e-4, rtol=1e-4)
+
+  # Greedy decoding equals transformers' generate, token for token (until its EOS).
+  prompt = np.asarray([ids[0][:6]], np.int32)
+  ours = np.asarray(greedy_decode(model.model, model.params, prompt, 10))[0]
+  with torch.no_grad():
+    theirs = hf.generate(torch.from_numpy(prompt).long(), max_new_tokens=10, do_sample=False,
+                         pad_token_id=m.eos_id)[0, 6:].numpy()
+  stop = int(np.argmax(ours == m.eos_id)) + 1 if (ours == m.eos_id).any() else len(ours)
+  np.testing.assert_array_equal(ours[:stop], theirs[:stop])
+
+  # Fine-tune 3 steps on the user's text, then export: transformers computes our logits.
+  text = tmp_path / "train.txt"
+  text.write_text("\n\n".join(_shakespeare(400)) + "\n")
+  tuned = load_config(workdir / "config.yaml", [
+      "data.dataset=files", f"data.train_files={text}", "data.max_length=32", "train.num_steps=3",
+      "train.batch_size=8", "train.checkpoint_every=3", "train.async_checkpoint=false", "train.log_every=1",
+      f"data.data_dir={tmp_path / 'cache'}"])
+  last = jaxformer.fit(tuned, workdir)
+  assert last["step"] == 3 and np.isfinite(last["loss"])
+  out = jaxformer.export(workdir, tmp_path / "back")
+  assert out["step"] == 3 and out["architecture"] == type(hf).__name__
+  back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).eval()
+  assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "back"))(lines[0])["input_ids"] == ids[0]
+  tuned_model = jaxformer.restore(workdir)
+  ours = jaxformer.logits(tuned_model, batch)
+  np.testing.assert_allclose(ours, _hf_logits(back, batch), atol=1e-4, rtol=1e-4)
+  assert np.abs(ours - _hf_logits(hf, batch)).max() > 2e-4   # it did train (twice the tolerance above)

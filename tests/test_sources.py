@@ -126,7 +126,7 @@ def test_text_stream_windows_and_document_starts(tmp_path):
   old = prep.CHUNK_TOKENS
   prep.CHUNK_TOKENS = 50   # many records, so windows cross record boundaries
   try:
-    stream = prep.prepare_text(source, "train", tokenizer, tmp_path / "cache", append_eos=True)
+    stream = prep.prepare_text(source, "train", tokenizer, tmp_path / "cache", eos_id=D.EOS_ID)
   finally:
     prep.CHUNK_TOKENS = old
   flat = np.concatenate([tokenizer.encode(d) + [D.EOS_ID] for d in docs]).astype(np.int32)

@@ -86,8 +86,8 @@ def load_data(config, kind: str, reserved_ids: int = 0, vocab: Vocabulary | None
       overlong = data.overlong if split == "train" else "truncate"
       splits[split] = prepare_pairs(source, split, vocab, root, data.max_length, overlong)
     else:
-      splits[split] = prepare_text(source, split, vocab.target, root,
-                                   append_eos=not isinstance(vocab.target, CharTokenizer))
+      eos = vocab.target.special_ids.eos
+      splits[split] = prepare_text(source, split, vocab.target, root, eos_id=eos if eos >= 0 else None)
   if "validation" in wanted and "validation" not in available:
     train = splits["train"]
     n = len(train)
@@ -131,7 +131,8 @@ def pair_batches(config, splits, process_index: int = 0, process_count: int = 1)
 def window_batches(config, splits, shift: bool, process_index: int = 0, process_count: int = 1):
   """(training batches, validation batches) of token windows of `data.max_length` for this
   process; `shift`: targets one token ahead (causal LM), else the inputs (masked LM)."""
-  kw = dict(shift=shift, packing=config.data.packing, process_index=process_index, process_count=process_count)
+  kw = dict(shift=shift, packing=config.data.packing, process_index=process_index, process_count=process_count,
+            pad_id=config.model.pad_id)
   train = WindowBatches(splits["train"], config.train.batch_size, config.data.max_length, seed=config.runtime.seed,
                         **kw)
   return train, lm_eval_batches(config, splits["validation"], shift, process_index, process_count)
@@ -140,7 +141,8 @@ def window_batches(config, splits, shift: bool, process_index: int = 0, process_
 def lm_eval_batches(config, split, shift: bool, process_index: int = 0, process_count: int = 1):
   """A whole split once in consecutive windows of `data.max_length` (`window_eval_batches`)."""
   return window_eval_batches(split, config.train.batch_size, config.data.max_length, shift=shift,
-                             packing=config.data.packing, process_index=process_index, process_count=process_count)
+                             packing=config.data.packing, process_index=process_index, process_count=process_count,
+                             pad_id=config.model.pad_id)
 
 
 def global_batch(local: dict[str, np.ndarray], mesh, rules=None) -> dict[str, Any]:

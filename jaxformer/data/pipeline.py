@@ -342,9 +342,9 @@ def eval_batches(data, batch_size: int,
   return out
 
 
-def padding_fraction(batch: dict[str, np.ndarray]) -> float:
-  """Fraction of PAD entries over ``inputs`` and ``targets`` together."""
+def padding_fraction(batch: dict[str, np.ndarray], pad_id: int = PAD_ID) -> float:
+  """Fraction of padding (``pad_id``) entries over ``inputs`` and ``targets`` together."""
   total = batch["inputs"].size + batch["targets"].size
-  pads = (np.count_nonzero(batch["inputs"] == PAD_ID)
-          + np.count_nonzero(batch["targets"] == PAD_ID))
+  pads = (np.count_nonzero(batch["inputs"] == pad_id)
+          + np.count_nonzero(batch["targets"] == pad_id))
   return pads / total if total else 0.0

@@ -171,12 +171,15 @@ def prepare_pairs(source: Source, split: str, vocab, root: Path, max_length: int
   return PreparedPairs(_build(final, fill))
 
 
-def prepare_text(source: Source, split: str, tokenizer, root: Path, append_eos: bool) -> PreparedText:
+def prepare_text(source: Source, split: str, tokenizer, root: Path, eos_id: int | None) -> PreparedText:
   """The documents of `split` as one token stream (cached; see the module docstring).
 
-  `append_eos`: end every document with EOS (SentencePiece; the character vocabulary has none).
+  `eos_id`: the id ending every document (the tokenizer's EOS), or None (the character
+  vocabulary has none).
   """
-  key = cache_key(source.fingerprint(split), hashlib.sha256(tokenizer.serialized).hexdigest(), append_eos,
+  # The key's third part was a bool before ids were data (True for EOS 3): the same for old caches.
+  eos_key = True if eos_id == EOS_ID else (False if eos_id is None else eos_id)
+  key = cache_key(source.fingerprint(split), hashlib.sha256(tokenizer.serialized).hexdigest(), eos_key,
                   CHUNK_TOKENS, FORMAT_VERSION)
   final = root / "prepared" / f"{source.name}-{split}-{key}"
 
@@ -190,7 +193,7 @@ def prepare_text(source: Source, split: str, tokenizer, root: Path, append_eos: 
         chunk = [d for d in chunk if d]
         if not chunk:
           continue
-        ids = [np.asarray(x + [EOS_ID] if append_eos else x, np.int32) for x in tokenizer.encode_batch(chunk)]
+        ids = [np.asarray(x if eos_id is None else x + [eos_id], np.int32) for x in tokenizer.encode_batch(chunk)]
         offsets = total + len(buffer) + np.cumsum([0] + [len(x) for x in ids[:-1]])
         starts.write(offsets.astype(np.int64).tobytes())
         docs += len(ids)

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-PAD_ID = 0
-UNK_ID = 1
-BOS_ID = 2
-EOS_ID = 3
+from jaxformer.data.special_ids import SpecialIds
+
+# Our tokenizers' special ids (`SpecialIds`' defaults): where they are defined for the package.
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = SpecialIds()[:4]
 MODEL_TYPES = ("unigram", "bpe", "char")
 _BYTE_FALLBACK_MIN_VOCAB = 1024
 
@@ -40,6 +40,11 @@ class Tokenizer:
           f"{specials}, expected {(PAD_ID, UNK_ID, BOS_ID, EOS_ID)}; train "
           "it with --pad_id=0 --unk_id=1 --bos_id=2 --eos_id=3")
     self._sp = processor
+
+  @property
+  def special_ids(self) -> SpecialIds:
+    """Ours: pad 0, unk 1, bos 2, eos 3."""
+    return SpecialIds()
 
   @classmethod
   def from_bytes(cls, serialized: bytes) -> Tokenizer:
@@ -218,6 +223,11 @@ class CharTokenizer:
     return json.dumps({"type": "char", "chars": self.chars}).encode("utf-8")
 
   @property
+  def special_ids(self) -> SpecialIds:
+    """Pad 0 only: characters have no unk, bos or eos."""
+    return SpecialIds(pad=PAD_ID, unk=-1, bos=-1, eos=-1)
+
+  @property
   def vocab_size(self) -> int:
     """Characters + PAD."""
     return len(self.chars) + 1
@@ -241,7 +251,10 @@ class CharTokenizer:
 
 
 def tokenizer_from_bytes(serialized: bytes):
-  """A workdir's tokenizer file: a `CharTokenizer` (JSON) or a SentencePiece model."""
+  """A workdir's tokenizer file: a `CharTokenizer` or an `HFTokenizer` (JSON), or a SentencePiece model."""
   if serialized.startswith(b'{"type": "char"'):
     return CharTokenizer.from_bytes(serialized)
+  if serialized.startswith(b'{"type": "hf"'):
+    from jaxformer.data.tokenizer_hf import HFTokenizer  # noqa: PLC0415  (needs the hf extra)
+    return HFTokenizer.from_bytes(serialized)
   return Tokenizer.from_bytes(serialized)

@@ -107,7 +107,13 @@ def make_vocabulary(data, source: Source, vocab_size: int, root: Path, reserved:
 
 def _tokenizer(data, source: Source, vocab_size: int, root: Path, reserved: int, sides: tuple[int, ...]):
   """One tokenizer, trained on `sides` of the train pairs (or the train documents)."""
-  if data.tokenizer_model:
+  if data.tokenizer == "hf":
+    from jaxformer.data.tokenizer_hf import HFTokenizer  # noqa: PLC0415  (needs the hf extra)
+    try:
+      tokenizer = HFTokenizer.load(data.tokenizer_model)
+    except (FileNotFoundError, ValueError) as e:
+      raise DataError(f"data.tokenizer_model={data.tokenizer_model!r}: {e}") from None
+  elif data.tokenizer_model:
     path = Path(data.tokenizer_model).expanduser()
     if not path.is_file():
       raise DataError(f"data.tokenizer_model={data.tokenizer_model!r} does not exist; give the path of a "

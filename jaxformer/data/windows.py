@@ -7,7 +7,7 @@ Evaluation (`window_eval_batches`) covers a split once in consecutive windows.
 With packing (`data.packing=true`) each window keeps its document boundaries: tokens get
 segment ids (1, 2, ... per document in the row) and positions that restart at each
 document, so attention never crosses documents, and a causal LM's target that would be the
-next document's first token becomes PAD (weight 0). Without packing, windows run across
+next document's first token becomes padding (weight 0). Without packing, windows run across
 documents as one text (nanoGPT style).
 """
 
@@ -56,14 +56,14 @@ def segments(doc_starts: np.ndarray, starts: np.ndarray, length: int) -> tuple[n
   return segment_ids, (offsets - begin).astype(np.int32)
 
 
-def _batch(stream, starts: np.ndarray, context: int, shift: bool, packing: bool) -> dict[str, np.ndarray]:
+def _batch(stream, starts: np.ndarray, context: int, shift: bool, packing: bool, pad_id: int) -> dict[str, np.ndarray]:
   w = stream.windows(starts, context + 1)
   inputs, targets = w[:, :-1], (w[:, 1:] if shift else w[:, :-1]).copy()
   batch = {"inputs": inputs, "targets": targets}
   if packing:
     seg, pos = segments(stream.doc_starts, starts, context + 1)
     if shift:  # the last token of a document does not predict the next document's first
-      targets[seg[:, 1:] != seg[:, :-1]] = PAD_ID
+      targets[seg[:, 1:] != seg[:, :-1]] = pad_id
     batch.update(inputs_segment_ids=seg[:, :-1], inputs_positions=pos[:, :-1])
   return batch
 
@@ -74,11 +74,12 @@ class WindowBatches:
   token ahead (`shift=True`, causal LM) or equal to `inputs` (masked LM), and with `packing`
   `inputs_segment_ids` / `inputs_positions`. Offsets come from `np.random.default_rng((seed, k))`.
 
-  `stream`: a `PreparedText`, `ArrayStream` or int array of tokens.
+  `stream`: a `PreparedText`, `ArrayStream` or int array of tokens; `pad_id`: the model's padding
+  id (`model.pad_id`), the targets that get no loss.
   """
 
   def __init__(self, stream, batch_size: int, context: int, *, seed: int = 0, shift: bool = True,
-               packing: bool = False, process_index: int = 0, process_count: int = 1):
+               packing: bool = False, process_index: int = 0, process_count: int = 1, pad_id: int = PAD_ID):
     stream = ArrayStream(stream) if isinstance(stream, np.ndarray) else stream
     if len(stream) < context + 2:
       raise ValueError(f"the training split has {len(stream)} tokens, too few for windows of {context + 1}; "
@@ -86,11 +87,12 @@ class WindowBatches:
     self._stream = stream
     self._rows = shard_rows(batch_size, process_index, process_count)
     self.batch_size, self.context, self.seed, self.shift, self.packing = batch_size, context, seed, shift, packing
+    self.pad_id = pad_id
 
   def __getitem__(self, step: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng((self.seed, int(step)))
     starts = rng.integers(0, len(self._stream) - self.context, self.batch_size)[self._rows]
-    return _batch(self._stream, starts, self.context, self.shift, self.packing)
+    return _batch(self._stream, starts, self.context, self.shift, self.packing, self.pad_id)
 
   def iterate(self, start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
     """The batches of steps `start_step`, `start_step + 1`, ... (endless)."""
@@ -101,26 +103,27 @@ class WindowBatches:
 
 
 def window_eval_batches(stream, batch_size: int, context: int, *, shift: bool = True, packing: bool = False,
-                        process_index: int = 0, process_count: int = 1) -> list[dict[str, np.ndarray]]:
+                        process_index: int = 0, process_count: int = 1,
+                        pad_id: int = PAD_ID) -> list[dict[str, np.ndarray]]:
   """The whole split once, in consecutive non-overlapping windows of `context` tokens.
 
   With `shift`, window i has inputs `tokens[i*context : (i+1)*context]` and targets one
   token ahead, so every token but the first is predicted exactly once; without it
   (masked LM) inputs = targets = the window. The last window and the last batch are
-  padded with PAD (weight 0 in the loss). Returns this process's rows of each batch.
+  padded with `pad_id` (weight 0 in the loss). Returns this process's rows of each batch.
   """
   stream = ArrayStream(stream) if isinstance(stream, np.ndarray) else stream
   tokens = stream.read()
   n = len(tokens) - 1 if shift else len(tokens)   # predicted (or maskable) tokens
   num_windows = -(-n // context)
   padded_windows = -(-num_windows // batch_size) * batch_size
-  flat = ArrayStream(np.full(padded_windows * context + 1, PAD_ID, np.int32))
+  flat = ArrayStream(np.full(padded_windows * context + 1, pad_id, np.int32))
   flat.tokens[:len(tokens)] = tokens
   flat.doc_starts = stream.doc_starts
   rows = shard_rows(batch_size, process_index, process_count)
   starts = np.arange(padded_windows) * context
   out = []
   for s in range(0, padded_windows, batch_size):
-    batch = _batch(flat, starts[s:s + batch_size][rows], context, shift, packing)
+    batch = _batch(flat, starts[s:s + batch_size][rows], context, shift, packing, pad_id)
     out.append(batch)
   return out

@@ -83,7 +83,7 @@ def extend(model: nn.Module, params: Any, cache: KVCache, tokens: jax.Array) -> 
   finished rows pass PAD). Returns float32 logits `[batch, T, vocab_size]` and the cache."""
   state = cache.state
   if state.beam_size > 1:   # grouped beam layout: say where this step's keys go first
-    state = mark_beams(state, tokens[:, 0] != PAD_ID)
+    state = mark_beams(state, tokens[:, 0] != model.config.pad_id)
   (logits, state), mutated = model.apply({"params": params, "cache": cache.layers}, tokens, state,
                                          method="extend", mutable=["cache"])
   return logits, KVCache(mutated["cache"], state)
@@ -95,11 +95,11 @@ def step(model: nn.Module, params: Any, cache: KVCache, tokens: jax.Array) -> tu
   return logits[:, 0], cache
 
 
-def no_pad(logits: jax.Array) -> jax.Array:
-  """Next-token logits `[..., vocab]` with PAD at -inf: PAD is never a target, and feeding it
-  means "no token" to the cache, so decoding never emits it. A select rather than an in-place
-  update, so XLA fuses it into whatever reads the logits instead of copying them."""
-  return jnp.where(jnp.arange(logits.shape[-1]) == PAD_ID, -jnp.inf, logits)
+def no_pad(logits: jax.Array, pad_id: int = PAD_ID) -> jax.Array:
+  """Next-token logits `[..., vocab]` with the padding id (`model.pad_id`; -1: none) at -inf: padding
+  is never a target, and feeding it means "no token" to the cache, so decoding never emits it. A
+  select rather than an in-place update, so XLA fuses it into whatever reads the logits."""
+  return jnp.where(jnp.arange(logits.shape[-1]) == pad_id, -jnp.inf, logits)
 
 
 def repeat_rows(cache: Any, times: int, batch_axis: int = 0) -> Any:

@@ -23,7 +23,6 @@ from jaxformer.inference import cache as kv
 from jaxformer.inference.quantize import dequantize_params
 from jaxformer.inference.search import (
   BEAM_SIZE,
-  EOS_ID,
   EXTRA_TOKENS,
   LENGTH_PENALTY,
   beam_search_core,
@@ -62,21 +61,20 @@ def _resolve_decode_len(model: nn.Module, inputs: jax.Array, max_decode_len: int
 def start(model: nn.Module, params: Any, inputs: jax.Array, max_decode_len: int):
   """Prefills a contiguous cache with int `[batch, len]` inputs; returns (first-token logits
   `[batch, vocab]`, cache, `LogitsFn` of one cached step), PAD excluded (`cache.no_pad`).
-  Raises ConfigError for a model whose `pad_id` is not 0 (`ModelConfig.require_zero_pad`).
 
   The cache holds just what `max_decode_len` generated tokens need (the last one is never
   read), so attention touches no unused slots. int8 params
   (`inference.quantize`) are dequantized here, inside the caller's jit."""
-  model.config.require_zero_pad("decoding")
   params = dequantize_params(params)
+  pad = model.config.pad_id
   capacity = max_decode_len + (0 if model.ENCODES_SOURCE else inputs.shape[1])   # + BOS, - the unread last token
   cache = kv.contiguous_cache(model, params, inputs.shape[0], inputs.shape[1], min(capacity, model.config.max_length))
   logits, cache = kv.prefill(model, params, cache, inputs)
 
   def logits_fn(tokens, cache, position):
     logits, cache = kv.step(model, params, cache, tokens)
-    return kv.no_pad(logits), cache
-  return kv.no_pad(logits), cache, logits_fn
+    return kv.no_pad(logits, pad), cache
+  return kv.no_pad(logits, pad), cache, logits_fn
 
 
 def cache_batch_axis(model: nn.Module) -> int:
@@ -85,28 +83,35 @@ def cache_batch_axis(model: nn.Module) -> int:
   return 1 if model.config.scan_layers else 0
 
 
+def _eos(model: nn.Module, eos_id: int | None) -> int:
+  """`eos_id`, or the model's (`model.eos_id`) when None; -1 never stops."""
+  return model.config.eos_id if eos_id is None else eos_id
+
+
 def greedy_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_len: int,
-                  eos_id: int = EOS_ID, return_cache: bool = False) -> Any:
-  """Greedy search: int32 `[batch, max_decode_len]` tokens through EOS, then PAD, for int
-  `[batch, len]` inputs (PAD padded). Rows stop independently; the loop ends when every row
-  has emitted EOS. `max_decode_len` must not exceed the model's `max_length`. With
-  `return_cache`: (tokens, the final `KVCache`)."""
+                  eos_id: int | None = None, return_cache: bool = False) -> Any:
+  """Greedy search: int32 `[batch, max_decode_len]` tokens through EOS (`eos_id`, default the
+  model's), then padding (`model.pad_id`), for int `[batch, len]` inputs padded with `model.pad_id`.
+  Rows stop independently; the loop ends when every row has emitted EOS. `max_decode_len` must
+  not exceed the model's `max_length`. With `return_cache`: (tokens, the final `KVCache`)."""
   logits, cache, step = start(model, params, inputs, max_decode_len)
-  return greedy_core(step, logits, cache, max_decode_len=max_decode_len, eos_id=eos_id, return_cache=return_cache)
+  return greedy_core(step, logits, cache, max_decode_len=max_decode_len, eos_id=_eos(model, eos_id),
+                     return_cache=return_cache, pad_id=model.config.pad_id)
 
 
 def beam_search(model: nn.Module, params: Any, inputs: jax.Array, beam_size: int = BEAM_SIZE,
                 max_decode_len: int | None = None, alpha: float = LENGTH_PENALTY,
-                eos_id: int = EOS_ID, return_cache: bool = False) -> Any:
+                eos_id: int | None = None, return_cache: bool = False) -> Any:
   """Beam search with the KV cache (see `search.beam_strategy`). Jittable (`beam_size`,
   `max_decode_len`, `alpha`, `eos_id` static).
 
   Args:
-    inputs: int `[batch, src_len]` source ids, PAD (0) padded.
+    inputs: int `[batch, src_len]` source ids, padded with `model.pad_id`.
     beam_size: K >= 1 (paper: 4).
     max_decode_len: tokens per hypothesis at most, EOS included; None gives
       min(src_len + 50, model max_length) (paper section 6.1); must not exceed max_length.
     alpha: GNMT length-penalty exponent (paper: 0.6), >= 0.
+    eos_id: the end token (None: `model.eos_id`).
 
   Returns:
     (int32 `[batch, max_decode_len]` best hypothesis per row, float32 `[batch]` its
@@ -121,18 +126,20 @@ def beam_search(model: nn.Module, params: Any, inputs: jax.Array, beam_size: int
     raise ValueError(f"beam_size must be an integer >= 1, got {beam_size!r}")
   logits, cache, step = start(model, params, inputs, length)
   return beam_search_core(step, logits, cache, beam_size=beam_size, max_decode_len=length, alpha=alpha,
-                          eos_id=eos_id, cache_batch_axis=cache_batch_axis(model), return_cache=return_cache)
+                          eos_id=_eos(model, eos_id), cache_batch_axis=cache_batch_axis(model),
+                          return_cache=return_cache, pad_id=model.config.pad_id)
 
 
 def sample_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_len: int | None,
                   rng: jax.Array, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                  eos_id: int = EOS_ID, return_cache: bool = False) -> Any:
+                  eos_id: int | None = None, return_cache: bool = False) -> Any:
   """Samples one output per row with the KV cache (temperature, top-k, nucleus).
 
   Reproducible: the output is a function of (params, rng, the row's input tokens, options)
   only. Each row's key is `source_row_keys(rng, inputs)`, so an input gets the same sample
   alone or in any batch; identical inputs in one call get identical samples. top_k = 1 is
-  greedy. Returns int32 `[batch, max_decode_len]`: tokens through EOS, then PAD (with
+  greedy. Returns int32 `[batch, max_decode_len]`: tokens through EOS (`eos_id`, default the
+  model's), then padding (with
   `return_cache`: those and the final `KVCache`).
 
   Raises:
@@ -142,8 +149,10 @@ def sample_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_l
   check_sampling(temperature, top_k, top_p)
   length = _resolve_decode_len(model, inputs, max_decode_len)
   logits, cache, step = start(model, params, inputs, length)
-  return sample_core(step, logits, cache, source_row_keys(rng, inputs), max_decode_len=length,
-                     temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, return_cache=return_cache)
+  pad = model.config.pad_id
+  return sample_core(step, logits, cache, source_row_keys(rng, inputs, pad), max_decode_len=length,
+                     temperature=temperature, top_k=top_k, top_p=top_p, eos_id=_eos(model, eos_id),
+                     return_cache=return_cache, pad_id=pad)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +174,7 @@ class SearchOptions:
   top_k: int | None = None
   top_p: float | None = None
   seed: int = 0
-  eos_id: int = EOS_ID
+  eos_id: int | None = None   # None: the model's (`model.eos_id`); -1: never stop at EOS
 
   @property
   def sampling(self) -> bool:

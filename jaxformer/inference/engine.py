@@ -43,14 +43,12 @@ from jaxformer.inference import topk
 from jaxformer.inference.pages import PageAllocator
 from jaxformer.inference.quantize import dequantize_params
 from jaxformer.inference.search import (
-  EOS_ID,
   check_sampling,
   check_seed,
   sample_tokens,
   sampling_values,
   source_row_keys,
 )
-from jaxformer.models.transformer import PAD_ID
 
 _ids = itertools.count()
 BATCHING = ("continuous", "static")
@@ -60,9 +58,10 @@ BATCHING = ("continuous", "static")
 class Request:
   """One decoding request and its progress.
 
-  `inputs`: token ids without PAD (the source with EOS for translation, the prompt for a
+  `inputs`: token ids without padding (the source with EOS for translation, the prompt for a
   language model); `max_new_tokens`: generated tokens at most (EOS included); sampling when
-  `temperature`, `top_k` or `top_p` is set, else greedy; `eos_id` -1: never stop at EOS.
+  `temperature`, `top_k` or `top_p` is set, else greedy; `eos_id`: the end token (None: the
+  model's `model.eos_id`, set by `Engine.submit`; -1: never stop at EOS).
   `on_token(request, token)` is called from the engine's thread for every token, and once
   more with token None when the request ends (`error` set if it failed).
   """
@@ -72,7 +71,7 @@ class Request:
   top_k: int | None = None
   top_p: float | None = None
   seed: int = 0
-  eos_id: int = EOS_ID
+  eos_id: int | None = None
   on_token: Callable[[Request, int | None], None] | None = None
   id: int = dataclasses.field(default_factory=lambda: next(_ids))
   tokens: list[int] = dataclasses.field(default_factory=list)
@@ -105,7 +104,6 @@ class Engine:
 
   Raises:
     ValueError: bad sizes or batching (one line).
-    ConfigError: a model whose `pad_id` is not 0 (`ModelConfig.require_zero_pad`).
   """
 
   def __init__(self, model, params, *, max_batch: int = 8, page_size: int = 16, num_pages: int | None = None,
@@ -114,7 +112,6 @@ class Engine:
       raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     if batching not in BATCHING:
       raise ValueError(f"batching must be one of {', '.join(BATCHING)}, got {batching!r}")
-    model.config.require_zero_pad("serving")
     self.batching = batching
     self.model, self.params = model, params
     self.max_length = model.config.max_length
@@ -142,9 +139,8 @@ class Engine:
     return kv.KVCache(layers, self._state.replace(lengths=lengths, source_lengths=source_lengths,
                                                   page_table=table, source_page_table=source_table))
 
-  @staticmethod
-  def _choose(logits, keys, index, sampling, temperature, top_k, top_p):
-    logits = kv.no_pad(logits)
+  def _choose(self, logits, keys, index, sampling, temperature, top_k, top_p):
+    logits = kv.no_pad(logits, self.model.config.pad_id)
     greedy = topk.argmax(logits)
     return jax.lax.cond(jnp.any(sampling),
                         lambda: jnp.where(sampling, sample_tokens(logits, keys, index, temperature, top_k, top_p),
@@ -158,7 +154,7 @@ class Engine:
     logits, cache = kv.prefill(self.model, params, cache, inputs)
     if resume.shape[1]:   # a preempted request: feed back the tokens it had fed before
       cache = kv.extend(self.model, params, cache, resume)[1]
-    keys = source_row_keys(rng, inputs)
+    keys = source_row_keys(rng, inputs, self.model.config.pad_id)
     token = self._choose(logits, keys, zeros, sampling, *options)
     return token, cache.layers, cache.state.lengths, cache.state.source_lengths, keys
 
@@ -189,8 +185,10 @@ class Engine:
                        "start the server with more --num-pages")
 
   def submit(self, request: Request) -> Request:
-    """Queues `request` (validated first). Raises ValueError for a bad request."""
+    """Queues `request` (validated first; `eos_id` None becomes the model's). Raises ValueError for a bad request."""
     self.validate(request)
+    if request.eos_id is None:
+      request.eos_id = self.model.config.eos_id
     self.waiting.append(request)
     return request
 
@@ -223,8 +221,8 @@ class Engine:
       self._retire(slot)
 
   def _padded(self, tokens: list[int]) -> np.ndarray:
-    """int32 `[1, width]` with `tokens` then PAD; widths are page multiples (few shapes to compile)."""
-    out = np.zeros((1, self.pages.pages_for(len(tokens)) * self.pages.page_size), np.int32)
+    """int32 `[1, width]` with `tokens` then padding; widths are page multiples (few shapes to compile)."""
+    out = np.full((1, self.pages.pages_for(len(tokens)) * self.pages.page_size), self.model.config.pad_id, np.int32)
     out[0, :len(tokens)] = tokens
     return out
 
@@ -296,7 +294,7 @@ class Engine:
     """One `generate` step in which the slots `ready` feed their next token (the rest PAD)."""
     rows = np.zeros((len(self.slots),), bool)
     rows[ready] = True
-    tokens = np.where(rows, self.next_token, PAD_ID).astype(np.int32)
+    tokens = np.where(rows, self.next_token, self.model.config.pad_id).astype(np.int32)
     index = np.asarray([len(r.tokens) if r is not None else 0 for r in self.slots], np.int32)
     opts = [r.options() if r is not None else (1.0, 0, 1.0) for r in self.slots]
     sampling = np.asarray([r is not None and r.sampling for r in self.slots])

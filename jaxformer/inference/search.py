@@ -21,11 +21,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxformer.data.special_ids import SpecialIds
 from jaxformer.inference import topk
 from jaxformer.inference.cache import reorder_beams, repeat_rows
 from jaxformer.models.transformer import PAD_ID
 
-EOS_ID = 3
+EOS_ID = SpecialIds().eos   # our tokenizers'; the decode functions take the model's (`model.eos_id`)
 BEAM_SIZE = 4          # paper section 6.1
 LENGTH_PENALTY = 0.6   # paper section 6.1 (alpha of Wu et al. 2016)
 EXTRA_TOKENS = 50      # paper section 6.1: maximum output length = input length + 50
@@ -84,15 +85,15 @@ def filter_logits(logits: jax.Array, temperature: jax.Array | float = 1.0, top_k
   return jax.lax.cond(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0), nucleus, lambda x: x, logits)
 
 
-def source_row_keys(rng: jax.Array, inputs: jax.Array) -> jax.Array:
-  """One key per row, `rng` folded in with the row's non-PAD input ids in order.
+def source_row_keys(rng: jax.Array, inputs: jax.Array, pad_id: int = PAD_ID) -> jax.Array:
+  """One key per row, `rng` folded in with the row's input ids but padding (`pad_id`), in order.
 
   A row's key depends only on `rng` and its own tokens, not on its position in the batch,
   its neighbours or how much padding the batch adds; identical inputs share a key.
   Returns keys `[batch]` of `rng`'s kind (typed or raw uint32 `[batch, 2]`).
   """
   def fold(key, token):
-    return jnp.where(token != PAD_ID, jax.random.fold_in(key, token), key), None
+    return jnp.where(token != pad_id, jax.random.fold_in(key, token), key), None
 
   def row(tokens):
     return jax.lax.scan(fold, rng, tokens)[0]
@@ -161,31 +162,31 @@ def decode_loop(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, strateg
 
 
 def token_strategy(choose: Callable[[jax.Array, jax.Array], jax.Array], max_decode_len: int,
-                   eos_id: int = EOS_ID) -> Strategy:
+                   eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Strategy:
   """One token per row per step, `choose(logits [batch, vocab], i) -> tokens [batch]`
   (argmax: greedy; a draw: sampling). State: (out int32 `[batch, L]`, finished `[batch]`);
-  a row that emitted EOS is fed PAD from then on."""
+  a row that emitted `eos_id` is fed `pad_id` (the model's padding: not cached) from then on."""
   def init(logits):
     batch = logits.shape[0]
     return jnp.zeros((batch, max_decode_len), jnp.int32), jnp.zeros((batch,), bool)
 
   def step(state, logits, i):
     out, finished = state
-    token = jnp.where(finished, PAD_ID, choose(logits, i).astype(jnp.int32))
+    token = jnp.where(finished, pad_id, choose(logits, i).astype(jnp.int32))
     return (out.at[:, i].set(token), finished | (token == eos_id)), token, None
   return Strategy(init, step, lambda state: jnp.all(state[1]))
 
 
-def greedy_strategy(max_decode_len: int, eos_id: int = EOS_ID) -> Strategy:
+def greedy_strategy(max_decode_len: int, eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Strategy:
   """Greedy search: the highest-scoring token at every step."""
-  return token_strategy(lambda logits, i: topk.argmax(logits), max_decode_len, eos_id)
+  return token_strategy(lambda logits, i: topk.argmax(logits), max_decode_len, eos_id, pad_id)
 
 
 def sample_strategy(row_keys: jax.Array, max_decode_len: int, temperature: float = 1.0, top_k: int = 0,
-                    top_p: float = 1.0, eos_id: int = EOS_ID) -> Strategy:
+                    top_p: float = 1.0, eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Strategy:
   """Ancestral sampling: token i of row b from `filter_logits` with key `fold_in(row_keys[b], i)`."""
   return token_strategy(lambda logits, i: sample_tokens(logits, row_keys, i, temperature, top_k, top_p),
-                        max_decode_len, eos_id)
+                        max_decode_len, eos_id, pad_id)
 
 
 class BeamState(NamedTuple):
@@ -203,7 +204,7 @@ def _take(x, idx):  # x [B, M, ...] gathered at idx [B, K'] along axis 1
 
 
 def beam_strategy(beam_size: int, max_decode_len: int, alpha: float = LENGTH_PENALTY,
-                  eos_id: int = EOS_ID) -> Strategy:
+                  eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Strategy:
   """Beam search with a separate finished set and per-row early stopping.
 
   Each step scores the K*vocab extensions of the live beams and keeps the top 2K. EOS
@@ -269,7 +270,7 @@ def beam_strategy(beam_size: int, max_decode_len: int, alpha: float = LENGTH_PEN
     # A live beam holds PAD only as a -inf candidate (fewer finite candidates than beams); it
     # still feeds a token (id 1), so all beams of a sentence stay the same length, which the
     # grouped beam cache needs (`layers.kv_cache`). Its score stays -inf.
-    tokens = jnp.where(keep, PAD_ID, jnp.where(tokens == PAD_ID, PAD_ID + 1, tokens))
+    tokens = jnp.where(keep, pad_id, jnp.where(tokens == pad_id, pad_id + 1, tokens))
     done = new.done | (new.fin_scores.max(axis=1) >= new.live_logp.max(axis=1) / best_possible_lp)
     return new._replace(done=done), tokens.reshape(-1), parent
 
@@ -290,13 +291,13 @@ def best_hypothesis(s: BeamState, max_decode_len: int, alpha: float) -> tuple[ja
 
 def beam_search_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, *, beam_size: int,
                      max_decode_len: int, alpha: float = LENGTH_PENALTY, eos_id: int = EOS_ID,
-                     cache_batch_axis: int = 0, return_cache: bool = False) -> Any:
+                     cache_batch_axis: int = 0, return_cache: bool = False, pad_id: int = PAD_ID) -> Any:
   """Beam search (`beam_strategy`) over `logits_fn` for `batch * beam_size` rows (row
   b * beam_size + k is beam k of sentence b), from float `[batch, vocab]` first-token logits
   and a cache of `batch` rows (`cache_batch_axis` as in `decode_loop`). Returns
   `best_hypothesis`: int32 `[batch, L]`, float32 `[batch]`; with `return_cache`, (that, the
   final cache)."""
-  strategy = beam_strategy(beam_size, max_decode_len, alpha, eos_id)
+  strategy = beam_strategy(beam_size, max_decode_len, alpha, eos_id, pad_id)
   state, cache = decode_loop(logits_fn, init_logits, cache, strategy, max_decode_len, cache_batch_axis)
   best = best_hypothesis(state, max_decode_len, alpha)
   return (best, cache) if return_cache else best
@@ -304,7 +305,7 @@ def beam_search_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, *,
 
 def sample_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, row_keys: jax.Array, *,
                 max_decode_len: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                eos_id: int = EOS_ID, return_cache: bool = False) -> Any:
+                eos_id: int = EOS_ID, return_cache: bool = False, pad_id: int = PAD_ID) -> Any:
   """Sampling (`sample_strategy`) over `logits_fn`; int32 `[batch, max_decode_len]` tokens
   through EOS, then PAD (with `return_cache`: those and the final cache).
 
@@ -314,14 +315,15 @@ def sample_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, row_key
   check_sampling(temperature, top_k, top_p)
   if not isinstance(max_decode_len, int) or max_decode_len < 1:
     raise ValueError(f"max_decode_len must be an integer >= 1, got {max_decode_len!r}")
-  strategy = sample_strategy(row_keys, max_decode_len, temperature, top_k, top_p, eos_id)
+  strategy = sample_strategy(row_keys, max_decode_len, temperature, top_k, top_p, eos_id, pad_id)
   state, cache = decode_loop(logits_fn, init_logits, cache, strategy, max_decode_len)
   return (state[0], cache) if return_cache else state[0]
 
 
 def greedy_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, *, max_decode_len: int,
-                eos_id: int = EOS_ID, return_cache: bool = False) -> Any:
+                eos_id: int = EOS_ID, return_cache: bool = False, pad_id: int = PAD_ID) -> Any:
   """Greedy search over `logits_fn`; int32 `[batch, max_decode_len]` tokens through EOS, then
   PAD (with `return_cache`: those and the final cache)."""
-  state, cache = decode_loop(logits_fn, init_logits, cache, greedy_strategy(max_decode_len, eos_id), max_decode_len)
+  strategy = greedy_strategy(max_decode_len, eos_id, pad_id)
+  state, cache = decode_loop(logits_fn, init_logits, cache, strategy, max_decode_len)
   return (state[0], cache) if return_cache else state[0]

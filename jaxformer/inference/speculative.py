@@ -20,13 +20,11 @@ import jax.numpy as jnp
 from jaxformer.inference import cache as kv
 from jaxformer.inference import topk
 from jaxformer.inference.quantize import dequantize_params
-from jaxformer.inference.search import EOS_ID
-from jaxformer.models.transformer import PAD_ID
 
 
-def _last_valid(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-  """Logits `[batch, vocab]` at each row's last non-PAD position of `tokens` `[batch, T]`."""
-  last = jnp.maximum(jnp.sum(tokens != PAD_ID, axis=1) - 1, 0)
+def _last_valid(logits: jax.Array, tokens: jax.Array, pad_id: int) -> jax.Array:
+  """Logits `[batch, vocab]` at each row's last position of `tokens` `[batch, T]` that is not `pad_id`."""
+  last = jnp.maximum(jnp.sum(tokens != pad_id, axis=1) - 1, 0)
   return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
 
 
@@ -41,13 +39,15 @@ def _capacity(model: nn.Module, inputs: jax.Array, max_decode_len: int, k: int) 
 
 def speculative_greedy(target: nn.Module, target_params: Any, draft: nn.Module, draft_params: Any,
                        inputs: jax.Array, max_decode_len: int, num_draft_tokens: int = 4,
-                       eos_id: int = EOS_ID) -> tuple[jax.Array, jax.Array, jax.Array]:
+                       eos_id: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Greedy decoding of `target` sped up by `draft` (same vocabulary). Jittable.
 
   Args:
-    inputs: int `[batch, len]` sources (encoder-decoder) or prompts (decoder-only), PAD padded.
+    inputs: int `[batch, len]` sources (encoder-decoder) or prompts (decoder-only), padded with
+      `model.pad_id` (the target's and the draft's special ids must agree).
     max_decode_len: tokens to generate at most per row, EOS included.
     num_draft_tokens: k >= 1 tokens the draft proposes per round.
+    eos_id: the end token; None: the target's `model.eos_id`.
 
   Returns:
     int32 `[batch, max_decode_len]` tokens through EOS then PAD (equal to the target's greedy
@@ -61,15 +61,17 @@ def speculative_greedy(target: nn.Module, target_params: Any, draft: nn.Module, 
   if not isinstance(k, int) or k < 1:
     raise ValueError(f"the draft must propose >= 1 token per round, got {num_draft_tokens!r}")
   target_params, draft_params = dequantize_params(target_params), dequantize_params(draft_params)
+  pad = target.config.pad_id
+  eos_id = target.config.eos_id if eos_id is None else eos_id
   batch = inputs.shape[0]
   tcache = kv.contiguous_cache(target, target_params, batch, inputs.shape[1], _capacity(target, inputs, length, k))
   dcache = kv.contiguous_cache(draft, draft_params, batch, inputs.shape[1], _capacity(draft, inputs, length, k))
   t_logits, tcache = kv.prefill(target, target_params, tcache, inputs)
   _, dcache = kv.prefill(draft, draft_params, dcache, inputs)
-  first = jnp.argmax(kv.no_pad(t_logits), axis=-1).astype(jnp.int32)               # [B]
-  out = jnp.zeros((batch, length), jnp.int32).at[:, 0].set(first)
+  first = jnp.argmax(kv.no_pad(t_logits, pad), axis=-1).astype(jnp.int32)          # [B]
+  out = jnp.full((batch, length), pad, jnp.int32).at[:, 0].set(first)
   finished = (first == eos_id) | (length <= 1)
-  catch_up = jnp.stack([first, jnp.full_like(first, PAD_ID)], axis=1)              # [B, 2]: not in the draft yet
+  catch_up = jnp.stack([first, jnp.full_like(first, pad)], axis=1)              # [B, 2]: not in the draft yet
   zeros = jnp.zeros((batch,), jnp.int32)
   carry = (tcache, dcache, first, catch_up, out, jnp.ones((batch,), jnp.int32), finished, zeros, zeros)
 
@@ -77,18 +79,18 @@ def speculative_greedy(target: nn.Module, target_params: Any, draft: nn.Module, 
     tcache, dcache, pending, catch_up, out, count, finished, accepted, rounds = carry
     live = ~finished
     # Draft: catch up on the kept tokens it has not seen, then propose k tokens greedily.
-    catch_up = jnp.where(live[:, None], catch_up, PAD_ID)
+    catch_up = jnp.where(live[:, None], catch_up, pad)
     logits, dcache = kv.extend(draft, draft_params, dcache, catch_up)
-    proposal = [topk.argmax(kv.no_pad(_last_valid(logits, catch_up)))]
+    proposal = [topk.argmax(kv.no_pad(_last_valid(logits, catch_up, pad), pad))]
     for _ in range(k - 1):
-      logits, dcache = kv.step(draft, draft_params, dcache, jnp.where(live, proposal[-1], PAD_ID))
-      proposal.append(topk.argmax(kv.no_pad(logits)))
+      logits, dcache = kv.step(draft, draft_params, dcache, jnp.where(live, proposal[-1], pad))
+      proposal.append(topk.argmax(kv.no_pad(logits, pad)))
     proposal = jnp.stack(proposal, axis=1)                                            # [B, k]
     # Target: score the pending token and the k proposals in one pass.
-    fed = jnp.where(live[:, None], jnp.concatenate([pending[:, None], proposal], axis=1), PAD_ID)
+    fed = jnp.where(live[:, None], jnp.concatenate([pending[:, None], proposal], axis=1), pad)
     t_lengths = tcache.state.lengths
     logits, tcache = kv.extend(target, target_params, tcache, fed)
-    greedy = topk.argmax(kv.no_pad(logits))                                         # [B, k + 1]
+    greedy = topk.argmax(kv.no_pad(logits, pad))                                    # [B, k + 1]
     n = jnp.sum(jnp.cumprod(proposal == greedy[:, :k], axis=1), axis=1)              # accepted proposals
     n = jnp.where(live, n, 0)
     # Kept: greedy[0..n] (the accepted proposals equal the target's argmax, then its own token).
@@ -107,7 +109,7 @@ def speculative_greedy(target: nn.Module, target_params: Any, draft: nn.Module, 
     next_pending = jnp.take_along_axis(greedy, n[:, None], axis=1)[:, 0]
     last_proposal = proposal[:, k - 1]
     catch_up = jnp.where((n == k)[:, None], jnp.stack([last_proposal, next_pending], axis=1),
-                         jnp.stack([next_pending, jnp.full_like(n, PAD_ID)], axis=1))
+                         jnp.stack([next_pending, jnp.full_like(n, pad)], axis=1))
     return (tcache, dcache, next_pending, catch_up, out, new_count, finished,
             accepted + n, rounds + live.astype(jnp.int32))
 

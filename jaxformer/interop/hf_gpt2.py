@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 
 from jaxformer.config import Config, ModelConfig
-from jaxformer.data.tokenizer import BOS_ID, EOS_ID
 from jaxformer.interop import links as L
 from jaxformer.interop.hf_llama import generation, output_links, pad_token, tied_in_hf  # noqa: F401  (generation: the same)
 
@@ -29,7 +28,8 @@ ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "ge
 def unsupported(m: ModelConfig) -> list[str]:
   """`key=value` of each option of `m` GPT-2 has no counterpart for (empty: it maps)."""
   wanted = {"kind": "decoder_only", "pre_norm": True, "position": "learned", "norm": "layernorm",
-            "attn_logit_softcap": 0.0, "sliding_window": 0, "mlp_bias": True}
+            "attn_logit_softcap": 0.0, "sliding_window": 0, "mlp_bias": True, "embedding_norm": False,
+            "type_vocab_size": 0, "position_offset": 0}
   bad = [f"model.{k}={getattr(m, k)}" for k, v in wanted.items() if getattr(m, k) != v]
   bad += [f"model.{k}={getattr(m, k)}" for k, ok in (
       ("ffn", m.ffn in ACTIVATIONS.values()), ("attention_bias", m.attention_bias != "qkv"),
@@ -46,8 +46,8 @@ def hf_config(config: Config):
       vocab_size=m.vocab_size, n_positions=m.max_length, n_embd=m.d_model, n_layer=m.num_decoder_layers,
       n_head=m.num_heads, n_inner=m.d_ff, activation_function={v: k for k, v in ACTIVATIONS.items()}[m.ffn],
       resid_pdrop=m.dropout_rate, embd_pdrop=m.dropout_rate, attn_pdrop=m.attention_dropout_rate,
-      layer_norm_epsilon=m.norm_epsilon, tie_word_embeddings=tied_in_hf(m), bos_token_id=BOS_ID, eos_token_id=EOS_ID,
-      pad_token_id=pad_token(m),
+      layer_norm_epsilon=m.norm_epsilon, tie_word_embeddings=tied_in_hf(m), bos_token_id=m.bos_id,
+      eos_token_id=m.eos_id, pad_token_id=pad_token(m),
       architectures=[ARCHITECTURE])
 
 

@@ -3,16 +3,19 @@ architecture (see `hf_export`) as a jaxformer workdir that `eval`, `translate`, 
 and `train` (fine-tuning) read.
 
 The workdir holds `config.yaml` (the exporting run's config when `config.json` carries it,
-else the architecture's options on the default config: set the data keys when training),
-`tokenizer.model` (the directory's SentencePiece model), `imported.json` (where from) and one
-checkpoint at step 0: the imported params with a fresh optimizer state, so `jaxformer train
---config NEW/config.yaml --workdir NEW` continues from them. Every imported tensor is checked
+else the architecture's options and special ids on the default config: set the data keys when
+training), `tokenizer.model` (the directory's SentencePiece model, or for a published model its
+own tokenizer, whose files are also copied to `hf_tokenizer/`, which `data.tokenizer_model`
+names, with `data.tokenizer=hf`), `imported.json` (where from) and one checkpoint at step 0:
+the imported params with a fresh optimizer state, so `jaxformer train --config
+NEW/config.yaml --workdir NEW` continues from them. Every imported tensor is checked
 by mapping the params back: a checkpoint holding anything our model has no counterpart for (a
 nonzero attention bias, another LM-head transform) is refused in one line. Nothing downloads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -26,17 +29,25 @@ from jaxformer.interop.hf_export import CONFIG_KEY, MAPPINGS
 from jaxformer.interop.hf_tokenizer import load_tokenizer
 
 IMPORT_FILE = "imported.json"
+TOKENIZER_DIR = "hf_tokenizer"   # a published model's own tokenizer files, which data.tokenizer_model names
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def read_hf(hf_dir: str | Path) -> tuple[Config, dict[str, np.ndarray]]:
   """Our config and the float32 state dict (`{name: numpy array}`) of a Hugging Face directory.
 
+  The tensors are read from its safetensors files one at a time (`hf_weights.HFWeights`), named
+  as the architecture's `state_dict()` names them; no torch model is built. They are what the
+  files hold: a tied checkpoint written by transformers has no `lm_head.weight`.
+
   Raises:
-    ConfigError: not a directory with `config.json`, or an architecture with no mapping.
+    ConfigError: not a directory with `config.json`, an architecture with no mapping, or weight
+      files that are missing, truncated or corrupt (see `hf_weights.HFWeights`).
     ValueError: options of the architecture jaxformer has no counterpart for.
   """
-  import torch  # noqa: PLC0415
   import transformers  # noqa: PLC0415
+
+  from jaxformer.interop.hf_weights import HFWeights  # noqa: PLC0415
   path = Path(hf_dir) / "config.json"
   if not path.is_file():
     raise ConfigError(f"{path} is missing; --from-hf takes a local Hugging Face model directory")
@@ -47,17 +58,54 @@ def read_hf(hf_dir: str | Path) -> tuple[Config, dict[str, np.ndarray]]:
     raise ConfigError(f"{hf_dir} holds a {raw.get('model_type')!r} model; import supports "
                       f"{', '.join(m.ARCHITECTURE for m in MAPPINGS)}")
   hf_config = transformers.AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
-  if CONFIG_KEY in raw:
-    config = config_from_dict(raw[CONFIG_KEY])
-  else:
-    model = mapping.model_config(hf_config)
-    length = min(DataConfig.max_length, model["max_length"])
-    buckets = [b for b in DataConfig.buckets if b < length] + [length]
-    config = config_from_dict({"name": Path(hf_dir).name, "model": model,
-                               "data": {"max_length": length, "buckets": buckets}})
-  model = getattr(transformers, mapping.ARCHITECTURE).from_pretrained(str(hf_dir), dtype=torch.float32,
-                                                                      local_files_only=True)
-  return config, {k: v.detach().numpy() for k, v in model.state_dict().items()}
+  config = config_from_dict(raw[CONFIG_KEY]) if CONFIG_KEY in raw else published_config(hf_dir, mapping, hf_config)
+  prefix = getattr(mapping, "BASE_MODEL_PREFIX", None)   # T5's names are not under its base_model_prefix
+  if prefix is None:
+    prefix = getattr(transformers, mapping.ARCHITECTURE).base_model_prefix   # a class attribute: no model built
+  with HFWeights(hf_dir, prefix) as weights:
+    return config, dict(weights.items())
+
+
+def _first(token_id: Any) -> int | None:
+  """A config's token id (Llama 3 lists several EOS ids: the first is the one generation ends with)."""
+  return token_id[0] if isinstance(token_id, list) and token_id else (None if isinstance(token_id, list) else token_id)
+
+
+def special_ids(hf_config, tokenizer) -> dict[str, int]:
+  """`model.*_id` fields of a published model: bos and eos from its config (else its tokenizer's),
+  pad from its config only (-1 when absent or equal to eos, so EOS targets keep their loss), the
+  decoder start of an encoder-decoder from `decoder_start_token_id` (-1: bos)."""
+  ids = tokenizer.special_ids if tokenizer is not None else None
+  bos = _first(getattr(hf_config, "bos_token_id", None))
+  eos = _first(getattr(hf_config, "eos_token_id", None))
+  out = {"bos_id": bos if bos is not None else (ids.bos if ids else -1),
+         "eos_id": eos if eos is not None else (ids.eos if ids else -1)}
+  pad = _first(getattr(hf_config, "pad_token_id", None))
+  out["pad_id"] = -1 if pad is None or pad == out["eos_id"] else pad
+  start = getattr(hf_config, "decoder_start_token_id", None)
+  if getattr(hf_config, "is_encoder_decoder", False) and start is not None:
+    out["decoder_start_id"] = start
+  return out
+
+
+def published_config(hf_dir: str | Path, mapping, hf_config) -> Config:
+  """The run config of a published model (no jaxformer config inside): the architecture's options,
+  its special ids, and its own tokenizer (`data.tokenizer=hf` on the directory) when it has a
+  `tokenizer.json`.
+
+  Raises:
+    ValueError: options without a counterpart, or a tokenizer.json that does not load (one line).
+  """
+  from jaxformer.data.tokenizer_hf import HFTokenizer  # noqa: PLC0415
+  hf_dir = Path(hf_dir).absolute()
+  tokenizer = HFTokenizer.load(hf_dir) if (hf_dir / "tokenizer.json").is_file() else None
+  model = {**mapping.model_config(hf_config), **special_ids(hf_config, tokenizer)}
+  length = min(DataConfig.max_length, model["max_length"])
+  buckets = [b for b in DataConfig.buckets if b < length] + [length]
+  data = {"max_length": length, "buckets": buckets}
+  if tokenizer is not None:
+    data.update(tokenizer="hf", tokenizer_model=str(hf_dir))
+  return config_from_dict({"name": hf_dir.name, "model": model, "data": data})
 
 
 def params_from_hf(config: Config, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -70,10 +118,12 @@ def params_from_hf(config: Config, tensors: dict[str, np.ndarray]) -> dict[str, 
   from jaxformer.interop.hf_export import select_mapping  # noqa: PLC0415
   links, consts = select_mapping(config).links(config.model)
   flat = L.from_hf(links, consts, tensors)
+  fallbacks = {link.hf: link.fallback for link in links if link.fallback}
   for name, again in L.to_hf(links, consts, flat).items():
     if name not in tensors and any(link.hf == name and link.from_hf is None for link in links):
       continue   # a derived tensor the checkpoint leaves out (a tied head)
-    if not np.allclose(again, tensors.get(name, np.zeros_like(again)), rtol=1e-5, atol=1e-6):
+    expected = tensors[name] if name in tensors else tensors.get(fallbacks.get(name), np.zeros_like(again))
+    if not np.allclose(again, expected, rtol=1e-5, atol=1e-6):
       raise ValueError(f"{name} has values jaxformer's {config.model.kind} model cannot express exactly; "
                        "this checkpoint cannot be imported")
   params = L.unflatten(flat)
@@ -84,8 +134,10 @@ def params_from_hf(config: Config, tensors: dict[str, np.ndarray]) -> dict[str, 
   return params
 
 
-def write_workdir(config: Config, params: Any, tokenizer, workdir: str | Path, origin: dict) -> Path:
+def write_workdir(config: Config, params: Any, tokenizer, workdir: str | Path, origin: dict,
+                  tokenizer_files: Path | None = None) -> Path:
   """Writes a workdir (see the module docstring) under a temporary name, renamed when complete.
+  `tokenizer_files`: a directory whose Hugging Face tokenizer files are copied to `TOKENIZER_DIR`.
 
   Raises:
     ConfigError: `workdir` exists.
@@ -102,15 +154,25 @@ def write_workdir(config: Config, params: Any, tokenizer, workdir: str | Path, o
     raise ConfigError(f"--workdir {workdir} already exists; import writes a new workdir")
   tmp = workdir.with_name(workdir.name + ".incomplete")
   shutil.rmtree(tmp, ignore_errors=True)
-  ckpt.save_run_files(tmp, dump_config(config), tokenizer.serialized)
-  (tmp / IMPORT_FILE).write_text(json.dumps(origin) + "\n")
-  params = jax.tree.map(jnp.asarray, params)
-  tx = make_optimizer(config.optim, config.model.d_model)
-  state = TrainState(jnp.array(0, jnp.int32), params, tx.init(params), initial_loss_scale(config.precision.start_scale))
-  saver = ckpt.Checkpointer(tmp, async_save=False)
-  saver.save(state, force=True)
-  saver.close()
-  tmp.rename(workdir)
+  try:
+    ckpt.save_run_files(tmp, dump_config(config), tokenizer.serialized)
+    if tokenizer_files is not None:
+      (tmp / TOKENIZER_DIR).mkdir()
+      for name in TOKENIZER_FILES:
+        if (tokenizer_files / name).is_file():
+          shutil.copyfile(tokenizer_files / name, tmp / TOKENIZER_DIR / name)
+    (tmp / IMPORT_FILE).write_text(json.dumps(origin) + "\n")
+    params = jax.tree.map(jnp.asarray, params)
+    tx = make_optimizer(config.optim, config.model.d_model)
+    state = TrainState(jnp.array(0, jnp.int32), params, tx.init(params),
+                       initial_loss_scale(config.precision.start_scale))
+    saver = ckpt.Checkpointer(tmp, async_save=False)
+    saver.save(state, force=True)
+    saver.close()
+    tmp.rename(workdir)
+  except BaseException:   # a failed or interrupted write leaves no .incomplete directory behind
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
   return workdir
 
 
@@ -127,9 +189,18 @@ def import_hf(hf_dir: str | Path, workdir: str | Path) -> dict[str, Any]:
     raise ConfigError(f"--workdir {workdir} already exists; import writes a new workdir")
   config, tensors = read_hf(hf_dir)
   params = params_from_hf(config, tensors)
-  tokenizer = load_tokenizer(hf_dir)
+  own = config.data.tokenizer == "hf"   # a published model's tokenizer.json (else our SentencePiece model)
+  if own:
+    from jaxformer.data.tokenizer_hf import HFTokenizer  # noqa: PLC0415
+    tokenizer = HFTokenizer.load(hf_dir)
+    folder = Path(workdir).absolute() / TOKENIZER_DIR
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, tokenizer_model=str(folder)))
+  else:
+    tokenizer = load_tokenizer(hf_dir)
   from jaxformer.interop.hf_export import select_mapping  # noqa: PLC0415
-  architecture = select_mapping(config).ARCHITECTURE
+  model_type = json.loads((Path(hf_dir) / "config.json").read_text()).get("model_type")
+  prefer = next((m.ARCHITECTURE for m in MAPPINGS if m.MODEL_TYPE == model_type), None)
+  architecture = select_mapping(config, prefer).ARCHITECTURE
   origin = {"from_hf": str(Path(hf_dir).absolute()), "architecture": architecture}
-  write_workdir(config, params, tokenizer, workdir, origin)
+  write_workdir(config, params, tokenizer, workdir, origin, Path(hf_dir) if own else None)
   return {"workdir": str(workdir), **origin}

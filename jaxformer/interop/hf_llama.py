@@ -14,7 +14,6 @@ from __future__ import annotations
 import numpy as np
 
 from jaxformer.config import Config, ModelConfig
-from jaxformer.data.tokenizer import BOS_ID, EOS_ID
 from jaxformer.interop import links as L
 
 MODEL_TYPE = "llama"
@@ -28,7 +27,7 @@ def unsupported(m: ModelConfig, attention_bias=("none", "all"), sliding_window: 
   """`key=value` of each option of `m` Llama has no counterpart for (empty: it maps). The variants
   pass which `attention_bias` values and whether a sliding window they express."""
   wanted = {"kind": "decoder_only", "pre_norm": True, "position": "rope", "norm": "rmsnorm", "ffn": "swiglu",
-            "attn_logit_softcap": 0.0, "global_tokens": 0}
+            "attn_logit_softcap": 0.0, "global_tokens": 0, "embedding_norm": False, "type_vocab_size": 0}
   bad = [f"model.{k}={getattr(m, k)}" for k, v in wanted.items() if getattr(m, k) != v]
   bad += [f"model.{k}={getattr(m, k)}" for k, ok in (
       ("attention_bias", m.attention_bias in attention_bias), ("rope_scaling", m.rope_scaling != "ntk"),
@@ -59,7 +58,8 @@ def hf_config(config: Config, cls: str = "LlamaConfig", **extra):
       vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.d_ff, num_hidden_layers=m.num_decoder_layers,
       num_attention_heads=m.num_heads, num_key_value_heads=m.kv_heads, head_dim=m.head_dim, hidden_act="silu",
       max_position_embeddings=m.max_length, rms_norm_eps=m.norm_epsilon, tie_word_embeddings=tied_in_hf(m),
-      attention_dropout=m.attention_dropout_rate, pad_token_id=pad_token(m), bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+      attention_dropout=m.attention_dropout_rate, pad_token_id=pad_token(m), bos_token_id=m.bos_id,
+      eos_token_id=m.eos_id,
       rope_parameters=rope_parameters(m), architectures=[getattr(transformers, cls).__name__[:-6] + "ForCausalLM"],
       **extra)
 
@@ -72,7 +72,7 @@ def pad_token(m: ModelConfig) -> int | None:
 def generation(m: ModelConfig) -> dict:
   """generation_config.json fields: PAD, if the model has one, is never generated (our decoding excludes it)."""
   pad = pad_token(m)
-  return {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": pad,
+  return {"bos_token_id": m.bos_id, "eos_token_id": m.eos_id, "pad_token_id": pad,
           "suppress_tokens": [] if pad is None else [pad], "max_length": m.max_length}
 
 

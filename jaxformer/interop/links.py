@@ -30,12 +30,14 @@ class Link:
   """`hf` (a state-dict name) = `to_hf(*[our leaves at `ours`])`; `from_hf` inverts it,
   returning a tuple with one array per path of `ours`. A derived link (`from_hf` None) is
   computed from params other links carry: import skips it, and its round trip checks it.
-  `absent`: the shape of a tensor some checkpoints leave out (a bias they do not have), read as zeros."""
+  `absent`: the shape of a tensor some checkpoints leave out (a bias they do not have), read as zeros.
+  `fallback`: the tensor read when `hf` is left out (T5's head: transformers 5 ties it to `shared.weight`)."""
   ours: tuple[str, ...]
   hf: str
   to_hf: Callable[..., Array]
   from_hf: Callable[[Array], tuple[Array, ...]] | None
   absent: tuple[int, ...] | None = None
+  fallback: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +173,8 @@ def from_hf(links: Sequence[Link], consts: Sequence[Const], tensors: dict[str, A
     if link.from_hf is None:
       continue
     value = tensors.get(link.hf)
+    if value is None and link.fallback is not None:
+      value = tensors.get(link.fallback)
     if value is None and link.absent is not None:
       value = np.zeros(link.absent, np.float32)
     if value is None:

@@ -24,6 +24,7 @@ from jaxformer.layers import kv_cache as kvc
 from jaxformer.layers.blockwise import blockwise_attention
 from jaxformer.layers.context_parallel import context_axes, gather_length, over_length
 from jaxformer.layers.dropout import dropout
+from jaxformer.layers.lora import LoraSpec, add_adapter
 from jaxformer.layers.positions import RopeScaling, T5Bias, alibi_bias, alibi_slopes, apply_rope
 from jaxformer.layers.scores import attention_mask, attention_scores, repeat_kv
 from jaxformer.schema import ConfigError
@@ -208,14 +209,15 @@ class MultiHeadAttention(nn.Module):
   linformer_k: int = 64      # linformer: projected key/value rows
   max_length: int = 0        # linformer: longest sequence (rows of E and F)
   bias: str = "none"         # none | qkv | all: which projections have biases
+  lora: LoraSpec | None = None  # LoRA adapters beside the query/key/value/out kernels (layers/lora.py)
 
   def _kernel(self, name: str, shape, axes, in_axis, out_axis):
     return self.param(name, sh.param_with_axes(_proj_init(in_axis, out_axis), axes), shape).astype(self.dtype)
 
   def _heads(self, x: jax.Array, w: jax.Array, name: str) -> jax.Array:
-    """`_project(x, w)` `[batch, length, heads, head_dim]` plus the `name` projection's bias
-    `[heads, head_dim]` when `bias` is qkv or all."""
-    y = _project(x, w)
+    """`_project(x, w)` `[batch, length, heads, head_dim]` plus the `name` projection's LoRA update
+    when `lora` targets it and its bias `[heads, head_dim]` when `bias` is qkv or all."""
+    y = add_adapter(self, self.lora, name, name, x, _project(x, w), (sh.EMBED,), (sh.HEADS, sh.KV), self.dtype)
     if self.bias == "none":
       return y
     b = self.param(f"{name}_bias", sh.param_with_axes(nn.initializers.zeros, (sh.HEADS, sh.KV)), w.shape[1:])
@@ -266,6 +268,7 @@ class MultiHeadAttention(nn.Module):
     # One contracting axis (heads x head_dim): with two, XLA:CPU transposed the cached decode
     # step's attention output and the weight to head_dim-major every step.
     y = jnp.dot(out.reshape(b * t, n * h), wo.reshape(n * h, d_model)).reshape(b, t, d_model)
+    y = add_adapter(self, self.lora, "out", "out", out, y, (sh.HEADS, sh.KV), (sh.EMBED,), self.dtype)
     if self.bias == "all":
       y = y + self.param("out_bias", sh.param_with_axes(nn.initializers.zeros, (sh.EMBED,)), (d_model,)).astype(
           self.dtype)

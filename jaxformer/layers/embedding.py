@@ -62,7 +62,7 @@ class Embed(nn.Module):
     # Gather the table over the vocab (tensor) axis first: a lookup into a vocab-sharded
     # table would make XLA replicate it anyway, with a warning and extra copies.
     table = sh.constrain(self.embedding, (None, sh.EMBED))
-    x = jnp.take(table, ids, axis=0)
+    x = jnp.take(table, ids, axis=0, mode="clip")   # clip: a model without a pad token pads with -1
     return (x * np.sqrt(self.d_model) if self.scale else x).astype(self.dtype)
 
   def attend(self, x: jax.Array, vocab_major: bool = False) -> jax.Array:

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer import sharding as sh
+from jaxformer.layers.lora import LoraSpec, add_adapter
 
 xavier_uniform = nn.initializers.xavier_uniform
 
@@ -38,6 +39,7 @@ class FeedForward(nn.Module):
   dtype: jnp.dtype = jnp.float32
   activation: str = "relu"  # a key of ACTIVATIONS
   use_bias: bool = True
+  lora: LoraSpec | None = None  # LoRA adapters beside wi, wi_gate (target mlp_in) and wo (mlp_out); layers/lora.py
 
   def _dense_in(self, name: str, x: jax.Array) -> jax.Array:
     d_model = x.shape[-1]
@@ -45,6 +47,7 @@ class FeedForward(nn.Module):
     # Matmuls over the flattened tokens `[batch*length, ...]`: XLA:CPU runs the 2-D form's
     # weight gradients without transposed copies of the activations (a third faster there).
     h = jnp.einsum("nd,df->nf", x.reshape(-1, d_model), w.astype(self.dtype))
+    h = add_adapter(self, self.lora, "mlp_in", name, x, h, (sh.EMBED,), (sh.MLP,), self.dtype)
     if self.use_bias:
       b = self.param(name.replace("wi", "bi"), sh.param_with_axes(nn.initializers.zeros, (sh.MLP,)), (self.d_ff,))
       h = h + b.astype(self.dtype)
@@ -63,6 +66,7 @@ class FeedForward(nn.Module):
     h = sh.constrain(h, (sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_MLP))
     w2 = self.param("wo", sh.param_with_axes(xavier_uniform(), (sh.MLP, sh.EMBED)), (self.d_ff, d_model))
     y = jnp.einsum("nf,fd->nd", h.reshape(-1, self.d_ff), w2.astype(self.dtype))
+    y = add_adapter(self, self.lora, "mlp_out", "wo", h, y, (sh.MLP,), (sh.EMBED,), self.dtype)
     if self.use_bias:
       y = y + self.param("bo", sh.param_with_axes(nn.initializers.zeros, (sh.EMBED,)), (d_model,)).astype(self.dtype)
     return y.reshape(*x.shape[:-1], d_model)

@@ -21,18 +21,21 @@ from jaxformer import sharding as sh
 
 
 class LearnedPositions(nn.Module):
-  """A trained table `[max_length, d_model]`; maps int `[batch, length]` positions to
-  `[batch, length, d_model]` vectors in `dtype`. Positions must be < max_length."""
+  """A trained table `[offset + max_length, d_model]`; maps int `[batch, length]` positions to
+  `[batch, length, d_model]` vectors in `dtype`: position p reads row `p + offset` (RoBERTa
+  numbers its first token `pad_id + 1`; its rows before that hold padding's position). Positions
+  must be < max_length."""
   max_length: int
   d_model: int
   dtype: jnp.dtype = jnp.float32
+  offset: int = 0
 
   @nn.compact
   def __call__(self, positions: jax.Array) -> jax.Array:
     """int `[batch, length]` positions -> `[batch, length, d_model]` table rows in `dtype`."""
     table = self.param("embedding", sh.param_with_axes(nn.initializers.normal(0.02), (None, sh.EMBED)),
-                       (self.max_length, self.d_model))
-    return jnp.take(table, positions, axis=0).astype(self.dtype)
+                       (self.offset + self.max_length, self.d_model))
+    return jnp.take(table, positions + self.offset, axis=0).astype(self.dtype)
 
 
 # A score bias and its params: (alibi_bias, slopes `[heads]`) or (a T5Bias, its table

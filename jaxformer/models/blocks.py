@@ -38,6 +38,7 @@ from jaxformer.layers.attention import MultiHeadAttention
 from jaxformer.layers.dropout import Dropout
 from jaxformer.layers.feed_forward import FeedForward
 from jaxformer.layers.kv_cache import CacheState
+from jaxformer.layers.lora import lora_spec
 from jaxformer.layers.moe import MixtureOfExperts
 from jaxformer.layers.norm import make_norm
 from jaxformer.layers.positions import RopeScaling
@@ -84,7 +85,7 @@ def _attention(config: ModelConfig, name: str, is_cross: bool = False, causal: b
                             relative_buckets=config.relative_buckets,
                             relative_max_distance=config.relative_max_distance,
                             linformer_k=config.linformer_k, max_length=config.max_length,
-                            bias=config.attention_bias, name=name)
+                            bias=config.attention_bias, lora=lora_spec(config), name=name)
 
 
 def _ffn(config: ModelConfig, valid: jax.Array | None) -> Callable[[jax.Array], jax.Array]:
@@ -92,7 +93,8 @@ def _ffn(config: ModelConfig, valid: jax.Array | None) -> Callable[[jax.Array], 
   real tokens (`valid`)."""
   dtype = jnp.dtype(config.dtype)
   if not config.num_experts:
-    return FeedForward(config.d_ff, dtype=dtype, activation=config.ffn, use_bias=config.mlp_bias, name="ffn")
+    return FeedForward(config.d_ff, dtype=dtype, activation=config.ffn, use_bias=config.mlp_bias,
+                       lora=lora_spec(config), name="ffn")
   moe = MixtureOfExperts(config.num_experts, config.experts_per_token, config.d_ff, config.expert_capacity_factor,
                          dtype, config.ffn, name="ffn")
   return lambda h: moe(h, valid)

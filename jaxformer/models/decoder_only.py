@@ -11,6 +11,7 @@ per-segment positions, as in `models.transformer`.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import flax.linen as nn
@@ -22,6 +23,7 @@ from jaxformer.config import ModelConfig
 from jaxformer.layers.dropout import Dropout
 from jaxformer.layers.embedding import Embed
 from jaxformer.layers.kv_cache import CacheState
+from jaxformer.layers.mlm_head import MaskedLMHead
 from jaxformer.layers.norm import make_norm
 from jaxformer.layers.positions import LearnedPositions
 from jaxformer.models.blocks import BLOCK_AXES, EncoderBlock
@@ -45,6 +47,12 @@ class SelfAttentionStack(StackedInit, nn.Module):
   Shared by `DecoderOnly` (causal, `model.num_decoder_layers`) and `EncoderOnly`
   (bidirectional, `model.num_encoder_layers`); subclasses set `CAUSAL` and `STACKS` (the
   stack `layer` and the config field of its depth).
+
+  BERT-style options: `model.type_vocab_size` adds row 0 of the param `token_types`
+  `[type_vocab_size, d_model]` to every token (inputs carry no type ids, so every token is
+  type 0; the other rows are kept for export only), `model.embedding_norm` normalises the
+  summed embeddings (param `embedding_norm`) before dropout, and `model.mlm_head` (encoder-only)
+  transforms the final states before the logits (`layers.mlm_head`, params `mlm_head`).
   """
   config: ModelConfig
   pipeline: Any = None   # a `models.pipeline.Pipeline` (training and evaluation steps on a stage mesh), or None
@@ -59,13 +67,20 @@ class SelfAttentionStack(StackedInit, nn.Module):
     if not cfg.tie_embeddings:
       self.output_proj = untied_output_proj(self, cfg)
     if cfg.position == "learned":
-      self.positions = LearnedPositions(cfg.max_length, cfg.d_model, dtype)
+      self.positions = LearnedPositions(cfg.max_length, cfg.d_model, dtype, offset=cfg.position_offset)
+    if cfg.type_vocab_size:
+      self.token_types = self.param("token_types", sh.param_with_axes(nn.initializers.normal(0.02), (None, sh.EMBED)),
+                                    (cfg.type_vocab_size, cfg.d_model))
+    if cfg.embedding_norm:
+      self.embedding_norm = make_norm(cfg.norm, dtype, epsilon=cfg.norm_epsilon)
     ((name, depth),) = self.STACKS
     self.num_layers = getattr(cfg, depth)
     self.stack = layer_stack(EncoderBlock, cfg, self.num_layers, name, self.pipeline, causal=self.CAUSAL)
     self.bias_table = bias_table(self, cfg, "relative_bias")
     if cfg.pre_norm:  # pre-LN leaves the residual stream unnormalized: close the stack with a norm
       self.final_norm = make_norm(cfg.norm, dtype, epsilon=cfg.norm_epsilon)
+    if cfg.mlm_head:
+      self.mlm_head = MaskedLMHead(cfg)
     self.dropout = Dropout(cfg.dropout_rate)
 
   def _logits(self, tokens, valid, positions, segment_ids, deterministic: bool,
@@ -79,14 +94,20 @@ class SelfAttentionStack(StackedInit, nn.Module):
       positions, attn_positions = cache_positions(cache_state, tokens), None
     else:
       positions, attn_positions = resolve_positions(tokens, positions, segment_ids)
-    x = embed_tokens(self.config, self.embed, tokens, positions, getattr(self, "positions", None))
+    cfg = self.config
+    x = embed_tokens(cfg, self.embed, tokens, positions, getattr(self, "positions", None))
+    if cfg.type_vocab_size:   # every token is type 0
+      x = x + self.token_types[0].astype(x.dtype)
+    if cfg.embedding_norm:
+      x = self.embedding_norm(x)
     x = sh.constrain(self.dropout(x, deterministic=deterministic), BLOCK_AXES)
     x = run_stack(self.stack, x, valid, deterministic, decode, segment_ids, attn_positions, cache_state,
                   self.bias_table,
                   rngs=layer_rngs(self, self.num_layers, deterministic))
-    if self.config.pre_norm:
+    if cfg.pre_norm:
       x = self.final_norm(x)
-    return output_logits(self.config, self.embed, getattr(self, "output_proj", None), x, decode)
+    output = functools.partial(output_logits, cfg, self.embed, getattr(self, "output_proj", None), decode=decode)
+    return self.mlm_head(x, output) if cfg.mlm_head else output(x)
 
 
 class DecoderOnly(SelfAttentionStack):

@@ -1,6 +1,10 @@
 """Encoder-only masked language model (BERT style, Devlin et al. 2019): the paper's encoder
 stack with bidirectional self-attention under a padding mask, and output logits that
-predict the original token at every position (the loss keeps the masked ones)."""
+predict the original token at every position (the loss keeps the masked ones).
+
+Published BERT and RoBERTa masked LMs are this model post-LN with `model.embedding_norm`,
+`model.type_vocab_size` and `model.mlm_head` (RoBERTa also `model.position_offset`); see
+`interop.hf_bert_mlm`."""
 
 from __future__ import annotations
 

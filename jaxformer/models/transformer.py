@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from jaxformer import sharding as sh
 from jaxformer.config import ModelConfig
+from jaxformer.data.special_ids import SpecialIds
 from jaxformer.layers.dropout import Dropout
 from jaxformer.layers.embedding import Embed, sinusoidal_positions
 from jaxformer.layers.kv_cache import CacheState
@@ -35,8 +36,7 @@ from jaxformer.models.blocks import BLOCK_AXES, DecoderBlock, EncoderBlock
 from jaxformer.models.layout import StackedInit, layer_rngs
 from jaxformer.remat import remat_block
 
-PAD_ID = 0
-BOS_ID = 2
+PAD_ID, BOS_ID = SpecialIds().pad, SpecialIds().bos   # our tokenizers' (the defaults of functions below)
 
 
 def segment_starts(segment_ids: jax.Array) -> jax.Array:
@@ -46,17 +46,19 @@ def segment_starts(segment_ids: jax.Array) -> jax.Array:
   return segment_ids != previous
 
 
-def shift_right(targets: jax.Array, bos_id: int = BOS_ID, segment_ids: jax.Array | None = None) -> jax.Array:
-  """Decoder inputs from targets: `[BOS, y1, ..., y_{T-1}]` (int `[batch, length]`).
+def shift_right(targets: jax.Array, bos_id: int = BOS_ID, segment_ids: jax.Array | None = None,
+                pad_id: int = PAD_ID) -> jax.Array:
+  """Decoder inputs from targets: `[BOS, y1, ..., y_{T-1}]` (int `[batch, length]`; `bos_id`: the
+  decoder's start token, `model.special_ids.start`).
 
-  Padding stays padding, so the decoder's padding mask equals the target's. With int
+  Padding (`pad_id`) stays padding, so the decoder's padding mask equals the target's. With int
   `segment_ids` `[batch, length]` (packed rows) every segment is shifted on its own: its
   first token becomes BOS and no token of one segment moves into the next.
   """
   shifted = jnp.pad(targets, ((0, 0), (1, 0)), constant_values=bos_id)[:, :-1]
   if segment_ids is not None:
     shifted = jnp.where(segment_starts(segment_ids), bos_id, shifted)
-  return jnp.where(targets == PAD_ID, PAD_ID, shifted)
+  return jnp.where(targets == pad_id, pad_id, shifted)
 
 
 def default_positions(tokens: jax.Array) -> jax.Array:
@@ -119,6 +121,13 @@ def run_stack(stack, x: jax.Array, *args, rngs: jax.Array | None = None) -> jax.
 def advance(state: CacheState, tokens: jax.Array, pad_id: int = PAD_ID) -> CacheState:
   """`state` after caching int `[batch, T]` tokens: each row's length grows by its non-PAD tokens."""
   return state.replace(lengths=state.lengths + jnp.sum(tokens != pad_id, axis=1, dtype=jnp.int32))
+
+
+def start_is_pad(config: ModelConfig) -> bool:
+  """Whether the decoder's start token is the pad id (T5, published Marian): it is then a real
+  token at the first position of each target, not padding."""
+  ids = config.special_ids
+  return ids.pad >= 0 and ids.start == ids.pad
 
 
 def cache_positions(state: CacheState, tokens: jax.Array) -> jax.Array:
@@ -229,7 +238,7 @@ class EncoderDecoder(StackedInit, nn.Module):
       positions: int `[batch, src_len]` positions, restarting at 0 in each segment; None =
         derived from `segment_ids`, or 0..src_len-1 when unpacked.
     """
-    valid = inputs != PAD_ID
+    valid = inputs != self.config.pad_id
     positions, attn_positions = resolve_positions(inputs, positions, segment_ids)
     x = self._embed(self.source_embed, inputs, positions, deterministic, getattr(self, "source_positions", None))
     # decode=False is passed positionally: remat needs every static arg.
@@ -249,7 +258,8 @@ class EncoderDecoder(StackedInit, nn.Module):
         after the prefill (cross-attention keys/values are then in the cache).
       inputs: int `[batch, src_len]` source ids, for the cross-attention padding mask; None
         when decoding with the cache (the mask comes from `cache_state.source_lengths`).
-      decoder_inputs: int `[batch, tgt_len]`, starting with BOS.
+      decoder_inputs: int `[batch, tgt_len]`, starting with the start token (`special_ids.start`; real
+        even when it is the pad id, as in T5: see `start_is_pad`).
       positions: int `[batch, tgt_len]` positions of `decoder_inputs` (restarting at 0 in
         each segment when packed); None = derived from `segment_ids`, or 0..tgt_len-1.
       segment_ids: int `[batch, tgt_len]` packed-example ids of `decoder_inputs` (1, 2, ...,
@@ -266,12 +276,15 @@ class EncoderDecoder(StackedInit, nn.Module):
     decode = cache_state is not None
     if decode and (segment_ids is not None or inputs_segment_ids is not None or positions is not None):
       raise ValueError("cached decoding (cache_state) takes no segment ids or positions: rows are unpacked")
-    tgt_valid = decoder_inputs != PAD_ID
+    tgt_valid = decoder_inputs != self.config.pad_id
     if decode:  # attention takes the positions from the cache state itself
       positions, attn_positions, src_valid = cache_positions(cache_state, decoder_inputs), None, None
     else:
       positions, attn_positions = resolve_positions(decoder_inputs, positions, segment_ids)
-      src_valid = inputs != PAD_ID
+      src_valid = inputs != self.config.pad_id
+    if start_is_pad(self.config):   # the start token (a pad id) at each target's position 0 is real
+      first = positions == 0 if segment_ids is None else (positions == 0) & (segment_ids != 0)
+      tgt_valid = tgt_valid | first
     y = self._embed(self.target_embed, decoder_inputs, positions, deterministic,
                     getattr(self, "target_positions", None))
     y = run_stack(self.decoder_stack, y, encoded, tgt_valid, src_valid, deterministic, decode,
@@ -292,7 +305,8 @@ class EncoderDecoder(StackedInit, nn.Module):
     """
     encoded = self.encode(inputs, segment_ids=inputs_segment_ids, positions=inputs_positions,
                           deterministic=deterministic)
-    decoder_inputs = shift_right(targets, segment_ids=targets_segment_ids)
+    ids = self.config.special_ids
+    decoder_inputs = shift_right(targets, ids.start, targets_segment_ids, ids.pad)
     return self.decode(encoded, inputs, decoder_inputs, positions=targets_positions, deterministic=deterministic,
                        segment_ids=targets_segment_ids, inputs_segment_ids=inputs_segment_ids)
 
@@ -302,13 +316,14 @@ class EncoderDecoder(StackedInit, nn.Module):
 
     Returns float32 logits `[batch, vocab_size]` of the first target token and the state
     with `source_lengths` set and one token (BOS) cached per row."""
-    state = cache_state.replace(source_lengths=jnp.sum(inputs != PAD_ID, axis=1, dtype=jnp.int32))
-    bos = jnp.full((inputs.shape[0], 1), BOS_ID, jnp.int32)
+    ids = self.config.special_ids
+    state = cache_state.replace(source_lengths=jnp.sum(inputs != ids.pad, axis=1, dtype=jnp.int32))
+    bos = jnp.full((inputs.shape[0], 1), ids.start, jnp.int32)
     logits = self.decode(self.encode(inputs), None, bos, cache_state=state)
-    return logits[:, 0], advance(state, bos)
+    return logits[:, 0], state.replace(lengths=state.lengths + 1)   # the start token is cached even if it is pad
 
   def extend(self, tokens: jax.Array, cache_state: CacheState) -> tuple[jax.Array, CacheState]:
     """Feeds int `[batch, T]` target tokens after each row's cached ones (PAD: not fed).
     Returns float32 logits `[batch, T, vocab_size]` and the advanced state."""
-    return self.decode(None, None, tokens, cache_state=cache_state), advance(cache_state, tokens)
+    return self.decode(None, None, tokens, cache_state=cache_state), advance(cache_state, tokens, self.config.pad_id)
 

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from jaxformer import data as D
 from jaxformer.config import ConfigError
 from jaxformer.models.decoder_only import DecoderOnly
-from jaxformer.models.transformer import PAD_ID
 from jaxformer.tasks.base import EvalOptions, Outputs, Task, apply_model
 
 
@@ -53,9 +52,9 @@ class CausalLM(Task):
     return D.window_batches(self.config, splits, self.shift, process_index, process_count)
 
   def outputs(self, model, params, batch, rng):
-    """`Task.outputs`: next-token logits, targets and weights (1 on non-PAD targets)."""
+    """`Task.outputs`: next-token logits, targets and weights (1 on targets that are not padding)."""
     logits, aux = lm_outputs(model, params, batch, rng, batch["inputs"])
-    return Outputs(logits, batch["targets"], (batch["targets"] != PAD_ID).astype(jnp.float32), aux)
+    return Outputs(logits, batch["targets"], (batch["targets"] != self.config.model.pad_id).astype(jnp.float32), aux)
 
   def evaluate(self, restore, options: EvalOptions) -> dict[str, Any]:
     """Loss over the whole `options.split` (batches of `train.batch_size` windows): `loss`

@@ -24,10 +24,10 @@ _SENTENCEPIECE_SPECIALS = 4  # PAD, UNK, BOS, EOS: never drawn as random replace
 
 
 def mlm_mask(row_keys: jax.Array, tokens: jax.Array, mask_id: int, random_low: int,
-             probability: float = 0.15) -> tuple[jax.Array, jax.Array]:
+             probability: float = 0.15, pad_id: int = PAD_ID) -> tuple[jax.Array, jax.Array]:
   """BERT's corruption of int `[batch, length]` `tokens`, one key per row (`row_keys` `[batch]`).
 
-  A non-PAD token is selected with `probability`; a selected token is replaced by
+  A non-padding (`pad_id`) token is selected with `probability`; a selected token is replaced by
   `mask_id` with probability 0.8, by a uniform random id in `[random_low, mask_id)` with
   probability 0.1, and kept with probability 0.1.
 
@@ -37,7 +37,7 @@ def mlm_mask(row_keys: jax.Array, tokens: jax.Array, mask_id: int, random_low: i
   """
   def row(key, ids):
     k_select, k_kind, k_random = jax.random.split(key, 3)
-    selected = jax.random.bernoulli(k_select, probability, ids.shape) & (ids != PAD_ID)
+    selected = jax.random.bernoulli(k_select, probability, ids.shape) & (ids != pad_id)
     kind = jax.random.uniform(k_kind, ids.shape)
     random_ids = jax.random.randint(k_random, ids.shape, random_low, mask_id)
     corrupted = jnp.where(kind < 0.8, mask_id, jnp.where(kind < 0.9, random_ids, ids))
@@ -73,6 +73,7 @@ class MaskedLM(CausalLM):
       keys = jax.random.split(jax.random.fold_in(rng, 1), inputs.shape[0])  # a stream apart from dropout's
     random_low = 1 if self.config.data.tokenizer == "char" and not self.config.data.tokenizer_model \
         else _SENTENCEPIECE_SPECIALS
-    corrupted, weights = mlm_mask(keys, inputs, self.mask_id, random_low, self.config.data.mask_probability)
+    corrupted, weights = mlm_mask(keys, inputs, self.mask_id, random_low, self.config.data.mask_probability,
+                                  self.config.model.pad_id)
     logits, aux = lm_outputs(model, params, batch, rng, corrupted)
     return Outputs(logits, inputs, weights, aux)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxformer import data as D
 from jaxformer.config import ConfigError
 from jaxformer.data.sources.base import read_lines
-from jaxformer.models.transformer import PAD_ID, EncoderDecoder
+from jaxformer.models.transformer import EncoderDecoder
 from jaxformer.tasks.base import EvalOptions, Outputs, Task, apply_model
 
 # The extra keys of a packed batch (`data/packing.py`), passed to the model as they are.
@@ -78,7 +78,7 @@ class Translation(Task):
     """`Task.outputs`: teacher-forced logits, targets and weights (1 on non-PAD targets)."""
     packed = {k: batch[k] for k in PACKED_KEYS if k in batch}
     logits, aux = apply_model(model, params, rng, batch["inputs"], batch["targets"], **packed)
-    return Outputs(logits, batch["targets"], (batch["targets"] != PAD_ID).astype(jnp.float32), aux)
+    return Outputs(logits, batch["targets"], (batch["targets"] != self.config.model.pad_id).astype(jnp.float32), aux)
 
   def eval_texts(self, options: EvalOptions) -> tuple[str, list[str], list[str]]:
     """(name, sources, references): the `--src`/`--ref` files or the split's texts.

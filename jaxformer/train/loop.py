@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -27,10 +28,10 @@ from jaxformer.config import Config, ConfigError, TrainConfig, check_directory, 
 from jaxformer.data import PAIRS, absolute_paths, global_batch, padding_fraction, stack_batches
 from jaxformer.distributed import main_process_first, max_over_processes
 from jaxformer.errors import NonFiniteError
-from jaxformer.models import layout
 from jaxformer.runtime import build_mesh
 from jaxformer.summary import format_summary
 from jaxformer.tasks import get_task
+from jaxformer.train import lora
 from jaxformer.train.best import BEST_FILE, BestCheckpoint, task_scores
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.router import summarise_router
@@ -58,8 +59,12 @@ def _check_resume_config(workdir: Path, config: Config) -> bool:
     return False
   saved = load_config(saved_path)
   # Safe to change on resume: the compute dtype (params and optimizer state are float32 either
-  # way), the remat policy, and the layer layout (the restore converts: models/layout.py).
-  safe = dict(dtype=config.model.dtype, remat=config.model.remat, scan_layers=config.model.scan_layers)
+  # way; LoRA's frozen kernels are cast on restore), the remat policy, and the layer layout (the
+  # restore converts: models/layout.py).
+  safe = dict(dtype=config.model.dtype, remat=config.model.remat, scan_layers=config.model.scan_layers,
+              frozen_dtype=config.model.frozen_dtype)
+  if not saved.model.lora_rank:   # LoRA adapters may be added to a run without them (train/lora.py)
+    safe.update({k: getattr(config.model, k) for k in ("lora_rank", "lora_alpha", "lora_targets")})
   if dataclasses.replace(saved.model, **safe) != config.model:
     raise ConfigError(
         f"{workdir} holds a run with a different model config; use a new --workdir "
@@ -192,9 +197,8 @@ def train(config: Config, workdir: str | Path, dry_run: bool = False, verbose: b
   and nothing else when `dry_run`; else the totals (and with `verbose` the table) to stderr.
   Returns the last logged training metrics. Raises ConfigError for a mesh,
   `mesh.rules` or batch that does not fit the devices, or a workdir that holds a
-  different model, or a model whose `pad_id` is not 0 (`ModelConfig.require_zero_pad`).
+  different model.
   """
-  config.model.require_zero_pad("training")
   # One run per workdir: process 0 holds its lock until the last checkpoint is written.
   lock = workdir_lock.hold(workdir) if not dry_run and jax.process_index() == 0 else contextlib.nullcontext()
   with lock:
@@ -233,12 +237,15 @@ def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[
                         None if vocab.shared else vocab.source.serialized)
   checkpointer = ckpt.Checkpointer(workdir, config.train.checkpoint_every, config.train.keep_checkpoints,
                                    config.train.async_checkpoint)
+  fresh = functools.partial(create_state, model, tx, mesh, config.runtime.seed, shardings,
+                            config.precision.start_scale, rules)
   if checkpointer.latest_step() is None:
-    state = create_state(model, tx, mesh, config.runtime.seed, shardings, config.precision.start_scale, rules)
+    state = fresh()
     start = 0
   else:
-    # The newest intact step: damaged newer ones are reported and moved to damaged_checkpoints/.
-    state = layout.restore_state(checkpointer, ckpt.sharded_target(abstract, shardings), model)
+    # The newest intact step (damaged newer ones are reported and moved to damaged_checkpoints/);
+    # one without adapters gets new ones when the model has them (train/lora.py).
+    state = lora.restore_state(checkpointer, ckpt.sharded_target(abstract, shardings), model, fresh)
     start = int(jax.device_get(state.step))
     if jax.process_index() == 0:
       print(f"resuming from the step-{start} checkpoint in {workdir}", file=sys.stderr, flush=True)
@@ -264,7 +271,7 @@ def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[
       n = call_length(step, config.train)
       local = [next(stream) for _ in range(n)]
       local = stack_batches(local) if stacked else local[0]
-      padding += [padding_fraction(local)] * n
+      padding += [padding_fraction(local, config.model.pad_id)] * n
       state, metrics = train_step(state, global_batch(local, mesh, rules), rng)
       interrupt.loop_active.set()   # from the first call on (compiled): Ctrl-C stops at a step boundary
       pending.append(metrics)

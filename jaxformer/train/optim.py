@@ -72,7 +72,10 @@ _NO_DECAY = frozenset({"bias", "scale", "bi", "bo", "bi_gate", "embedding"})
 
 def make_optimizer(config: OptimConfig, d_model: int) -> optax.GradientTransformation:
   """Adam(b1, b2, eps) with the schedule and optional global-norm clipping; `adamw` adds
-  decoupled weight decay (scaled by the learning rate) on the `decay_mask` weights."""
+  decoupled weight decay (scaled by the learning rate) on the `decay_mask` weights.
+
+  The train state applies it to `layers.lora.trainable(params)`: all params, or with LoRA
+  adapters only those, so the frozen base has no moments and clipping and decay see the adapters alone."""
   parts = []
   if config.clip_grad_norm > 0:
     parts.append(optax.clip_by_global_norm(config.clip_grad_norm))

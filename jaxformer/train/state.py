@@ -12,6 +12,7 @@ import optax
 from jax.sharding import Mesh
 
 from jaxformer import sharding as sh
+from jaxformer.layers import lora
 from jaxformer.precision import LossScale, initial_loss_scale
 
 
@@ -20,6 +21,11 @@ class TrainState:
   """Everything a checkpoint holds: `step` (int32 scalar, steps taken, skipped ones
   included), `params` and `opt_state` (float32), and `loss_scale` (dynamic loss-scale state,
   replicated; scale 1 and unused unless float16 loss scaling is on).
+
+  With LoRA adapters in `params` the optimizer state is that of `lora.trainable(params)`: the
+  adapters alone; the frozen base has no moments (`make_optimizer` never sees it), and with
+  `precision.policy=params=bfloat16` (or float16) its projection kernels are held in that dtype
+  (`lora.hold_frozen`).
 
   Dropout randomness is derived from (seed, step), so it needs no stored key and a
   resumed run draws the same bits it would have drawn without the interruption. The
@@ -45,13 +51,13 @@ def abstract_state(model: nn.Module, tx: optax.GradientTransformation) -> tuple[
   """
   def init(rng):
     boxed = model.init(rng, *_dummy_batch(1, 8))["params"]
-    params = nn.meta.unbox(boxed)
-    return TrainState(jnp.array(0, jnp.int32), params, tx.init(params), initial_loss_scale(1.0)), boxed
+    params = lora.hold_frozen(nn.meta.unbox(boxed), model.config.frozen_dtype)
+    return TrainState(jnp.array(0, jnp.int32), params, tx.init(lora.trainable(params)), initial_loss_scale(1.0)), boxed
 
   abstract, boxed = jax.eval_shape(init, jax.random.key(0))
   param_specs = nn.get_partition_spec(boxed)
-  # Optimizer moments mirror the params; scalars (counts) are replicated.
-  opt_specs = optax.tree_map_params(tx, lambda _, spec: spec, abstract.opt_state, param_specs,
+  # Optimizer moments mirror the trained params; scalars (counts) are replicated.
+  opt_specs = optax.tree_map_params(tx, lambda _, spec: spec, abstract.opt_state, lora.trainable(param_specs),
                                     transform_non_params=lambda _: jax.sharding.PartitionSpec())
   replicated = jax.sharding.PartitionSpec()
   specs = TrainState(replicated, param_specs, opt_specs, LossScale(replicated, replicated))
@@ -72,13 +78,20 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
 
 
 def create_state(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, seed: int,
-                 shardings: TrainState, loss_scale: float = 1.0, rules: sh.Rules = sh.LOGICAL_RULES) -> TrainState:
+                 shardings: TrainState, loss_scale: float = 1.0, rules: sh.Rules = sh.LOGICAL_RULES,
+                 known: Any = None, step: int = 0) -> TrainState:
   """Initialises the state directly into `shardings`: no device ever holds the full,
   unsharded parameters unless the mesh says so. `loss_scale` is the starting dynamic
-  loss scale (`PrecisionConfig.start_scale`); `rules` those `shardings` were made by."""
-  def init(rng):
+  loss scale (`PrecisionConfig.start_scale`); `rules` those `shardings` were made by.
+  `known`: params that replace their initial values (a nested dict of some of the paths, such
+  as a base checkpoint's params under new LoRA adapters; their initialisation is never
+  computed); the state starts at `step` with a fresh optimizer state."""
+  def init(rng, known):
     params = nn.meta.unbox(model.init(rng, *_dummy_batch(1, 8))["params"])
-    return TrainState(jnp.array(0, jnp.int32), params, tx.init(params), initial_loss_scale(loss_scale))
+    params = lora.hold_frozen(params if known is None else lora.replace(params, known), model.config.frozen_dtype)
+    return TrainState(jnp.array(step, jnp.int32), params, tx.init(lora.trainable(params)),
+                      initial_loss_scale(loss_scale))
 
   with sh.bind(mesh, rules):
-    return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
+    # `known`'s buffers are donated: they become the state's, so the params are never held twice.
+    return jax.jit(init, out_shardings=shardings, donate_argnums=1)(jax.random.key(seed), known)

@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from jaxformer import sharding as sh
 from jaxformer.config import Config, ConfigError
+from jaxformer.layers import lora
 from jaxformer.models.pipeline import pipelined
 from jaxformer.precision import all_finite, next_loss_scale, select_tree
 from jaxformer.tasks import get_task
@@ -80,6 +81,11 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, config: 
   `train.nan_policy` unless it is a loss-scale overflow: a finite loss whose scaled gradients
   overflowed, the normal way dynamic scaling finds its scale.
 
+  LoRA (params holding adapters, `model.lora_rank` > 0): the loss is differentiated with respect to
+  `lora.trainable(params)`, the adapters, only, and only they are updated; the frozen base params
+  come back bitwise unchanged, get no gradient buffers, and clipping, weight decay, the finiteness
+  checks and `grad_norm` see the adapters' gradients alone.
+
   Metrics: `loss`, `nll`, `correct`, `num_tokens` (sums; with experts also the router's, see
   `loss_fn`), `grad_norm` (of the unscaled gradients), `learning_rate` (the schedule at
   `step`; the optimizer's own count lags by the skipped steps), `skipped` (1.0 if the update
@@ -138,16 +144,18 @@ def _step_function(model: nn.Module, tx: optax.GradientTransformation, config: C
   accum = config.train.grad_accum_steps
   rules = sh.rules_for(config.mesh)
 
-  def scaled_loss(params, batch, rng, factor, per_token=True):
-    loss, sums = loss_fn(task, model, params, batch, rng, label_smoothing, z_loss)
+  def scaled_loss(trained, params, batch, rng, factor, per_token=True):
+    loss, sums = loss_fn(task, model, lora.replace(params, trained), batch, rng, label_smoothing, z_loss)
     return (loss if per_token else sums["loss"]) * factor, sums
 
-  grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
+  grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)   # with respect to the trained params only
 
   def grads_and_sums(params, batch, rng, scale):
-    """(gradient of `scale` times the loss per real target token of `batch`, metric sums)."""
+    """(gradient of `scale` times the loss per real target token of `batch` with respect to
+    `lora.trainable(params)`, metric sums)."""
+    trained = lora.trainable(params)
     if accum == 1:
-      (_, sums), grads = grad_fn(params, batch, rng, scale)
+      (_, sums), grads = grad_fn(trained, params, batch, rng, scale)
       return grads, sums
     # Microbatches differentiate loss sums over a fixed count, the batch's target positions (at least
     # its real tokens, so float16 cotangents are no larger than the big batch's); the total is then
@@ -157,10 +165,10 @@ def _step_function(model: nn.Module, tx: optax.GradientTransformation, config: C
     def microstep(total, xs):
       index, micro = xs
       micro_rng = None if rng is None else jax.random.fold_in(rng, index)
-      (_, sums), grads = grad_fn(params, micro, micro_rng, scale / positions, False)
+      (_, sums), grads = grad_fn(trained, params, micro, micro_rng, scale / positions, False)
       return jax.tree.map(jnp.add, total, grads), sums
 
-    zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), param_shardings)
+    zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, trained), lora.trainable(param_shardings))
     grads, sums = jax.lax.scan(microstep, zeros, (jnp.arange(accum), _microbatches(batch, accum, mesh, rules)))
     sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), sums)
     return jax.tree.map(lambda g: g * (positions / jnp.maximum(sums["num_tokens"], 1.0)), grads), sums
@@ -171,11 +179,13 @@ def _step_function(model: nn.Module, tx: optax.GradientTransformation, config: C
     grads, sums = grads_and_sums(state.params, batch, step_rng, scale)
     if dynamic:
       grads = jax.tree.map(lambda g: g / scale, grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    trained = lora.trainable(state.params)   # all params, or with LoRA the adapters
+    updates, opt_state = tx.update(grads, state.opt_state, trained)
+    params = optax.apply_updates(trained, updates)
     loss_finite, grads_finite = jnp.isfinite(sums["loss"]), all_finite(grads)
     applied = loss_finite & grads_finite & all_finite((params, opt_state))
-    params, opt_state = select_tree(applied, (params, opt_state), (state.params, state.opt_state))
+    params, opt_state = select_tree(applied, (params, opt_state), (trained, state.opt_state))
+    params = lora.replace(state.params, params)
     loss_scale = state.loss_scale
     if dynamic:
       loss_scale = next_loss_scale(state.loss_scale, applied, precision.growth_interval,

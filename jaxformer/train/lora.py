@@ -1,0 +1,65 @@
+"""LoRA fine-tuning of a workdir trained (or imported) without adapters.
+
+Train in that workdir with `model.lora_rank` > 0 (and `model.lora_alpha`, `model.lora_targets`):
+`loop._check_resume_config` lets the `model.lora_*` keys change when the saved run has no
+adapters (`model.lora_rank=0`), and the run's first restore finds a checkpoint without them.
+`restore_state` then reads that checkpoint's params and step (either layer layout, any mesh)
+into the frozen base, adds fresh adapters (B = 0, so the model computes exactly the base's
+function at that step) and a fresh optimizer state for the adapters (its schedule counts from 0;
+the step count continues from the checkpoint's). The run's own checkpoints then hold the
+adapters, and later runs resume from them as usual. A run with adapters cannot go back to
+full fine-tuning in the same workdir: export it (merged) and import that.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+
+from jaxformer import checkpoint as ckpt
+from jaxformer.layers import lora
+from jaxformer.models import layout
+from jaxformer.train.state import TrainState
+
+
+def saved_has_adapters(step_dir: str | Path) -> bool | None:
+  """Whether the checkpoint in `step_dir` (`<workdir>/checkpoints/<step>`) holds LoRA adapters;
+  None when its metadata cannot be read (a damaged step: restoring reports it)."""
+  import orbax.checkpoint as ocp  # noqa: PLC0415  (only restoring needs Orbax here)
+  try:
+    with ocp.StandardCheckpointer() as reader:
+      tree = reader.metadata(Path(step_dir) / "default").item_metadata.tree
+  except Exception:   # whatever Orbax raises on damaged metadata; the restore itself names the damage
+    return None
+  return lora.has_adapters(tree.get("params", {}))
+
+
+def restore_state(checkpointer, target: TrainState, model, fresh: Callable[..., TrainState]) -> TrainState:
+  """The state to resume from: `layout.restore_state(checkpointer, target, model)`, or, when
+  `target` (the sharded abstract state) has adapters and the newest checkpoint has none, its
+  params and step under fresh adapters and a fresh optimizer state (see the module docstring).
+
+  Args:
+    fresh: `fresh(known=params, step=step)` -> a new state holding `params` (`state.create_state`
+      with the run's model, optimizer, mesh and seed bound).
+
+  Raises:
+    CheckpointError: as `Checkpointer.restore`.
+  """
+  newest = checkpointer.directory / str(max(checkpointer.all_steps()))
+  if not lora.has_adapters(target.params) or saved_has_adapters(newest) is not False:
+    return layout.restore_state(checkpointer, target, model)
+  # A reader of its own: restoring params alone on the run's checkpointer would bind its items to
+  # Orbax's PyTree handler, and the run's own saves (StandardSave) would then fail.
+  reader = ckpt.Checkpointer(checkpointer.directory.parent, read_only=True)
+  try:
+    step, base = layout.restore_params(reader, lora.without_adapters(target.params), model)
+  finally:
+    reader.close()
+  if jax.process_index() == 0:
+    print(f"the step-{step} checkpoint has no LoRA adapters: fine-tuning it with new ones (model.lora_rank="
+          f"{model.config.lora_rank}); the base params stay frozen", file=sys.stderr, flush=True)
+  return fresh(known=base, step=step)
