@@ -153,6 +153,9 @@ class DataConfig:
   source_field: str = ""               # JSONL/TSV/TFDS key of the source text; empty = data.source_lang
   target_field: str = ""               # JSONL/TSV/TFDS key of the target text; empty = data.target_lang
   text_field: str = "text"             # JSONL/TFDS key of a language model's documents
+  prompt_field: str = ""               # causal LM fine-tuning (JSONL): the prompt's key; the loss skips it
+  completion_field: str = ""           # with prompt_field: the completion's key; the loss counts it and EOS
+  messages_field: str = ""             # JSONL key of [{role, content}] chats, rendered by the tokenizer's chat_template
   source_lang: str = "en"              # free label of the source language (multi30k: en or de)
   target_lang: str = "de"              # free label of the target language (multi30k: en or de)
   tfds_data_dir: str = ""              # tfds: the TFDS data dir it was prepared in; empty = TFDS's default
@@ -195,6 +198,15 @@ class DataConfig:
       raise ConfigError(f"data.input_sentence_size must be >= 1, got {self.input_sentence_size}")
     if self.max_length < 2:
       raise ConfigError(f"data.max_length must be >= 2, got {self.max_length}")
+    if bool(self.prompt_field) != bool(self.completion_field):
+      raise ConfigError("data.prompt_field and data.completion_field go together (prompt/completion JSONL rows); "
+                        "set both, or neither")
+    if self.messages_field and self.prompt_field:
+      raise ConfigError("data.messages_field (chats) and data.prompt_field/completion_field (pairs) are two ways "
+                        "to read fine-tuning rows; set one of them")
+    if (self.messages_field or self.prompt_field) and key != "files":
+      raise ConfigError("data.prompt_field/completion_field/messages_field read your JSONL files: "
+                        "set data.dataset=files and data.train_files=FILE.jsonl")
     check_directory("data.data_dir", self.data_dir)
 
   def validate_buckets(self) -> None:

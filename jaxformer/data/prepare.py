@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxformer.data.sft import encode_example
 from jaxformer.data.sources.base import PAIRS, Source
 from jaxformer.data.tokenizer import EOS_ID
 
@@ -175,7 +176,8 @@ def prepare_text(source: Source, split: str, tokenizer, root: Path, eos_id: int 
   """The documents of `split` as one token stream (cached; see the module docstring).
 
   `eos_id`: the id ending every document (the tokenizer's EOS), or None (the character
-  vocabulary has none).
+  vocabulary has none). Fine-tuning rows (dicts from `data.prompt_field`/`messages_field`) are
+  stored with their loss mask in the ids' sign (`sft.masked_ids`; meta `loss_mask`).
   """
   # The key's third part was a bool before ids were data (True for EOS 3): the same for old caches.
   eos_key = True if eos_id == EOS_ID else (False if eos_id is None else eos_id)
@@ -187,13 +189,18 @@ def prepare_text(source: Source, split: str, tokenizer, root: Path, eos_id: int 
     _log(f"preparing {split} text from {source.describe(split)} into {final}")
     shards = _ShardWriter(folder)
     buffer = np.zeros(0, np.int32)
+    masked = False
     total = docs = 0
     with open(folder / "doc_starts.bin", "wb") as starts:
       for chunk in _chunks(source.examples(split), 256):
         chunk = [d for d in chunk if d]
         if not chunk:
           continue
-        ids = [np.asarray(x if eos_id is None else x + [eos_id], np.int32) for x in tokenizer.encode_batch(chunk)]
+        if isinstance(chunk[0], dict):   # fine-tuning rows: the loss mask travels in the ids' sign (`sft`)
+          ids = [encode_example(x, tokenizer, eos_id) for x in chunk]
+          masked = True
+        else:
+          ids = [np.asarray(x if eos_id is None else x + [eos_id], np.int32) for x in tokenizer.encode_batch(chunk)]
         offsets = total + len(buffer) + np.cumsum([0] + [len(x) for x in ids[:-1]])
         starts.write(offsets.astype(np.int64).tobytes())
         docs += len(ids)
@@ -208,7 +215,7 @@ def prepare_text(source: Source, split: str, tokenizer, root: Path, eos_id: int 
     if total == 0:
       raise ValueError(f"the {split} split of {source.describe(split)} has no text")
     return {"kind": "text", "num_tokens": total, "num_documents": docs, "shards": shards.shards,
-            "chunk_tokens": CHUNK_TOKENS}
+            "chunk_tokens": CHUNK_TOKENS, "loss_mask": masked}
 
   return PreparedText(_build(final, fill))
 
@@ -301,6 +308,7 @@ class PreparedText:
     self.start, self.stop = start, self.meta["num_tokens"] if stop is None else stop
     self._chunk = self.meta["chunk_tokens"]
     self._records = _Records(self.folder, self.meta["shards"])
+    self.masked = self.meta.get("loss_mask", False)   # values are `sft.masked_ids`
     starts = np.memmap(self.folder / "doc_starts.bin", np.int64, "r")
     inside = np.asarray(starts[(starts >= self.start) & (starts < self.stop)]) - self.start
     self.doc_starts = inside if len(inside) and inside[0] == 0 else np.concatenate([[0], inside]).astype(np.int64)

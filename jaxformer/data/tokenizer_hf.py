@@ -98,6 +98,15 @@ class HFTokenizer:
     """Ids of `text`, with the special tokens the tokenizer's post-processor adds."""
     return self._tok.encode(text).ids
 
+  def encode_plain(self, text: str) -> list[int]:
+    """Ids of `text` without the special tokens the post-processor adds."""
+    return self._tok.encode(text, add_special_tokens=False).ids
+
+  def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """(ids, character spans `(start, end)` in `text`) without added special tokens."""
+    encoding = self._tok.encode(text, add_special_tokens=False)
+    return encoding.ids, encoding.offsets
+
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
     """:meth:`encode` of each text."""
     return [e.ids for e in self._tok.encode_batch(list(texts))]

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from jaxformer.data.prepare import cache_key
+from jaxformer.data.sft import example_text
 from jaxformer.data.sources.base import PAIRS, DataError, Source
 from jaxformer.data.tokenizer import CharTokenizer, Tokenizer, VocabularyTooLarge, train_tokenizer
 
@@ -56,7 +57,7 @@ def _training_texts(source: Source, sides: tuple[int, ...] = (0, 1)) -> Iterator
       yield from (pair[side].strip() for pair in source.examples("train"))
     return
   for doc in source.examples("train"):
-    yield from (p + "\n\n" for p in doc.split("\n\n"))
+    yield from (p + "\n\n" for p in example_text(doc).split("\n\n"))
 
 
 def train_fitting(sample: list[str], vocab_size: int, model_type: str, attempts: int = 8):
@@ -126,7 +127,7 @@ def _tokenizer(data, source: Source, vocab_size: int, root: Path, reserved: int,
     chars: set[str] = set()
     for split in source.splits():
       for doc in source.examples(split):
-        chars.update(doc)
+        chars.update(example_text(doc))
     tokenizer = CharTokenizer("".join(sorted(chars)))
   else:
     key = cache_key(source.fingerprint("train"), source.kind, vocab_size, data.tokenizer, data.input_sentence_size,

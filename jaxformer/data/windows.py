@@ -18,15 +18,17 @@ from collections.abc import Iterator
 import numpy as np
 
 from jaxformer.data.pipeline import shard_rows
+from jaxformer.data.sft import unmask
 from jaxformer.data.tokenizer import PAD_ID
 
 
 class ArrayStream:
   """An in-memory int32 token stream with the `PreparedText` interface (one document)."""
 
-  def __init__(self, tokens: np.ndarray):
+  def __init__(self, tokens: np.ndarray, masked: bool = False):
     self.tokens = np.asarray(tokens, np.int32)
     self.doc_starts = np.zeros(1, np.int64)
+    self.masked = masked   # values are `sft.masked_ids` (fine-tuning rows' loss masks)
 
   def __len__(self) -> int:
     return len(self.tokens)
@@ -58,7 +60,12 @@ def segments(doc_starts: np.ndarray, starts: np.ndarray, length: int) -> tuple[n
 
 def _batch(stream, starts: np.ndarray, context: int, shift: bool, packing: bool, pad_id: int) -> dict[str, np.ndarray]:
   w = stream.windows(starts, context + 1)
+  counted = None
+  if stream.masked:   # fine-tuning rows: targets the loss skips become padding (weight 0)
+    w, counted = unmask(w)
   inputs, targets = w[:, :-1], (w[:, 1:] if shift else w[:, :-1]).copy()
+  if counted is not None:
+    targets[~(counted[:, 1:] if shift else counted[:, :-1])] = pad_id
   batch = {"inputs": inputs, "targets": targets}
   if packing:
     seg, pos = segments(stream.doc_starts, starts, context + 1)
@@ -117,7 +124,9 @@ def window_eval_batches(stream, batch_size: int, context: int, *, shift: bool = 
   n = len(tokens) - 1 if shift else len(tokens)   # predicted (or maskable) tokens
   num_windows = -(-n // context)
   padded_windows = -(-num_windows // batch_size) * batch_size
-  flat = ArrayStream(np.full(padded_windows * context + 1, pad_id, np.int32))
+  masked = getattr(stream, "masked", False)
+  fill = -max(pad_id, 0) - 1 if masked else pad_id   # a masked stream's padding: a token the loss skips
+  flat = ArrayStream(np.full(padded_windows * context + 1, fill, np.int32), masked)
   flat.tokens[:len(tokens)] = tokens
   flat.doc_starts = stream.doc_starts
   rows = shard_rows(batch_size, process_index, process_count)

@@ -150,3 +150,20 @@ def field(record: dict, key: str, where: str, setting: str) -> str:
     raise DataError(f"{where}: field {key!r} holds a JSON {'list' if isinstance(value, list) else 'object'}, "
                     f"not text; point {setting} at a text field")
   return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def chat_messages(record: dict, key: str, where: str) -> list[dict[str, str]]:
+  """`record[key]` as an OpenAI-style chat: a non-empty list of `{"role": str, "content": str}`.
+
+  Raises:
+    DataError: the key is missing, or the value is not such a list (names `where`, file:line).
+  """
+  if key not in record:
+    raise DataError(f"{where}: no field {key!r}; the fields are {', '.join(map(str, record)) or 'none'}; "
+                    "set data.messages_field")
+  chat = record[key]
+  if not isinstance(chat, list) or not chat or not all(
+      isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in chat):
+    raise DataError(f"{where}: field {key!r} must be a non-empty list of {{\"role\": ..., \"content\": ...}} "
+                    "objects with text values")
+  return [{"role": m["role"], "content": m["content"]} for m in chat]

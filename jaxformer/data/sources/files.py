@@ -20,6 +20,7 @@ from jaxformer.data.sources.base import (
   PAIRS,
   DataError,
   Source,
+  chat_messages,
   expand_paths,
   field,
   file_fingerprint,
@@ -61,7 +62,10 @@ class Files(Source):
   def fingerprint(self, split: str) -> dict:
     """`Source.fingerprint`: the files' sizes and times, the field names and the languages."""
     d = self.data
-    return {"files": file_fingerprint(self._paths(split)), "fields": [d.source_field, d.target_field, d.text_field],
+    sft = [d.prompt_field, d.completion_field, d.messages_field]
+    return {"files": file_fingerprint(self._paths(split)),
+            # the fine-tuning fields only when set: plain runs keep their cache keys
+            "fields": [d.source_field, d.target_field, d.text_field] + (sft if any(sft) else []),
             "langs": [d.source_lang, d.target_lang]}
 
   def describe(self, split: str) -> str:
@@ -115,11 +119,23 @@ class Files(Source):
         raise DataError(f"{path}:{number}: {len(cells)} tab-separated cells, but the header has {len(columns)}")
       yield cells[i], cells[j]
 
-  def _documents(self, path: Path) -> Iterator[str]:
+  def _documents(self, path: Path) -> Iterator[str | dict]:
+    d = self.data
     if _suffix(path) == ".jsonl":
       for number, record in read_jsonl(path):
-        yield field(record, self.data.text_field, f"{path}:{number}", "data.text_field")
+        where = f"{path}:{number}"
+        if d.messages_field:
+          yield {"messages": chat_messages(record, d.messages_field, where)}
+        elif d.prompt_field:
+          setting = "data.prompt_field and data.completion_field"
+          yield {"prompt": field(record, d.prompt_field, where, setting),
+                 "completion": field(record, d.completion_field, where, setting)}
+        else:
+          yield field(record, d.text_field, where, "data.text_field")
       return
+    if d.messages_field or d.prompt_field:
+      raise DataError(f"{path}: data.prompt_field/completion_field/messages_field read .jsonl files; "
+                      "give fine-tuning rows as one JSON object per line")
     lines: list[str] = []
     for _, line in read_lines(path):
       if line.strip():
