@@ -36,8 +36,7 @@ def unsupported(m: ModelConfig) -> list[str]:
             "attn_logit_softcap": 0.0, "attention_bias": "none", "mlp_bias": True,
             "embedding_scale": True, "attention_head_dim": 0, "pad_id": 0, "embedding_norm": False,
             "type_vocab_size": 0, "position_offset": 0, "mlm_head": False}
-  bad = [f"model.{k}={getattr(m, k)}" for k, v in wanted.items() if getattr(m, k) != v]
-  return bad + ([f"model.num_kv_heads={m.num_kv_heads}"] if m.kv_heads != m.num_heads else [])
+  return L.mismatches(m, wanted, {"num_kv_heads": m.kv_heads == m.num_heads})
 
 
 def hf_config(config: Config):

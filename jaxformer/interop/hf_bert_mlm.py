@@ -49,13 +49,9 @@ def unsupported(m: ModelConfig, offset: int = 0, activations: tuple[str, ...] = 
   wanted = {"kind": "encoder_only", "pre_norm": False, "position": "learned", "position_offset": offset,
             "norm": "layernorm", "attention_bias": "all", "mlp_bias": True, "embedding_norm": True,
             "mlm_head": True, "attn_logit_softcap": 0.0}
-  bad = [f"model.{k}={getattr(m, k)}" for k, v in wanted.items() if getattr(m, k) != v]
-  bad += [f"model.{k}={getattr(m, k)}" for k, ok in (
-      ("ffn", m.ffn in activations), ("type_vocab_size", m.type_vocab_size > 0),
-      ("attention", m.attention != "linformer"),
-      ("num_kv_heads", m.kv_heads == m.num_heads), ("attention_head_dim", m.head_dim * m.num_heads == m.d_model))
-      if not ok]
-  return bad
+  return L.mismatches(m, wanted, {
+      "ffn": m.ffn in activations, "type_vocab_size": m.type_vocab_size > 0, "attention": m.attention != "linformer",
+      "num_kv_heads": m.kv_heads == m.num_heads, "attention_head_dim": m.head_dim * m.num_heads == m.d_model})
 
 
 def hf_config(config: Config, cls: str = "BertConfig", max_positions: int | None = None):

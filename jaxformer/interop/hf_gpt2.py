@@ -30,12 +30,9 @@ def unsupported(m: ModelConfig) -> list[str]:
   wanted = {"kind": "decoder_only", "pre_norm": True, "position": "learned", "norm": "layernorm",
             "attn_logit_softcap": 0.0, "sliding_window": 0, "mlp_bias": True, "embedding_norm": False,
             "type_vocab_size": 0, "position_offset": 0}
-  bad = [f"model.{k}={getattr(m, k)}" for k, v in wanted.items() if getattr(m, k) != v]
-  bad += [f"model.{k}={getattr(m, k)}" for k, ok in (
-      ("ffn", m.ffn in ACTIVATIONS.values()), ("attention_bias", m.attention_bias != "qkv"),
-      ("num_kv_heads", m.kv_heads == m.num_heads), ("attention_head_dim", m.head_dim * m.num_heads == m.d_model))
-      if not ok]
-  return bad
+  return L.mismatches(m, wanted, {
+      "ffn": m.ffn in ACTIVATIONS.values(), "attention_bias": m.attention_bias != "qkv",
+      "num_kv_heads": m.kv_heads == m.num_heads, "attention_head_dim": m.head_dim * m.num_heads == m.d_model})
 
 
 def hf_config(config: Config):

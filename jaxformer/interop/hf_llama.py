@@ -28,11 +28,9 @@ def unsupported(m: ModelConfig, attention_bias=("none", "all"), sliding_window: 
   pass which `attention_bias` values and whether a sliding window they express."""
   wanted = {"kind": "decoder_only", "pre_norm": True, "position": "rope", "norm": "rmsnorm", "ffn": "swiglu",
             "attn_logit_softcap": 0.0, "global_tokens": 0, "embedding_norm": False, "type_vocab_size": 0}
-  bad = [f"model.{k}={getattr(m, k)}" for k, v in wanted.items() if getattr(m, k) != v]
-  bad += [f"model.{k}={getattr(m, k)}" for k, ok in (
-      ("attention_bias", m.attention_bias in attention_bias), ("rope_scaling", m.rope_scaling != "ntk"),
-      ("sliding_window", sliding_window or not m.sliding_window)) if not ok]
-  return bad
+  return L.mismatches(m, wanted, {"attention_bias": m.attention_bias in attention_bias,
+                                  "rope_scaling": m.rope_scaling != "ntk",
+                                  "sliding_window": sliding_window or not m.sliding_window})
 
 
 def rope_parameters(m: ModelConfig) -> dict:

@@ -34,12 +34,7 @@ def unsupported(m: ModelConfig) -> list[str]:
   wanted = {"kind": "encoder_decoder", "pre_norm": False, "position": "sinusoidal", "norm": "layernorm",
             "attn_logit_softcap": 0.0, "sliding_window": 0, "attention_bias": "none", "mlp_bias": True,
             "embedding_scale": True, "attention_head_dim": 0, "pad_id": 0}
-  bad = [f"model.{k}={getattr(m, k)}" for k, v in wanted.items() if getattr(m, k) != v]
-  if m.ffn not in ACTIVATIONS:
-    bad.append(f"model.ffn={m.ffn}")
-  if m.kv_heads != m.num_heads:
-    bad.append(f"model.num_kv_heads={m.num_kv_heads}")
-  return bad
+  return L.mismatches(m, wanted, {"ffn": m.ffn in ACTIVATIONS, "num_kv_heads": m.kv_heads == m.num_heads})
 
 
 def sinusoid_basis(d_model: int) -> L.Basis:

@@ -44,12 +44,7 @@ def unsupported(m: ModelConfig) -> list[str]:
   wanted = {"kind": "encoder_decoder", "pre_norm": True, "position": "t5", "norm": "rmsnorm", "mlp_bias": False,
             "attention_bias": "none", "embedding_scale": False, "attn_logit_softcap": 0.0, "sliding_window": 0,
             "global_tokens": 0, "embedding_norm": False, "type_vocab_size": 0}
-  bad = [f"model.{k}={getattr(m, k)}" for k, v in wanted.items() if getattr(m, k) != v]
-  if m.ffn not in PROJ:
-    bad.append(f"model.ffn={m.ffn}")
-  if m.kv_heads != m.num_heads:
-    bad.append(f"model.num_kv_heads={m.num_kv_heads}")
-  return bad
+  return L.mismatches(m, wanted, {"ffn": m.ffn in PROJ, "num_kv_heads": m.kv_heads == m.num_heads})
 
 
 def hf_config(config: Config):

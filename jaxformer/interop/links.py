@@ -64,6 +64,13 @@ class Basis:
     return x if self.inverse is None else np.take(x, self.inverse, axis=axis)
 
 
+def mismatches(m: Any, wanted: dict[str, Any], checks: dict[str, bool] | None = None) -> list[str]:
+  """`model.key=value` of each option of the `ModelConfig` `m` that differs from `wanted[key]` or
+  whose entry in `checks` is False: the options an architecture has no counterpart for."""
+  bad = [k for k, v in wanted.items() if getattr(m, k) != v] + [k for k, ok in (checks or {}).items() if not ok]
+  return [f"model.{k}={getattr(m, k)}" for k in bad]
+
+
 def vector(ours: str, hf: str, basis: Basis) -> Link:
   """A `[d_model]` vector (norm scale or bias, output bias)."""
   return Link((ours,), hf, lambda x: basis.to_hf(x, 0), lambda y: (basis.from_hf(y, 0),))
