@@ -21,10 +21,12 @@ from jaxformer.cli_args import (
   CONFIG_HINT,
   CONFIGS_DIR,
   add_checkpoint_args,
+  add_compile_args,
   add_distributed_args,
   add_draft_args,
   add_search_args,
   config_path,
+  parse_command_line,
   positive_int,
   search_options,
 )
@@ -90,8 +92,9 @@ def _parser() -> argparse.ArgumentParser:
   add_draft_args(g)
   g.add_argument("overrides", nargs="*")
 
-  s = sub.add_parser("serve", help="serve a trained model over HTTP: /v1/translate or /v1/generate with "
-                     "continuous batching, streaming (server-sent events) and /health")
+  s = sub.add_parser("serve", help="serve a trained model over HTTP: OpenAI-compatible /v1/completions and "
+                     "/v1/chat/completions, /v1/translate or /v1/generate, with continuous batching, streaming "
+                     "(server-sent events), API keys, /health and /metrics")
   s.add_argument("--workdir", required=True)
   add_checkpoint_args(s)
   s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
@@ -105,6 +108,12 @@ def _parser() -> argparse.ArgumentParser:
   s.add_argument("--batching", choices=("continuous", "static"), default="continuous",
                  help="continuous: requests join the running batch at any step; static: a new batch starts only "
                  "when the running one has finished (for comparison)")
+  s.add_argument("--api-key", default=None, metavar="KEY",
+                 help="require 'Authorization: Bearer KEY' on every /v1/* route (default: $JAXFORMER_API_KEY; "
+                 "none: open)")
+  s.add_argument("--max-request-bytes", type=positive_int, default=1 << 20,
+                 help="largest request body in bytes; larger ones get 413 (default: 1 MiB)")
+  s.add_argument("--model-name", default=None, help="the model's id in /v1/models (default: the workdir's name)")
   s.add_argument("overrides", nargs="*", help="runtime/mesh overrides, e.g. runtime.num_cpu_devices=1")
 
   a = sub.add_parser("average", help="write the mean params of a run's last N checkpoints (paper section 6.1) "
@@ -128,16 +137,10 @@ def _parser() -> argparse.ArgumentParser:
   b.add_argument("overrides", nargs="*",
                  help="dotted overrides, e.g. precision.policy=compute=bfloat16 runtime.num_cpu_devices=2")
 
-  co = sub.add_parser("compile", help="compile the train step ahead of time for N simulated devices (or a TPU "
-                      "topology) without running it: per-device memory and whether it fits --hbm")
-  co.add_argument("--config", required=True)
-  where = co.add_mutually_exclusive_group(required=True)
-  where.add_argument("--devices", type=positive_int,
-                     help="simulated CPU devices, e.g. 256 (sets runtime.num_cpu_devices)")
-  where.add_argument("--topology", help="a TPU topology for jax.experimental.topologies, e.g. v5e:16x16 "
-                     "(needs libtpu; optional)")
-  co.add_argument("--hbm", help="device memory to check against, e.g. 80GiB or 16GB")
-  co.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.fsdp=64 mesh.tensor=4 train.batch_size=512")
+  co = sub.add_parser("compile", help="compile the train step (or, with --decode, the decode step and prefill) "
+                      "ahead of time for N simulated devices, a TPU topology or described GPUs, without running it: "
+                      "per-device memory and whether it fits")
+  add_compile_args(co)
   cli_plots.add_parsers(sub)
   cli_interop.add_parsers(sub)
   return p
@@ -147,7 +150,7 @@ def cmd_train(args) -> None:
   """`jaxformer train`: trains (or resumes) `--config` in `--workdir`."""
   from jaxformer import interrupt
   interrupt.install()   # before any library starts a thread (they inherit the blocked SIGINT/SIGTERM)
-  config = load_config(args.config, args.overrides)   # before any JAX import: a typo fails fast
+  config = load_config(config_path(args.config), args.overrides)   # before any JAX import: a typo fails fast
   from jaxformer.distributed import initialize_from_args
   from jaxformer.runtime import init_runtime
   initialize_from_args(args)  # before any other JAX use
@@ -261,14 +264,16 @@ def cmd_serve(args) -> None:
   from jaxformer.inference import restore as inference_restore
   config = inference_restore.workdir_config(args.workdir, args.overrides)
   restored = inference_restore.restore(args.workdir, config, args.step, args.average_last, args.quantize)
+  from jaxformer.serve.auth import resolve_api_key
   serve.serve(restored, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
               page_size=args.page_size, num_pages=args.num_pages, request_timeout=args.request_timeout,
-              batching=args.batching)
+              batching=args.batching, api_key=resolve_api_key(args.api_key),
+              max_request_bytes=args.max_request_bytes, model_name=args.model_name)
 
 
 def cmd_bench(args) -> None:
   """`jaxformer bench`: times the train step of `--config`; prints one JSON line."""
-  config = load_config(args.config, args.overrides)
+  config = load_config(config_path(args.config), args.overrides)
   from jaxformer.runtime import init_runtime
   init_runtime(config.runtime)
   from jaxformer import bench
@@ -282,16 +287,26 @@ def cmd_bench(args) -> None:
 
 
 def cmd_compile(args) -> None:
-  """`jaxformer compile`: compiles `--config`'s train step ahead of time and reports its memory."""
-  cpu = [f"runtime.num_cpu_devices={args.devices}", "runtime.platform=cpu"] if args.devices else []
-  config = load_config(config_path(args.config), [*args.overrides, *cpu])
+  """`jaxformer compile`: compiles `--config`'s train step (or decode step and prefill) ahead of time and
+  reports its memory; a TPU compiler's out-of-memory refusal is a result (`fits: false`), not an error."""
+  # Simulated CPU devices, or a TPU/GPU topology compiled for by a process that runs nothing: its own
+  # backend is the CPU's, so no local accelerator is ever opened.
+  cpu = [f"runtime.num_cpu_devices={args.devices}"] if args.devices else []
+  config = load_config(config_path(args.config), [*args.overrides, *cpu, "runtime.platform=cpu"])
   from jaxformer import aot
-  hbm = aot.parse_size(args.hbm) if args.hbm else None
+  hbm = aot.parse_size(args.hbm) if args.hbm else aot.device_memory(args.topology)
+  if args.topology:
+    aot.quiet_libtpu()   # before any backend starts
   from jaxformer.runtime import init_runtime
   init_runtime(config.runtime)
   devices = aot.topology_devices(args.topology) if args.topology else None
-  result = aot.compile_train_step(config, devices, hbm)
-  print(aot.format_report(result), flush=True)
+  if args.decode:
+    from jaxformer import aot_decode
+    result = aot_decode.compile_decode(config, devices, hbm, args.context, args.page_size or 0)
+    print(aot_decode.format_report(result), flush=True)
+  else:
+    result = aot.compile_train_step(config, devices, hbm)
+    print(aot.format_report(result), flush=True)
   print(json.dumps(result), flush=True)
 
 
@@ -335,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
               "config": cmd_config,
               **cli_plots.COMMANDS, **cli_interop.COMMANDS}
   try:
-    args = _parser().parse_args(argv)   # inside: a Ctrl-C while parsing exits 130 like one during the command
+    args = parse_command_line(_parser(), argv)   # inside: a Ctrl-C while parsing exits 130 like one during the command
     commands[args.command](args)
   except (ConfigError, CheckpointError, NonFiniteError, FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)

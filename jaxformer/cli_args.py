@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS_DIR = Path(__file__).resolve().parent / "configs"   # the top-level configs/, shipped in the package
 CONFIG_HINT = ("configs: `jaxformer config --list` lists the shipped configs; `jaxformer config --show CONFIG "
                "[key=value ...]` prints every key with its value, type, default and description")
 
@@ -71,6 +71,27 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
                  help="sampling seed; a sentence's sample depends only on the seed and the sentence")
 
 
+def add_compile_args(p: argparse.ArgumentParser) -> None:
+  """`jaxformer compile`'s flags: where (`--devices N` or `--topology NAME`), `--hbm`, and `--decode`
+  with its `--context` and `--page-size`."""
+  p.add_argument("--config", required=True)
+  where = p.add_mutually_exclusive_group(required=True)
+  where.add_argument("--devices", type=positive_int,
+                     help="simulated CPU devices, e.g. 256 (sets runtime.num_cpu_devices)")
+  where.add_argument("--topology", help="a TPU topology, e.g. v5e:4x4, v5p:4x4x8 or v6e:16x16, compiled by the TPU "
+                     "compiler on this machine (needs the aot extra: pip install -e '.[aot]'); or GPUs, h100:8 "
+                     "or h200:4x8 (needs the CUDA plugin, see jaxformer/aot_gpu.py)")
+  p.add_argument("--hbm", help="device memory to check against, e.g. 80GiB or 16GB (default on GPUs: their rated "
+                 "memory; on TPU the compiler checks its own)")
+  p.add_argument("--decode", action="store_true", help="compile the KV-cache decode step and the prefill for "
+                 "train.batch_size rows instead of the train step; reports the cache's and weights' memory")
+  p.add_argument("--context", type=positive_int, default=None,
+                 help="--decode: tokens per row, cached and prefilled (default: model.max_length)")
+  p.add_argument("--page-size", type=positive_int, default=None,
+                 help="--decode: the serving engine's paged cache with pages of this many tokens (default: contiguous)")
+  p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.fsdp=64 mesh.tensor=4 train.batch_size=512")
+
+
 def search_options(args):
   """SearchOptions from the decoding flags (and `--draft-workdir`, which needs plain greedy
   search); ValueError (one line) on a bad combination."""
@@ -86,6 +107,22 @@ def search_options(args):
   if getattr(args, "draft_workdir", None):
     options.check_speculative()   # before anything is restored
   return options
+
+
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+  """`parser`'s arguments of `argv`, with dotted overrides (`key=value`) accepted anywhere among
+  the flags: argparse takes one run of positionals, so later ones are added to `overrides`.
+
+  Raises:
+    SystemExit: an argument that is neither a flag of the command nor an override (argparse's message).
+  """
+  args, extra = parser.parse_known_args(argv)
+  strays = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
+  if strays:
+    parser.error(f"unrecognized arguments: {' '.join(strays)}")
+  if extra:
+    args.overrides = [*args.overrides, *extra]
+  return args
 
 
 def config_path(name: str) -> str:

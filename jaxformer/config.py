@@ -160,8 +160,8 @@ class DataConfig:
   target_lang: str = "de"              # free label of the target language (multi30k: en or de)
   tfds_data_dir: str = ""              # tfds: the TFDS data dir it was prepared in; empty = TFDS's default
   data_dir: str = "~/.cache/jaxformer"  # prepared (tokenized) splits and trained tokenizers are cached here
-  tokenizer: str = "unigram"           # SentencePiece unigram | bpe; char (language models); hf (a tokenizer.json)
-  tokenizer_model: str = ""            # an existing SentencePiece .model; hf: a model directory or its tokenizer.json
+  tokenizer: str = "unigram"           # SentencePiece unigram | bpe; char (LMs); hf (a tokenizer.json); marian
+  tokenizer_model: str = ""            # a SentencePiece .model; hf: a model dir or its tokenizer.json; marian: a dir
   shared_vocab: bool = True            # translation: one vocabulary for source and target; false = one per side
   input_sentence_size: int = 1000000   # SentencePiece trains on at most this many sentences, sampled from train
   max_length: int = 64                 # tokens per side including EOS (language models: the context)
@@ -189,11 +189,14 @@ class DataConfig:
       raise ConfigError("data.source_lang and data.target_lang must be non-empty labels")
     if self.overlong not in ("drop", "truncate"):
       raise ConfigError(f"data.overlong={self.overlong!r} is unknown; use drop or truncate")
-    if self.tokenizer not in ("unigram", "bpe", "char", "hf"):
-      raise ConfigError(f"data.tokenizer={self.tokenizer!r} is unknown; use unigram, bpe, char or hf")
+    if self.tokenizer not in ("unigram", "bpe", "char", "hf", "marian"):
+      raise ConfigError(f"data.tokenizer={self.tokenizer!r} is unknown; use unigram, bpe, char, hf or marian")
     if self.tokenizer == "hf" and not self.tokenizer_model:
       raise ConfigError("data.tokenizer=hf needs data.tokenizer_model: a Hugging Face model directory or its "
                         "tokenizer.json")
+    if self.tokenizer == "marian" and not self.tokenizer_model:
+      raise ConfigError("data.tokenizer=marian needs data.tokenizer_model: a directory with source.spm, target.spm "
+                        "and vocab.json")
     if self.input_sentence_size < 1:
       raise ConfigError(f"data.input_sentence_size must be >= 1, got {self.input_sentence_size}")
     if self.max_length < 2:

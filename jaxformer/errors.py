@@ -10,3 +10,8 @@ class CheckpointError(ValueError):
 class NonFiniteError(FloatingPointError):
   """Training met a non-finite loss or gradient (`train.nan_policy`): the message is one line
   naming the step; no state from that step on was checkpointed."""
+
+
+class CompileError(ValueError):
+  """The XLA compiler rejected a program for a reason other than running out of device memory
+  (`jaxformer compile` reports that as `fits: false`); the message is one line."""

@@ -60,9 +60,9 @@ def decode_sources(restored: Restored, sources: Sequence[str], batch_size: int =
   cfg = restored.config
   batch_size = _round_batch(restored, batch_size)
   data = tokenize_split(restored.source_tokenizer, list(sources), list(sources), cfg.data.max_length,
-                        overlong="truncate")
+                        overlong="truncate", eos_id=cfg.model.eos_id)
   decode = make_decode_fn(restored.model, restored.mesh, cfg.model.max_length, search, draft, restored.rules)
-  batches = eval_batches(data, batch_size, cfg.data.buckets)
+  batches = eval_batches(data, batch_size, cfg.data.buckets, pad_id=cfg.model.pad_id)
 
   def run(batch):
     inputs = global_batch(batch, restored.mesh, restored.rules)["inputs"]
@@ -76,7 +76,7 @@ def decode_sources(restored: Restored, sources: Sequence[str], batch_size: int =
   for batch in batches:
     out.append({"inputs": batch["inputs"], "index": batch["index"], "tokens": run(batch)})
   seconds = time.perf_counter() - start
-  generated = sum(int(np.count_nonzero(b["tokens"][b["index"] >= 0])) for b in out)
+  generated = sum(int(np.count_nonzero(b["tokens"][b["index"] >= 0] != cfg.model.pad_id)) for b in out)
   speed = {"sentences_per_sec": len(sources) / seconds, "tokens_per_sec": generated / seconds, "seconds": seconds}
   if draft is not None:
     accepted, proposed = np.sum(decode.speculation[-len(batches):], axis=0)
@@ -147,8 +147,8 @@ def reference_loss(restored: Restored, sources: Sequence[str], references: Seque
   cfg = restored.config
   batch_size = _round_batch(restored, batch_size)
   data = tokenize_split(restored.source_tokenizer, list(sources), list(references), cfg.data.max_length,
-                        overlong="truncate", target_tokenizer=restored.tokenizer)
-  return batches_loss(restored, eval_batches(data, batch_size, cfg.data.buckets))
+                        overlong="truncate", target_tokenizer=restored.tokenizer, eos_id=cfg.model.eos_id)
+  return batches_loss(restored, eval_batches(data, batch_size, cfg.data.buckets, pad_id=cfg.model.pad_id))
 
 
 def batches_loss(restored: Restored, batches) -> dict[str, float]:

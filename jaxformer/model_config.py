@@ -17,7 +17,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "position": ("sinusoidal", "learned", "rope", "alibi", "t5", "none"),
     "norm": ("layernorm", "rmsnorm"),
     "ffn": ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu", "geglu_tanh"),
-    "attention": ("dense", "blockwise", "linformer", "fused"),
+    "attention": ("dense", "blockwise", "linformer", "fused", "splash"),
     "attention_bias": ("none", "qkv", "all"),
     "rope_scaling": ROPE_SCALINGS,
 }
@@ -68,17 +68,19 @@ class ModelConfig:
   type_vocab_size: int = 0      # rows of a token-type (segment) table; every token is type 0 (BERT: 2); 0 = none
   position_offset: int = 0      # learned: position p reads table row p + offset (RoBERTa: pad_id + 1); 0 = none
   mlm_head: bool = False        # encoder_only: LayerNorm(act(x W + b)) before the logits, plus an output bias (BERT)
+  logits_bias: bool = False     # encoder_decoder: a learned [vocab_size] bias added to the logits (Marian)
   pad_id: int = 0               # the id the model masks as padding (and never caches); -1 = none (GPT-2, Llama)
   bos_id: int = 2               # the start token (our decoders start with it; Llama's tokenizer prepends it)
   eos_id: int = 3               # the end token: decoding stops there, data appends it
   decoder_start_id: int = -1    # an encoder-decoder's first decoder input; -1 = bos_id (Marian: its pad)
+  mask_id: int = -1             # the masked LM's [MASK] (an imported BERT's); -1 = the last id, beyond the tokenizer's
   num_kv_heads: int = 0         # key/value heads (grouped-query); 0 = num_heads, 1 = multi-query
   attn_logit_softcap: float = 0.0  # c > 0: attention scores become c * tanh(score / c); 0 = off
   sliding_window: int = 0       # causal self-attention sees the last w tokens (itself included); 0 = all
   global_tokens: int = 0        # with sliding_window: positions < N see every key and every query sees them
-  attention: str = "dense"      # dense | blockwise (memory-linear) | linformer (encoder) | fused (jax.nn)
+  attention: str = "dense"      # dense | blockwise (memory-linear) | linformer (encoder) | fused (jax.nn) | splash
   linformer_k: int = 64         # linformer: keys/values projected along the sequence to this many rows
-  attention_block_size: int = 128  # blockwise: keys/values per block, tokens
+  attention_block_size: int = 128  # blockwise: keys/values per block; splash: queries and keys per block, tokens
   remat: str = "none"           # per-block rematerialisation: none | full | save_dots | minimal (remat.py)
   scan_layers: bool = False     # nn.scan over each layer stack (shorter compile; params get a leading layers axis)
   num_experts: int = 0          # >0: every FFN becomes a mixture of this many experts (layers/moe.py); 0 = dense
@@ -126,10 +128,11 @@ class ModelConfig:
 
   @property
   def special_ids(self):
-    """The model's `data.special_ids.SpecialIds` (pad, bos, eos, decoder start; unk and mask are
-    the tokenizer's)."""
+    """The model's `data.special_ids.SpecialIds` (pad, bos, eos, decoder start, mask; unk is the
+    tokenizer's)."""
     from jaxformer.data.special_ids import SpecialIds  # noqa: PLC0415  (the config loads without numpy)
-    return SpecialIds(pad=self.pad_id, bos=self.bos_id, eos=self.eos_id, decoder_start=self.decoder_start_id)
+    return SpecialIds(pad=self.pad_id, bos=self.bos_id, eos=self.eos_id, decoder_start=self.decoder_start_id,
+                      mask=self.mask_id)
 
   @property
   def kv_heads(self) -> int:

@@ -26,12 +26,18 @@ def validate_architecture(m: Any) -> None:
       raise ConfigError(f"model.{name} must be >= 0 (0 turns it off), got {getattr(m, name)}")
   if m.attention_block_size <= 0:
     raise ConfigError(f"model.attention_block_size must be positive, got {m.attention_block_size}")
-  if m.attention in ("blockwise", "fused") and m.attention_dropout_rate > 0:
+  if m.attention in ("blockwise", "fused", "splash") and m.attention_dropout_rate > 0:
     raise ConfigError(f"model.attention={m.attention} does not support attention dropout; "
                       "set model.attention_dropout_rate=0 or model.attention=dense")
   if m.attention == "fused" and m.attn_logit_softcap > 0:
     raise ConfigError("model.attention=fused has no score soft-cap; set model.attn_logit_softcap=0 "
                       "or model.attention=dense")
+  if m.attention == "splash" and (m.position in ("alibi", "t5") or m.global_tokens):
+    raise ConfigError("model.attention=splash (TPU flash attention) takes no score bias (position alibi, t5) or "
+                      "global tokens; use model.attention=dense or blockwise for them")
+  if m.attention == "splash" and m.attention_block_size % 128:
+    raise ConfigError(f"model.attention=splash needs model.attention_block_size to be a multiple of 128 (the TPU "
+                      f"kernels' lanes), e.g. 512; got {m.attention_block_size}")
   if m.position == "rope" and m.head_dim % 2:
     raise ConfigError(f"model.position=rope needs an even head_dim, got {m.head_dim}; "
                       "change model.d_model or model.num_heads")
@@ -48,6 +54,10 @@ def validate_architecture(m: Any) -> None:
   _validate_linformer(m)
   _validate_lora(m)
   _validate_embeddings(m)
+  for name in ("pad_id", "bos_id", "eos_id", "decoder_start_id", "mask_id"):
+    if not -1 <= getattr(m, name) < m.vocab_size:
+      raise ConfigError(f"model.{name}={getattr(m, name)} is not a token id of model.vocab_size={m.vocab_size}; "
+                        "use an id below it, or -1 for none")
   if m.global_tokens and not m.sliding_window:
     raise ConfigError(f"model.global_tokens={m.global_tokens} acts on top of a sliding window; "
                       "set model.sliding_window too, or model.global_tokens=0")
@@ -103,7 +113,8 @@ def _validate_linformer(m: Any) -> None:
 
 
 def _validate_embeddings(m: Any) -> None:
-  """The BERT-style options: an embedding norm, token types, a position offset and the MLM head."""
+  """The BERT-style options (an embedding norm, token types, a position offset, the MLM head) and
+  Marian's logits bias."""
   for name in ("type_vocab_size", "position_offset"):
     if getattr(m, name) < 0:
       raise ConfigError(f"model.{name} must be >= 0 (0 turns it off), got {getattr(m, name)}")
@@ -115,6 +126,9 @@ def _validate_embeddings(m: Any) -> None:
   if used and m.kind == "encoder_decoder":
     raise ConfigError(f"{used[0]} acts in the decoder_only and encoder_only models; "
                       "turn it off (false / 0) for model.kind=encoder_decoder")
+  if m.logits_bias and m.kind != "encoder_decoder":
+    raise ConfigError(f"model.logits_bias=true is the encoder-decoder's output bias (Marian's final_logits_bias); "
+                      f"set model.kind=encoder_decoder or model.logits_bias=false (model.kind={m.kind})")
   if m.mlm_head and m.kind != "encoder_only":
     raise ConfigError(f"model.mlm_head=true is the masked LM's output transform; set model.kind=encoder_only "
                       f"or model.mlm_head=false (model.kind={m.kind})")

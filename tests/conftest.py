@@ -10,6 +10,8 @@ Likewise one data cache (`multi30k_dir`) prepares Multi30k once per session.
 
 import atexit
 import fcntl
+import gzip
+import itertools
 import os
 import shutil
 import tempfile
@@ -28,6 +30,13 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 TINY = str(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml")
+SHAKESPEARE = Path(__file__).resolve().parents[1] / "jaxformer" / "data" / "raw" / "tinyshakespeare" / "input.txt.gz"
+
+
+def shakespeare_lines(n: int) -> list[str]:
+  """The first `n` non-empty lines of Tiny Shakespeare (of its first 4000), stripped."""
+  with gzip.open(SHAKESPEARE, "rt", encoding="utf-8") as f:
+    return [line.strip() for line in itertools.islice(f, 4000) if line.strip()][:n]
 
 
 @pytest.fixture(scope="session")

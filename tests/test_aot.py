@@ -61,7 +61,8 @@ def test_mesh_that_does_not_divide_fails_before_compiling(capsys):
   assert err.startswith("error: mesh.tensor=8 does not divide model.d_ff=132") and "\n" not in err
 
 
-def test_topology_without_libtpu_is_one_line():
+def test_topology_without_libtpu_is_one_line(monkeypatch):
+  monkeypatch.setattr(aot.importlib.util, "find_spec", lambda name: None)   # as where the aot extra is not installed
   with pytest.raises(ConfigError, match=r"--topology v5e:2x2: no TPU compiler for it here .*use --devices N") as err:
     aot.topology_devices("v5e:2x2")
   assert "\n" not in str(err.value)

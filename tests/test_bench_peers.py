@@ -1,4 +1,4 @@
-"""scripts/bench_peers.py (needs the `peers` extra): at a tiny shape, every engine decodes exactly
+"""benchmarks/bench_peers.py (needs the `peers` extra): at a tiny shape, every engine decodes exactly
 the fixed number of tokens per row, CTranslate2 runs the very model transformers runs, and the
 script's table and JSON hold together."""
 
@@ -26,7 +26,7 @@ BATCH, SRC_LEN, NEW_TOKENS = 8, 3, 3   # 8 rows: one per simulated device of the
 
 
 def _load_script():
-  spec = importlib.util.spec_from_file_location("bench_peers", ROOT / "scripts" / "bench_peers.py")
+  spec = importlib.util.spec_from_file_location("bench_peers", ROOT / "benchmarks" / "bench_peers.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module

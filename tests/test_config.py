@@ -132,3 +132,19 @@ def test_a_config_typo_fails_before_jax_is_imported():
                        timeout=120)
   assert out.stdout.split("\n")[0] == "2 []", out.stdout + out.stderr
   assert out.stderr.strip() == "error: unknown config key 'train.num_step'; did you mean train.num_steps?"
+
+
+def test_overrides_anywhere_and_shipped_names_from_any_directory(tmp_path, monkeypatch, capsys):
+  from jaxformer.cli import _parser
+  from jaxformer.cli_args import CONFIGS_DIR, config_path, parse_command_line
+  monkeypatch.chdir(tmp_path)   # no configs/ here
+  args = parse_command_line(_parser(), ["train", "--config", "tiny", "model.position=t5", "--workdir", "W",
+                                        "train.num_steps=3"])
+  assert (args.workdir, args.overrides) == ("W", ["model.position=t5", "train.num_steps=3"])
+  config = load_config(config_path(args.config), args.overrides)
+  assert (config.model.position, config.train.num_steps) == ("t5", 3)
+  assert Path(config_path("tiny")) == CONFIGS_DIR / "tiny.yaml" and (CONFIGS_DIR / "tiny.yaml").is_file()
+  for stray in ("--bogus", "bogus"):   # after a run of overrides: neither a flag nor key=value
+    with pytest.raises(SystemExit):
+      parse_command_line(_parser(), ["train", "--config", "tiny", "model.position=t5", "--workdir", "W", stray])
+    assert f"unrecognized arguments: {stray}" in capsys.readouterr().err

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY
+from conftest import TINY, shakespeare_lines
 
 from jaxformer.config import ConfigError, load_config
 
@@ -231,3 +231,61 @@ def test_packed_examples_equal_unpacked():
     alone[0, :len(example)] = example
     expected = np.asarray(model.apply({"params": params}, jnp.asarray(alone)))[0, :len(example)]
     np.testing.assert_allclose(logits[0, start:start + len(example)], expected, atol=1e-5, rtol=1e-5)
+
+
+def _wordpiece(folder, lines: list[str]) -> dict[str, int]:
+  """A BERT WordPiece tokenizer trained on `lines` ([CLS] text [SEP]), saved as transformers saves a
+  model's; returns the config's vocab size and pad id."""
+  import tokenizers
+  from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
+  specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+  tok = tokenizers.Tokenizer(models.WordPiece(unk_token="[UNK]"))
+  tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+  tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+  tok.decoder = decoders.WordPiece()
+  tok.train_from_iterator(lines, trainers.WordPieceTrainer(vocab_size=200, special_tokens=specials))
+  tok.post_processor = processors.TemplateProcessing(
+      single="[CLS] $A [SEP]", special_tokens=[(s, tok.token_to_id(s)) for s in ("[CLS]", "[SEP]")])
+  transformers.BertTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+                                 sep_token="[SEP]", mask_token="[MASK]").save_pretrained(str(folder))
+  return {"vocab_size": tok.get_vocab_size(), "pad_token_id": tok.token_to_id("[PAD]")}
+
+
+def test_published_bert_with_its_tokenizer_imports_trains_and_exports(tmp_path):
+  """A BERT as downloaded (WordPiece tokenizer with its own [MASK]): import keeps the tokenizer's
+  ids, masked-LM training draws replacements from real tokens only, and the export computes ours."""
+  import jaxformer
+  from jaxformer.interop.hf_import import import_hf
+  from jaxformer.tasks import get_task
+  lines = shakespeare_lines(600)
+  ids = _wordpiece(tmp_path / "hf", lines)
+  config = transformers.BertConfig(**dict(SMALL, **ids), attn_implementation="eager")
+  torch.manual_seed(0)
+  hf = transformers.BertForMaskedLM(config).eval()
+  hf.save_pretrained(str(tmp_path / "hf"))
+  workdir = tmp_path / "run"
+  import_hf(tmp_path / "hf", workdir)
+  model = jaxformer.restore(workdir)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+  assert model.config.model.mask_id == tokenizer.mask_token_id and model.config.model.pad_id == 0
+  encoded = [tokenizer(t)["input_ids"] for t in lines[:2]]
+  assert encoded == [model.tokenizer.encode(t) for t in lines[:2]]
+  task = get_task(model.config)
+  assert task.reserved_ids == 0 and task.mask_id == tokenizer.mask_token_id
+  assert set(task.never_drawn) >= {tokenizer.pad_token_id, tokenizer.mask_token_id, tokenizer.cls_token_id,
+                                   tokenizer.sep_token_id}
+
+  text = tmp_path / "train.txt"
+  text.write_text("\n\n".join(lines) + "\n")
+  tuned = load_config(workdir / "config.yaml", [
+      "data.dataset=files", f"data.train_files={text}", "data.max_length=32", "data.buckets=[32]",
+      "train.num_steps=3", "train.batch_size=8", "train.checkpoint_every=3", "train.async_checkpoint=false",
+      "train.log_every=1", f"data.data_dir={tmp_path / 'cache'}"])
+  last = jaxformer.fit(tuned, workdir)
+  assert last["step"] == 3 and np.isfinite(last["loss"])
+  jaxformer.export(workdir, tmp_path / "back")
+  back = transformers.AutoModelForMaskedLM.from_pretrained(str(tmp_path / "back")).eval()
+  batch = np.asarray([row[:min(map(len, encoded))] for row in encoded])
+  ours = jaxformer.logits(jaxformer.restore(workdir), batch)
+  np.testing.assert_allclose(ours, _hf_logits(back, batch), atol=1e-4, rtol=1e-4)
+  assert np.abs(ours - _hf_logits(hf, batch)).max() > 2e-4   # it did train

@@ -9,12 +9,11 @@ torch/transformers are imported inside the tests.
 
 from __future__ import annotations
 
-import gzip
-import itertools
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import shakespeare_lines
 
 pytestmark = pytest.mark.slow   # builds and runs transformers models (CI runs the slow set)
 
@@ -132,16 +131,10 @@ def test_options_without_counterpart_are_one_line(cls, kwargs, message, tmp_path
   assert "\n" not in str(info.value)
 
 
-SHAKESPEARE = Path(__file__).resolve().parents[1] / "jaxformer" / "data" / "raw" / "tinyshakespeare" / "input.txt.gz"
 STYLES = {   # a published tokenizer's special tokens: GPT-2's one <|endoftext|>, Llama's <unk> <s> </s> and a BOS
     "gpt2": dict(specials=["<|endoftext|>"], bos="<|endoftext|>", eos="<|endoftext|>", unk=None, add_bos=False),
     "llama": dict(specials=["<unk>", "<s>", "</s>"], bos="<s>", eos="</s>", unk="<unk>", add_bos=True),
 }
-
-
-def _shakespeare(n: int) -> list[str]:
-  with gzip.open(SHAKESPEARE, "rt", encoding="utf-8") as f:
-    return [line.strip() for line in itertools.islice(f, 4000) if line.strip()][:n]
 
 
 def _write_tokenizer(folder: Path, style: str) -> dict[str, int]:
@@ -155,7 +148,7 @@ def _write_tokenizer(folder: Path, style: str) -> dict[str, int]:
   tok.decoder = decoders.ByteLevel()
   trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=spec["specials"],
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-  tok.train_from_iterator(_shakespeare(2000), trainer)
+  tok.train_from_iterator(shakespeare_lines(2000), trainer)
   bos = tok.token_to_id(spec["bos"])
   if spec["add_bos"]:
     tok.post_processor = processors.TemplateProcessing(single=f"{spec['bos']} $A", special_tokens=[(spec["bos"], bos)])
@@ -180,7 +173,7 @@ def _published(folder: Path, name: str, style: str):
 
 
 @pytest.mark.parametrize("name, style", [("gpt2-default", "gpt2"), ("llama3-tied-headdim", "llama"),
-                                         ("qwen2-tied", "gpt2")])
+                                         ("qwen2-tied", "gpt2"), ("mistral-window", "llama")])
 def test_published_model_with_its_tokenizer_imports_generates_trains_and_exports(name, style, tmp_path):
   import jaxformer
   from jaxformer.config import load_config
@@ -196,7 +189,7 @@ def test_published_model_with_its_tokenizer_imports_generates_trains_and_exports
   assert model.config.data.tokenizer == "hf" and (workdir / "hf_tokenizer" / "tokenizer.json").is_file()
 
   # Real text through the model's own tokenizer: our ids and logits are transformers'.
-  lines = _shakespeare(40)[30:32]
+  lines = shakespeare_lines(40)[30:32]
   ids = [tokenizer(t)["input_ids"] for t in lines]
   assert ids == [model.tokenizer.encode(t) for t in lines]
   assert (ids[0][0] == m.bos_id) == STYLES[style]["add_bos"]
@@ -215,7 +208,7 @@ def test_published_model_with_its_tokenizer_imports_generates_trains_and_exports
 
   # Fine-tune 3 steps on the user's text, then export: transformers computes our logits.
   text = tmp_path / "train.txt"
-  text.write_text("\n\n".join(_shakespeare(400)) + "\n")
+  text.write_text("\n\n".join(shakespeare_lines(400)) + "\n")
   tuned = load_config(workdir / "config.yaml", [
       "data.dataset=files", f"data.train_files={text}", "data.max_length=32", "train.num_steps=3",
       "train.batch_size=8", "train.checkpoint_every=3", "train.async_checkpoint=false", "train.log_every=1",

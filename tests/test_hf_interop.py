@@ -215,6 +215,12 @@ def test_unsupported_option_mix_is_one_line():
   with pytest.raises(ConfigError, match=r"no Hugging Face counterpart for model.position=alibi \(closest "
                                         r"architecture: LlamaForCausalLM\)"):
     select_mapping(config)
+  # transformers' dynamic NTK counts from max_position_embeddings (our max_length): a model trained
+  # on a shorter context has no counterpart, one trained on max_length exports.
+  llama = [*MIXES["LlamaForCausalLM"], "model.rope_scaling=dynamic", "model.rope_scaling_factor=2", "model.max_length=64"]
+  with pytest.raises(ConfigError, match=r"model.rope_trained_length=32"):
+    select_mapping(load_config(TINY, [*llama, "model.rope_trained_length=32"]))
+  assert select_mapping(load_config(TINY, [*llama, "model.rope_trained_length=64"])).ARCHITECTURE == "LlamaForCausalLM"
 
 
 def test_ctranslate2_translates_like_us(exported, tmp_path):

@@ -214,10 +214,17 @@ def test_damaged_directory_is_one_line(kind, tmp_path):
   _one_line_error(match, HFWeights, tmp_path, "model")
 
 
-@pytest.mark.parametrize("kind", ["no weights", "truncated", "missing shard"])
+@pytest.mark.parametrize("kind", ["no weights", "truncated", "missing shard", "no tokenizer"])
 def test_import_of_a_damaged_directory_writes_nothing(kind, tmp_path):
   from jaxformer.interop.hf_import import import_hf
-  match = _damage(tmp_path / "hf", kind)
+  if kind == "no tokenizer":   # refused before any weight is read
+    _llama().save_pretrained(str(tmp_path / "hf"))
+    match = "has no tokenizer .*save the model's tokenizer beside it"
+  else:
+    match = _damage(tmp_path / "hf", kind)
+    import tokenizers
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    (tmp_path / "hf" / "tokenizer.json").write_text(words.to_str())   # a tokenizer: the weights fail first
   _one_line_error(match, import_hf, tmp_path / "hf", tmp_path / "run")
   assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]   # no workdir, no run.incomplete
 
@@ -254,7 +261,19 @@ def test_import_failing_while_writing_leaves_nothing(tmp_path, monkeypatch):
   def fail(*args, **kwargs):
     raise OSError("disk full")
 
-  monkeypatch.setattr(ckpt.Checkpointer, "save", fail)
+  monkeypatch.setattr(ckpt.Checkpointer, "save_params", fail)
   with pytest.raises(OSError, match="disk full"):
     write_workdir(load_config(TINY), {"w": np.zeros(2, np.float32)}, Tokenizer(), tmp_path / "run", {})
   assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_export_leaves_nothing(tmp_path):
+  from jaxformer.interop.hf_export import staged_dir
+  out = tmp_path / "export"
+  with pytest.raises(RuntimeError, match="disk full"), staged_dir(out) as tmp:
+    (tmp / "config.json").write_text("{}")
+    raise RuntimeError("disk full")
+  assert list(tmp_path.iterdir()) == []
+  with staged_dir(out) as tmp:
+    (tmp / "config.json").write_text("{}")
+  assert [p.name for p in tmp_path.iterdir()] == ["export"] and (out / "config.json").is_file()

@@ -128,3 +128,82 @@ def test_options_without_a_counterpart_are_named():
   config = transformers.T5Config(**dict(SMALL, d_kv=8, feed_forward_proj="gated-relu"))
   with pytest.raises(ValueError, match="feed_forward_proj=gated-relu"):
     hf_t5.model_config(config)
+
+
+def _multi30k(split: str, lang: str, n: int) -> list[str]:
+  import gzip
+  from pathlib import Path
+  raw = Path(__file__).resolve().parents[1] / "jaxformer" / "data" / "raw" / "multi30k"
+  with gzip.open(raw / f"{split}.{lang}.gz", "rt", encoding="utf-8") as f:
+    return [line.strip() for _, line in zip(range(n), f)]
+
+
+def test_published_t5_with_only_spiece_imports_trains_and_exports(tmp_path):
+  """A T5 directory as the original checkpoints ship it: `spiece.model` (pad 0, eos 1, unk 2) and no
+  tokenizer.json. Import converts it as transformers does (our ids are `T5Tokenizer`'s on Multi30k),
+  logits and greedy decoding equal transformers', 3 training steps, and the export computes ours."""
+  import io
+
+  import sentencepiece as spm
+
+  import jaxformer
+  from jaxformer.config import load_config
+  from jaxformer.inference.decode import greedy_decode
+  from jaxformer.interop.hf_import import import_hf
+  hf_dir = tmp_path / "hf"
+  hf_dir.mkdir()
+  model = io.BytesIO()
+  spm.SentencePieceTrainer.train(sentence_iterator=iter(_multi30k("train", "en", 2000) + _multi30k("train", "de", 2000)),
+                                 model_writer=model, vocab_size=200, character_coverage=1.0, num_threads=1,
+                                 pad_id=0, eos_id=1, unk_id=2, bos_id=-1, minloglevel=2)
+  (hf_dir / "spiece.model").write_bytes(model.getvalue())
+  (hf_dir / "tokenizer_config.json").write_text('{"tokenizer_class": "T5Tokenizer", "extra_ids": 0}')
+  theirs = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+  config = transformers.T5Config(**dict(SMALL, vocab_size=200, d_kv=8, feed_forward_proj="relu"),
+                                 attn_implementation="eager")
+  torch.manual_seed(2)
+  hf = transformers.T5ForConditionalGeneration(config).eval()
+  with torch.no_grad():
+    for param in hf.parameters():
+      param.add_(0.3 * torch.randn_like(param))
+  hf.save_pretrained(str(hf_dir))
+
+  workdir = tmp_path / "run"
+  import_hf(hf_dir, workdir)
+  assert (workdir / "hf_tokenizer" / "tokenizer.json").is_file()
+  restored = jaxformer.restore(workdir)
+  lines = _multi30k("val", "en", 2)
+  ids = theirs(lines)["input_ids"]
+  assert ids == [restored.source_tokenizer.encode(t) for t in lines]
+  sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+  assert ids == [sp.encode(t) + [1] for t in lines]   # SentencePiece itself, then T5's EOS
+  src = np.zeros((2, max(map(len, ids))), np.int32)
+  for row, x in zip(src, ids):
+    row[:len(x)] = x
+  dec = src[:, :6].copy()
+  dec[:, 0] = 0
+  expected = _hf_logits(hf, src, dec)
+  np.testing.assert_allclose(jaxformer.logits(restored, src, dec), expected, atol=1e-4, rtol=1e-4)
+  with torch.no_grad():
+    generated = hf.generate(torch.from_numpy(src).long(), attention_mask=torch.from_numpy(src != 0).long(),
+                            max_new_tokens=8, do_sample=False, suppress_tokens=[0]).numpy()[:, 1:]
+  ours = np.asarray(greedy_decode(restored.model, restored.params, src, 8))
+  for row_ours, row_theirs in zip(ours, generated):
+    stop = list(row_theirs).index(1) + 1 if 1 in row_theirs else len(row_theirs)
+    np.testing.assert_array_equal(row_ours[:stop], row_theirs[:stop])
+    assert restored.tokenizer.decode(row_ours) == theirs.decode(row_theirs[:stop], skip_special_tokens=True)
+
+  files = [tmp_path / "train.en", tmp_path / "train.de"]
+  for path, lang in zip(files, ("en", "de")):
+    path.write_text("\n".join(_multi30k("train", lang, 300)) + "\n", encoding="utf-8")
+  tuned = load_config(workdir / "config.yaml", [
+      "data.dataset=files", f"data.train_files={files[0]},{files[1]}", "data.source_lang=en", "data.target_lang=de",
+      "data.max_length=32", "data.buckets=[32]", "train.num_steps=3", "train.batch_size=8", "train.checkpoint_every=3",
+      "train.async_checkpoint=false", "train.log_every=1", f"data.data_dir={tmp_path / 'cache'}"])
+  assert jaxformer.fit(tuned, workdir)["step"] == 3
+  jaxformer.export(workdir, tmp_path / "back")
+  back = transformers.T5ForConditionalGeneration.from_pretrained(str(tmp_path / "back")).eval()
+  assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "back"))(lines)["input_ids"] == ids
+  tuned_logits = jaxformer.logits(jaxformer.restore(workdir), src, dec)
+  np.testing.assert_allclose(tuned_logits, _hf_logits(back, src, dec), atol=1e-4, rtol=1e-4)
+  assert np.abs(tuned_logits - expected).max() > 2e-4   # it did train

@@ -1,4 +1,4 @@
-"""The package and scripts pass ruff with the `[tool.ruff]` settings in pyproject.toml (CI runs this)."""
+"""The package, scripts and benchmarks pass ruff with the `[tool.ruff]` settings in pyproject.toml (CI runs this)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="ruff is not installed (pip install -e .[test])")
 def test_ruff_passes():
   # tests/ are not in the lint target: fixtures and hand-computed tables keep their own layout.
-  result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "jaxformer", "scripts"],
+  result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "jaxformer", "scripts", "benchmarks"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
-  assert result.returncode == 0, f"ruff check jaxformer scripts failed:\n{result.stdout}{result.stderr}"
+  assert result.returncode == 0, f"ruff check jaxformer scripts benchmarks failed:\n{result.stdout}{result.stderr}"
   assert "All checks passed!" in result.stdout

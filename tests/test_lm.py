@@ -20,7 +20,7 @@ from jaxformer.layers.kv_cache import join_segments
 from jaxformer.models.decoder_only import DecoderOnly
 from jaxformer.models.encoder_only import EncoderOnly
 from jaxformer.train.optim import cosine_schedule, decay_mask, make_optimizer
-from jaxformer.tasks.masked_lm import mlm_mask
+from jaxformer.tasks.masked_lm import mlm_mask, random_ids
 from test_cli import run_cli
 
 V, T = 37, 11
@@ -189,7 +189,7 @@ def test_weight_decay_needs_adamw():
 def test_mlm_masking_proportions_and_weights():
   tokens = jax.random.randint(jax.random.key(0), (64, 512), 1, 60).at[:, 400:].set(0)   # 400 real per row
   keys = jax.random.split(jax.random.key(1), 64)
-  corrupted, weights = mlm_mask(keys, tokens, mask_id=60, random_low=1)
+  corrupted, weights = mlm_mask(keys, tokens, mask_id=60, vocab_size=61, never_drawn=(0, 60))
   tokens, corrupted, weights = map(np.asarray, (tokens, corrupted, weights))
   real = tokens > 0
   selected = weights > 0
@@ -204,6 +204,16 @@ def test_mlm_masking_proportions_and_weights():
   assert kept.mean() == pytest.approx(0.1 + 0.1 / 59, abs=0.01)
   assert ((~is_mask) & (~kept)).sum() / n == pytest.approx(0.1 * 58 / 59, abs=0.01)
   assert corrupted.min() >= 0 and corrupted.max() <= 60
+
+
+def test_random_replacements_skip_special_ids_uniformly():
+  # A BERT vocabulary: [PAD] 0, [UNK] 100, [CLS] 101, [SEP] 102, [MASK] 103 among 120 ids.
+  never = (0, 100, 101, 102, 103)
+  ids = np.asarray(random_ids(jax.random.key(0), (200_000,), 120, never))
+  counts = np.bincount(ids, minlength=120)
+  assert counts[list(never)].sum() == 0 and ids.max() == 119
+  allowed = np.delete(counts, never)
+  assert allowed.min() > 0 and np.abs(allowed / len(ids) - 1 / 115).max() < 0.001   # uniform over the other 115
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from jaxformer.config import ConfigError, config_from_dict
 from jaxformer.inference import cache as kv
 from jaxformer.layers.attention import MultiHeadAttention, dot_product_attention
 from jaxformer.layers.blockwise import blockwise_attention
-from jaxformer.layers.positions import RopeScaling, T5Bias, apply_rope, rope_frequencies, t5_buckets
+from jaxformer.layers.positions import RopeScaling, T5Bias, apply_rope, dynamic_base, rope_frequencies, t5_buckets
 from jaxformer.layers.scores import attention_mask, position_mask
 from jaxformer.models.decoder_only import DecoderOnly
 from jaxformer.models.encoder_only import EncoderOnly
@@ -153,6 +153,19 @@ def test_rope_scaling_frequencies():
   pos = jnp.broadcast_to(jnp.arange(T), (B, T))
   np.testing.assert_allclose(np.asarray(apply_rope(x, 2 * pos, scaling=RopeScaling("linear", 2.0))),
                              np.asarray(apply_rope(x, pos)), atol=1e-5)
+
+
+
+def test_dynamic_rope_base_is_per_row():
+  # Base b * (s L'/L - (s - 1))^(H/(H-2)) from each row's own length L' (trained L = 8, factor s = 2).
+  scaling = RopeScaling("dynamic", 2.0, 8)
+  pos = jnp.asarray([np.arange(12), np.minimum(np.arange(12), 5)])                 # L' = 12 and 6
+  base = np.asarray(dynamic_base(scaling, 16, pos))
+  np.testing.assert_allclose(base, [10000.0 * (2 * 12 / 8 - 1) ** (16 / 14), 10000.0], rtol=1e-5)
+  x = _normal(4, (2, 12, N, 16))
+  both = np.asarray(apply_rope(x, pos, scaling))
+  for r in range(2):   # a row alone gives the same rotation as beside the other
+    np.testing.assert_allclose(both[r], np.asarray(apply_rope(x[r:r + 1], pos[r:r + 1], scaling))[0], atol=1e-6)
 
 
 # --- global tokens ------------------------------------------------------------------------------

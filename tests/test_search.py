@@ -11,7 +11,7 @@ from jaxformer import sharding as sh
 from jaxformer.config import Config, MeshConfig, ModelConfig, OptimConfig
 from jaxformer.evaluate import hypothesis_scores
 from jaxformer.inference.decode import (SearchOptions, beam_search, decode_with, default_decode_len, greedy_decode,
-                                        make_decode_fn, sample_decode)
+                                        make_decode_fn, sample_decode, source_limits)
 from jaxformer.inference.search import (EOS_ID, beam_search_core, filter_logits, length_penalty, sample_core,
                                         source_row_keys)
 from jaxformer.models.transformer import PAD_ID, EncoderDecoder
@@ -343,17 +343,18 @@ def test_bad_inputs_raise_one_line_errors(model_and_params):
     assert "\n" not in str(e.value)
 
 
-def test_make_decode_fn_matches_direct_calls_on_a_mesh(model_and_params, fns):
+def test_make_decode_fn_matches_direct_calls_on_a_mesh(model_and_params):
   _, params = model_and_params
-  _, beam, sample = fns
   mesh = sh.make_mesh(MeshConfig(data=2), jax.devices()[:2])
+  model = model_and_params[0]
   src = _sources()                                       # [4, 11]; 11 + 1 extra = 12 tokens
-  out = make_decode_fn(model_and_params[0], mesh, MAX_LEN, SearchOptions(beam_size=3, extra_tokens=1))(params, src)
+  limits = source_limits(src, PAD_ID, 1, MAX_LEN)        # each row: its length + 1
+  np.testing.assert_array_equal(limits, [12, 5, 8, 3])
+  out = make_decode_fn(model, mesh, MAX_LEN, SearchOptions(beam_size=3, extra_tokens=1))(params, src)
   assert out.shape == (4, 12)
-  np.testing.assert_array_equal(out, beam[3, 0.6](params, src)[0])
-  out = make_decode_fn(model_and_params[0], mesh, MAX_LEN, SearchOptions(temperature=2.0, seed=0, extra_tokens=1))(
-      params, src)
-  np.testing.assert_array_equal(out, sample(params, src, jax.random.key(0), 2.0, 0))
+  np.testing.assert_array_equal(out, beam_search(model, params, src, 3, 12, 0.6, row_limits=limits)[0])
+  out = make_decode_fn(model, mesh, MAX_LEN, SearchOptions(temperature=2.0, seed=0, extra_tokens=1))(params, src)
+  np.testing.assert_array_equal(out, sample_decode(model, params, src, 12, jax.random.key(0), 2.0, row_limits=limits))
   assert default_decode_len(11, MAX_LEN) == MAX_LEN and default_decode_len(3, 100) == 53
 
 
@@ -369,7 +370,8 @@ def test_make_decode_fn_reuses_its_cache_memory_without_reading_it(model_and_par
 
   def want(src):   # a fresh cache every call
     out_len = default_decode_len(src.shape[1], MAX_LEN, options.extra_tokens)
-    return jax.jit(lambda p, x: decode_with(model, p, x, out_len, options))(params, src)
+    limits = source_limits(src, PAD_ID, options.extra_tokens, MAX_LEN)
+    return jax.jit(lambda p, x: decode_with(model, p, x, out_len, options, row_limits=limits))(params, src)
 
   np.testing.assert_array_equal(decode(params, a), want(a))
   (key, kept), = decode.workspace.items()
@@ -380,6 +382,24 @@ def test_make_decode_fn_reuses_its_cache_memory_without_reading_it(model_and_par
   np.testing.assert_array_equal(decode(params, b), want(b))              # another shape
   assert [k[0] for k in decode.workspace] == [b.shape]
   np.testing.assert_array_equal(decode(params, a), want(a))
+
+
+@pytest.mark.parametrize("options", [SearchOptions(extra_tokens=3), SearchOptions(beam_size=3, extra_tokens=3),
+                                     SearchOptions(temperature=2.0, seed=0, extra_tokens=3)])
+def test_each_sentence_is_capped_at_its_own_length(model_and_params, options):
+  """Section 6.1's "input length + 50" is per sentence: beside a longer source (a wider batch), a
+  sentence gets exactly what decoding it alone with max_decode_len = its length + extra gives."""
+  model, params = model_and_params
+  decode = make_decode_fn(model, sh.make_mesh(MeshConfig(), jax.devices()[:1]), MAX_LEN, options)
+  src = _sources()                                       # lengths 11, 4, 7, 2
+  out = np.asarray(decode(params, src))
+  assert out.shape == (4, 14)                            # the widest source + 3
+  for row, n in enumerate((11, 4, 7, 2)):
+    cap = min(n + 3, MAX_LEN)
+    alone = np.asarray(jax.jit(lambda p, x, cap=cap: decode_with(model, p, x, cap, options))(params, src[row:row + 1, :n]))
+    np.testing.assert_array_equal(out[row, :cap], alone[0])
+    assert (out[row, cap:] == PAD_ID).all()
+  assert (out[1:, :5] != PAD_ID).all() and (out[:, -1] == PAD_ID).any()   # rows ran to their caps
 
 
 def test_cli_decoding_flags_pick_the_strategy():

@@ -11,6 +11,7 @@ import contextlib
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import jax
 import pytest
+import yaml
+from openai_served import events
 from test_cli import ROOT
 from test_engine import NO_EOS, PAGE, SLOTS, SMALL_POOL, _model
 from test_own_data import _reverse, _sentences
@@ -32,10 +35,10 @@ from jaxformer.inference.engine import Engine, Request
 from jaxformer.serve import EngineWorker, QueueFull
 
 ONE_DEVICE = "runtime.num_cpu_devices=1"
-# model.max_length 32 caps every output (source + 50 > 32 for any source), so the server
-# (source length + 50) and `translate` (bucket width + 50) decode the same number of tokens.
+# model.max_length 96 leaves each sentence its own cap, source length + 50 (the paper, section 6.1),
+# in the server and in `translate` alike, whatever its batch-mates.
 TRANSLATION = ["model.vocab_size=96", "model.d_model=32", "model.num_heads=2", "model.d_ff=48",
-               "model.num_encoder_layers=1", "model.num_decoder_layers=1", "model.max_length=32", "model.dropout_rate=0",
+               "model.num_encoder_layers=1", "model.num_decoder_layers=1", "model.max_length=96", "model.dropout_rate=0",
                "data.max_length=32", "data.buckets=[16,32]", "data.tokenizer=bpe", "optim.schedule=constant",
                "optim.learning_rate=0.003", "train.num_steps=200", "train.log_every=200", "train.eval_every=1000",
                "train.checkpoint_every=200", "train.batch_size=8", ONE_DEVICE]
@@ -45,6 +48,8 @@ LANGUAGE_MODEL = ["model.vocab_size=96", "model.d_model=32", "model.num_heads=2"
                   "train.batch_size=8", "train.steps_per_call=1", ONE_DEVICE]
 SENTENCES = ["cat dog", "bird fish horse", "goat", "cow sheep duck frog", "horse cat bird dog fish", "sheep"]
 LOOPING = "cow sheep duck frog"    # the trained model repeats a word here: an answer of many tokens
+LONG = "horse cat bird dog fish sheep goat cow duck frog horse cat"   # a much longer source
+NEVER = 95                         # a token the trained model does not emit: EOS moved there never comes
 
 
 def _env():
@@ -113,17 +118,6 @@ class Served:
     if self.proc.poll() is None:
       self.proc.kill()
       self.proc.wait(30)
-
-
-def _events(response):
-  """The parsed `data:` payloads of a server-sent-events response, "[DONE]" kept as is."""
-  events = []
-  for line in response:
-    line = line.decode().strip()
-    if line.startswith("data: "):
-      payload = line[len("data: "):]
-      events.append(payload if payload == "[DONE]" else json.loads(payload))
-  return events
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +215,33 @@ def test_greedy_translations_equal_the_translate_command(servers, reference):
 
 
 @pytest.mark.slow
+def test_each_sentence_is_capped_at_its_own_length(workdirs, tmp_path):
+  """The paper's "input length + 50" (section 6.1) is per sentence. With a model that never emits
+  EOS (the trained one, its `model.eos_id` moved to a token it does not produce), LOOPING gets
+  exactly its own source length + 50 tokens, the same alone, beside the much longer LONG
+  (`translate` of a batch) and over HTTP."""
+  from jaxformer.data.pipeline import sentence_ids
+  mt = tmp_path / "mt"
+  shutil.copytree(workdirs[0], mt)
+  settings = yaml.safe_load((mt / "config.yaml").read_text())
+  settings["model"]["eos_id"] = NEVER
+  (mt / "config.yaml").write_text(yaml.safe_dump(settings))
+  served = Served(mt, tmp_path / "serve.log")   # compiles while the library decodes
+  try:
+    restored = inference_restore.restore(mt, inference_restore.workdir_config(mt, [ONE_DEVICE]))
+    batches, _ = evaluate.decode_sources(restored, [LOOPING, LONG], 8)
+    row = next(b["tokens"][i] for b in batches for i, index in enumerate(b["index"]) if index == 0)
+    (plain,), _ = sentence_ids(restored.source_tokenizer, [LOOPING])
+    assert NEVER not in row and int((row != restored.config.model.pad_id).sum()) == len(plain) + 1 + 50
+    assert len(sentence_ids(restored.source_tokenizer, [LONG])[0][0]) > len(plain) + 5   # a much wider batch
+    alone, _ = evaluate.translate(restored, [LOOPING], 8)
+    beside, _ = evaluate.translate(restored, [LOOPING, LONG], 8)
+    assert alone[0] == beside[0] == served.wait_ready().post("/v1/translate", {"text": LOOPING})["translation"]
+  finally:
+    served.stop()
+
+
+@pytest.mark.slow
 def test_concurrent_requests_get_the_same_answers(servers, reference):
   """Twelve single sentences and two lists from six threads at once: every answer is exact,
   and the slots and pages are all free afterwards."""
@@ -243,7 +264,7 @@ def test_streamed_translation_pieces_add_up_to_the_answer(servers, reference):
   conn.request("POST", "/v1/translate", json.dumps({"text": LOOPING, "stream": True}))
   response = conn.getresponse()
   assert response.status == 200 and response.getheader("Content-Type").startswith("text/event-stream")
-  events = _events(response)
+  events = events(response)
   conn.close()
   assert events[-1] == "[DONE]" and len(events) >= 3
   tokens = events[:-1]
@@ -334,7 +355,7 @@ def test_generation_with_a_seed_is_reproducible(servers):
   assert lm.post("/v1/generate", body) == {"text": first}
   conn = lm.connection()
   conn.request("POST", "/v1/generate", json.dumps({**body, "stream": True}))
-  events = _events(conn.getresponse())
+  events = events(conn.getresponse())
   conn.close()
   assert events[-1] == "[DONE]" and len(events) == 9                         # 8 tokens (no EOS stop), then DONE
   assert "".join(e["text"] for e in events[:-1]) == first
@@ -375,7 +396,7 @@ def test_sigterm_lets_the_request_in_flight_finish(servers, reference):
   first = response.readline()
   mt.proc.send_signal(signal.SIGTERM)
   sent = time.monotonic()
-  events = _events([first, *response])
+  events = events([first, *response])
   conn.close()
   assert events[-1] == "[DONE]" and "".join(e["text"] for e in events[:-1]) == reference[LOOPING]
   assert mt.proc.wait(30) == -signal.SIGTERM and time.monotonic() - sent < 30

@@ -84,7 +84,7 @@ def load_data(config, kind: str, reserved_ids: int = 0, vocab: Vocabulary | None
   for split in (s for s in available if s in wanted):
     if kind == PAIRS:
       overlong = data.overlong if split == "train" else "truncate"
-      splits[split] = prepare_pairs(source, split, vocab, root, data.max_length, overlong)
+      splits[split] = prepare_pairs(source, split, vocab, root, data.max_length, overlong, config.model.eos_id)
     else:
       eos = vocab.target.special_ids.eos
       splits[split] = prepare_text(source, split, vocab.target, root, eos_id=eos if eos >= 0 else None)
@@ -118,7 +118,7 @@ def pair_batches(config, splits, process_index: int = 0, process_count: int = 1)
   """(training batches with `.iterate(start_step)`, list of validation batches) of sentence
   pairs for this process: packed rows (`data.packing`) or length buckets shuffled in runs
   of `train.steps_per_call` similar-length batches."""
-  process = dict(process_index=process_index, process_count=process_count)
+  process = dict(process_index=process_index, process_count=process_count, pad_id=config.model.pad_id)
   data, batch_size, seed = config.data, config.train.batch_size, config.runtime.seed
   if data.packing:
     train = PackedBatches(splits["train"], batch_size, data.max_length, seed=seed, **process)

@@ -28,8 +28,9 @@ from jaxformer.data.tokenizer import PAD_ID
 PACK_CHUNK = 8192  # pairs packed together; bounds the packing's work per pair, so an epoch packs in linear time
 
 
-def pack_rows(sources: list[list[np.ndarray]], targets: list[list[np.ndarray]], length: int) -> dict[str, np.ndarray]:
-  """A packed batch from per-row lists of source / target id arrays.
+def pack_rows(sources: list[list[np.ndarray]], targets: list[list[np.ndarray]], length: int,
+              pad_id: int = PAD_ID) -> dict[str, np.ndarray]:
+  """A packed batch from per-row lists of source / target id arrays, padded with `pad_id`.
 
   Returns int32 `[rows, length]` arrays: `inputs`, `targets`, `inputs_segment_ids`,
   `targets_segment_ids` (k for the row's k-th pair, 0 on padding), `inputs_positions`,
@@ -37,7 +38,7 @@ def pack_rows(sources: list[list[np.ndarray]], targets: list[list[np.ndarray]], 
   """
   out = {k: np.zeros((len(sources), length), np.int32) for k in
          ("inputs", "targets", "inputs_segment_ids", "targets_segment_ids", "inputs_positions", "targets_positions")}
-  out["inputs"][:] = out["targets"][:] = PAD_ID
+  out["inputs"][:] = out["targets"][:] = pad_id
   for r, (row_src, row_tgt) in enumerate(zip(sources, targets)):
     for side, row in (("inputs", row_src), ("targets", row_tgt)):
       at = 0
@@ -58,8 +59,8 @@ class PackedBatches(StepBatches):
   """
 
   def __init__(self, data, batch_size: int, length: int, *, seed: int = 0, process_index: int = 0,
-               process_count: int = 1, prefetch: int = 4, num_threads: int = 1):
-    self._data, self.batch_size, self.length, self.seed = data, batch_size, length, seed
+               process_count: int = 1, prefetch: int = 4, num_threads: int = 1, pad_id: int = PAD_ID):
+    self._data, self.batch_size, self.length, self.seed, self.pad_id = data, batch_size, length, seed, pad_id
     self._rows = shard_rows(batch_size, process_index, process_count)
     sides = getattr(data, "side_lengths", None)
     if sides is None:
@@ -103,4 +104,4 @@ class PackedBatches(StepBatches):
     sources, targets = self._data.fetch(np.asarray(flat, np.int64))
     it_s, it_t = iter(sources), iter(targets)
     return pack_rows([[next(it_s) for _ in row] for row in rows], [[next(it_t) for _ in row] for row in rows],
-                     self.length)
+                     self.length, self.pad_id)

@@ -1,10 +1,10 @@
 """Length-bucketed translation batches: step-indexed train stream, eval batches.
 
-A split is tokenized once (:func:`tokenize_split`): source ids are
-``encode(src) + [EOS]``, target ids ``encode(tgt) + [EOS]`` (the model adds BOS
-when shifting right). Each batch has one bucket length ``L`` (the smallest
+A split is tokenized once (:func:`tokenize_split`): source ids are the plain
+encoding of the source plus the tokenizer's EOS (:func:`sentence_ids`), target ids
+likewise (the model adds its start token when shifting right). Each batch has one bucket length ``L`` (the smallest
 bucket >= the longest source/target in it); ``inputs`` and ``targets`` are
-``int32 [rows, L]`` padded with ``PAD_ID=0``. There are at most
+``int32 [rows, L]`` padded with the model's pad id (``pad_id``, ours 0). There are at most
 ``len(buckets)`` distinct shapes.
 
 Training (:class:`TrainBatches`) is a pure function of the global step: epoch
@@ -27,10 +27,35 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from jaxformer.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from jaxformer.data.tokenizer import PAD_ID, Tokenizer
 
 DEFAULT_BUCKETS = (12, 14, 16, 18, 20, 24, 32, 48, 64)
 OVERLONG_MODES = ("drop", "truncate")
+
+
+def sentence_ids(tokenizer, texts: Sequence[str], eos_id: int | None = None) -> tuple[list[list[int]], int]:
+  """(ids of each text without special tokens, the EOS id that ends each side of a pair).
+
+  A published tokenizer's post-processor may add its own EOS (T5, Marian) or [CLS]/[SEP]; a
+  translation side is its plain encoding (`encode_plain` where the tokenizer has one) followed
+  by exactly one EOS: `eos_id` (a model's `model.eos_id`), or when None the tokenizer's (ours: 3;
+  Marian's: 0).
+
+  Raises:
+    ValueError: no EOS: none given and the tokenizer has none (one line).
+  """
+  eos = tokenizer.special_ids.eos if eos_id is None else eos_id
+  if eos < 0:
+    raise ValueError("the tokenizer has no EOS token, which ends every translation source and target; "
+                     "use a tokenizer with an eos_token")
+  return plain_ids(tokenizer, texts), eos
+
+
+def plain_ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:
+  """Ids of each text without the special tokens a published tokenizer's post-processor adds
+  (`encode_plain` where the tokenizer has one; ours add none)."""
+  plain = getattr(tokenizer, "encode_plain", None)
+  return [plain(t) for t in texts] if plain is not None else tokenizer.encode_batch(list(texts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +97,12 @@ class TokenizedSplit:
 def tokenize_split(tokenizer: Tokenizer, source_texts: Sequence[str],
                    target_texts: Sequence[str], max_length: int,
                    overlong: str = "truncate",
-                   target_tokenizer: Tokenizer | None = None) -> TokenizedSplit:
+                   target_tokenizer: Tokenizer | None = None, eos_id: int | None = None) -> TokenizedSplit:
   """Tokenize a parallel split and enforce ``max_length`` (tokens incl. EOS).
 
   ``target_tokenizer`` encodes the targets when the vocabularies are separate
-  (default: ``tokenizer`` for both sides).
+  (default: ``tokenizer`` for both sides); ``eos_id`` ends both sides (the model's
+  ``model.eos_id``; default each tokenizer's, see :func:`sentence_ids`).
 
   ``overlong="drop"`` removes pairs whose source or target is too long;
   ``"truncate"`` keeps the first ``max_length - 1`` tokens plus EOS.
@@ -89,8 +115,8 @@ def tokenize_split(tokenizer: Tokenizer, source_texts: Sequence[str],
                      f"{len(target_texts)} targets; pass aligned lists.")
   if max_length < 2:
     raise ValueError(f"max_length={max_length} is too small; use >= 2.")
-  src_ids = tokenizer.encode_batch(source_texts)
-  tgt_ids = (target_tokenizer or tokenizer).encode_batch(target_texts)
+  src_ids, src_eos = sentence_ids(tokenizer, source_texts, eos_id)
+  tgt_ids, tgt_eos = sentence_ids(target_tokenizer or tokenizer, target_texts, eos_id)
   inputs, targets, keep = [], [], []
   dropped = truncated = 0
   for i, (s, t) in enumerate(zip(src_ids, tgt_ids)):
@@ -100,8 +126,8 @@ def tokenize_split(tokenizer: Tokenizer, source_texts: Sequence[str],
         continue
       truncated += 1
       s, t = s[:max_length - 1], t[:max_length - 1]
-    inputs.append(np.array(s + [EOS_ID], dtype=np.int32))
-    targets.append(np.array(t + [EOS_ID], dtype=np.int32))
+    inputs.append(np.array(s + [src_eos], dtype=np.int32))
+    targets.append(np.array(t + [tgt_eos], dtype=np.int32))
     keep.append(i)
   return TokenizedSplit(
       inputs=inputs, targets=targets,
@@ -156,10 +182,10 @@ def _bucket_length(lengths: np.ndarray, ids: np.ndarray, buckets: tuple[int, ...
   return next(b for b in buckets if b >= longest)
 
 
-def _pack(data, ids: np.ndarray, length: int) -> dict[str, np.ndarray]:
-  """Pad examples ``ids`` (``-1`` = filler row) into ``[len(ids), length]``."""
-  inputs = np.full((len(ids), length), PAD_ID, dtype=np.int32)
-  targets = np.full((len(ids), length), PAD_ID, dtype=np.int32)
+def _pack(data, ids: np.ndarray, length: int, pad_id: int) -> dict[str, np.ndarray]:
+  """Pad examples ``ids`` (``-1`` = filler row) into ``[len(ids), length]`` with ``pad_id``."""
+  inputs = np.full((len(ids), length), pad_id, dtype=np.int32)
+  targets = np.full((len(ids), length), pad_id, dtype=np.int32)
   rows = np.flatnonzero(ids >= 0)
   sources, targets_ = data.fetch(ids[rows])
   for r, src, tgt in zip(rows, sources, targets_):
@@ -202,8 +228,9 @@ class TrainBatches(StepBatches):
                buckets: Sequence[int] | None = None, *, seed: int = 0,
                process_index: int = 0, process_count: int = 1,
                chunk_batches: int = 64, group: int = 1, prefetch: int = 4,
-               num_threads: int = 1):
-    """See class docstring. ``group``: batches per shuffled run (>= 1).
+               num_threads: int = 1, pad_id: int = PAD_ID):
+    """See class docstring. ``group``: batches per shuffled run (>= 1); ``pad_id``: the
+    model's padding id (``model.pad_id``).
     ``prefetch``/``num_threads`` size grain's thread prefetch in
     :meth:`iterate` (``num_threads=0``: no threads)."""
     if group < 1:
@@ -218,6 +245,7 @@ class TrainBatches(StepBatches):
     self._data = data
     self.batch_size = batch_size
     self.seed = seed
+    self.pad_id = pad_id
     self._chunk = batch_size * max(1, chunk_batches)
     self.group = group
     self._lengths = data.lengths
@@ -275,7 +303,7 @@ class TrainBatches(StepBatches):
     longest = max(int(self._lengths[self._global_ids(s)].max())
                   for s in range(first, first + self.group))
     length = self._buckets[np.searchsorted(self._buckets, longest)]
-    return _pack(self._data, self._global_ids(step)[self._rows], length)
+    return _pack(self._data, self._global_ids(step)[self._rows], length, self.pad_id)
 
 def _run_order(num_batches: int, group: int, first_step: int,
                rng: np.random.Generator) -> np.ndarray:
@@ -310,7 +338,7 @@ def stack_batches(batches: Sequence[dict[str, np.ndarray]]
 def eval_batches(data, batch_size: int,
                  buckets: Sequence[int] | None = None, *,
                  sort_by_length: bool = True, process_index: int = 0,
-                 process_count: int = 1) -> list[dict[str, np.ndarray]]:
+                 process_count: int = 1, pad_id: int = PAD_ID) -> list[dict[str, np.ndarray]]:
   """Every example exactly once, in fixed order, last batch padded.
 
   Returns a list of dicts: ``inputs``/``targets`` ``int32 [rows, L]`` and
@@ -318,8 +346,8 @@ def eval_batches(data, batch_size: int,
   (``-1`` for all-PAD filler rows). ``rows = batch_size // process_count``;
   this process gets its slice of each global batch. With ``sort_by_length``
   the examples are ordered by length (less padding); use ``index`` to restore
-  the original order. Filler rows have all-PAD targets, so token weights
-  ``targets != PAD_ID`` already ignore them.
+  the original order. Rows are padded with ``pad_id`` (``model.pad_id``);
+  filler rows are all padding, so token weights ``targets != pad_id`` ignore them.
   """
   if buckets is None:
     buckets = make_buckets(data.max_length)
@@ -336,7 +364,7 @@ def eval_batches(data, batch_size: int,
     ids[:len(chunk)] = chunk
     local = ids[rows]
     # The bucket comes from the global batch so all processes agree on L.
-    batch = _pack(data, local, _bucket_length(lengths, ids, buckets))
+    batch = _pack(data, local, _bucket_length(lengths, ids, buckets), pad_id)
     batch["index"] = local.astype(np.int32)
     out.append(batch)
   return out

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxformer.data.pipeline import sentence_ids
 from jaxformer.data.sft import encode_example
 from jaxformer.data.sources.base import PAIRS, Source
 from jaxformer.data.tokenizer import EOS_ID
@@ -115,17 +116,19 @@ def _remove_abandoned(final: Path) -> None:
 
 
 def prepare_pairs(source: Source, split: str, vocab, root: Path, max_length: int,
-                  overlong: str = "truncate") -> PreparedPairs:
+                  overlong: str = "truncate", eos_id: int | None = None) -> PreparedPairs:
   """Tokenized sentence pairs of `split` (cached; see the module docstring).
 
   Args:
     vocab: a `vocab.Vocabulary` (`source` encodes the sources, `target` the targets).
     max_length: tokens per side including EOS; longer pairs are dropped
       (`overlong="drop"`) or cut to `max_length - 1` tokens plus EOS (`"truncate"`).
+    eos_id: the EOS ending each side (the model's `model.eos_id`); None: each tokenizer's.
   """
   src_tok, tgt_tok = vocab.source, vocab.target
   key = cache_key(source.fingerprint(split), *(hashlib.sha256(t.serialized).hexdigest() for t in (src_tok, tgt_tok)),
-                  max_length, overlong, FORMAT_VERSION)
+                  max_length, overlong, FORMAT_VERSION,
+                  *([eos_id] if eos_id not in (None, EOS_ID) else []))   # our EOS: the keys of earlier caches
   final = root / "prepared" / f"{source.name}-{split}-{key}"
 
   def fill(folder: Path) -> dict:
@@ -139,8 +142,8 @@ def prepare_pairs(source: Source, split: str, vocab, root: Path, max_length: int
         counts["empty"] += len(chunk) - len(kept)
         if not kept:
           continue
-        src_ids = src_tok.encode_batch([s for s, _ in kept])
-        tgt_ids = tgt_tok.encode_batch([t for _, t in kept])
+        src_ids, src_eos = sentence_ids(src_tok, [s for s, _ in kept], eos_id)
+        tgt_ids, tgt_eos = sentence_ids(tgt_tok, [t for _, t in kept], eos_id)
         pair_lengths = []
         for (s_text, t_text), s, t in zip(kept, src_ids, tgt_ids):
           if len(s) >= max_length or len(t) >= max_length:
@@ -151,7 +154,7 @@ def prepare_pairs(source: Source, split: str, vocab, root: Path, max_length: int
             s, t = s[:max_length - 1], t[:max_length - 1]
           s_bytes, t_bytes = s_text.encode(), t_text.encode()
           header = np.array([len(s) + 1, len(t) + 1, len(s_bytes), len(t_bytes)], np.int32)
-          ids = np.array(s + [EOS_ID] + t + [EOS_ID], np.int32)
+          ids = np.array(s + [src_eos] + t + [tgt_eos], np.int32)
           shards.write(header.tobytes() + ids.tobytes() + s_bytes + t_bytes)
           pair_lengths.append((len(s) + 1, len(t) + 1))
         lengths.write(np.asarray(pair_lengths, np.int32).reshape(-1, 2).tobytes())

@@ -251,10 +251,14 @@ class CharTokenizer:
 
 
 def tokenizer_from_bytes(serialized: bytes):
-  """A workdir's tokenizer file: a `CharTokenizer` or an `HFTokenizer` (JSON), or a SentencePiece model."""
+  """A workdir's tokenizer file: a `CharTokenizer`, an `HFTokenizer` or a `MarianTokenizer` (JSON), or a
+  SentencePiece model."""
   if serialized.startswith(b'{"type": "char"'):
     return CharTokenizer.from_bytes(serialized)
   if serialized.startswith(b'{"type": "hf"'):
     from jaxformer.data.tokenizer_hf import HFTokenizer  # noqa: PLC0415  (needs the hf extra)
     return HFTokenizer.from_bytes(serialized)
+  if serialized.startswith(b'{"type": "marian"'):
+    from jaxformer.data.tokenizer_marian import MarianTokenizer  # noqa: PLC0415
+    return MarianTokenizer.from_bytes(serialized)
   return Tokenizer.from_bytes(serialized)

@@ -21,6 +21,12 @@ from jaxformer.data.special_ids import SpecialIds
 
 KIND = "hf"
 TOKEN_KEYS = ("pad", "unk", "bos", "eos", "mask")   # tokenizer_config.json's `<name>_token` entries
+SPM_FILES = ("spiece.model", "tokenizer.model")     # a slow tokenizer's SentencePiece model (T5; Llama, Mistral)
+
+
+def slow_model(folder: str | Path) -> Path | None:
+  """The SentencePiece model of a model directory without a `tokenizer.json` (`SPM_FILES`), or None."""
+  return next((Path(folder) / f for f in SPM_FILES if (Path(folder) / f).is_file()), None)
 
 
 def _token_text(entry: Any) -> str | None:
@@ -53,6 +59,8 @@ class HFTokenizer:
     path = Path(path).expanduser()
     folder = path if path.is_dir() else path.parent
     file = folder / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file() and path.is_dir() and slow_model(folder) is not None:
+      return cls.from_sentencepiece(folder)
     if not file.is_file():
       raise FileNotFoundError(f"{file} is missing; data.tokenizer=hf needs a Hugging Face tokenizer.json "
                               "(save one with AutoTokenizer's save_pretrained)")
@@ -67,10 +75,36 @@ class HFTokenizer:
       raise ValueError(f"{file}: not a Hugging Face tokenizer ({str(e).splitlines()[0]})") from None
 
   @classmethod
+  def from_sentencepiece(cls, folder: str | Path) -> HFTokenizer:
+    """The tokenizer of a model directory that has only a SentencePiece model (`SPM_FILES`: T5's
+    `spiece.model`, Llama's `tokenizer.model`), converted by transformers as `AutoTokenizer`
+    converts it (the same pieces, ids, normalization and special tokens).
+
+    Raises:
+      ValueError: transformers cannot load or convert it (one line).
+    """
+    from transformers import AutoTokenizer  # noqa: PLC0415  (the hf extra)
+    try:
+      fast = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, use_fast=True)
+      tokenizer_json = fast.backend_tokenizer.to_str()
+    except Exception as e:  # transformers and sentencepiece raise assorted types
+      raise ValueError(f"{slow_model(folder)}: the SentencePiece model does not convert to a Hugging Face tokenizer "
+                       f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); save one with "
+                       "AutoTokenizer's save_pretrained") from None
+    tokens = {name: getattr(fast, f"{name}_token", None) for name in TOKEN_KEYS}
+    return cls(tokenizer_json, {k: v if isinstance(v, str) else None for k, v in tokens.items()},
+               getattr(fast, "chat_template", None))
+
+  @classmethod
   def from_bytes(cls, serialized: bytes) -> HFTokenizer:
     """The tokenizer `serialized` holds (see `serialized`)."""
     data = json.loads(serialized.decode("utf-8"))
     return cls(data["tokenizer"], data["tokens"], data.get("chat_template"))
+
+  @property
+  def added_token_ids(self) -> tuple[int, ...]:
+    """The sorted ids of the tokenizer's added tokens (its special tokens among them), never text."""
+    return tuple(int(i) for i in self._special)
 
   @property
   def serialized(self) -> bytes:

@@ -102,7 +102,8 @@ def make_vocabulary(data, source: Source, vocab_size: int, root: Path, reserved:
   """
   if data.shared_vocab or source.kind != PAIRS:
     tokenizer = _tokenizer(data, source, vocab_size, root, reserved, (0, 1))
-    return Vocabulary(tokenizer, tokenizer)
+    # Marian: one id space, each side segmented by its own SentencePiece model
+    return Vocabulary(tokenizer.with_side("source") if data.tokenizer == "marian" else tokenizer, tokenizer)
   return Vocabulary(*(_tokenizer(data, source, vocab_size, root, reserved, (side,)) for side in (0, 1)))
 
 
@@ -112,6 +113,12 @@ def _tokenizer(data, source: Source, vocab_size: int, root: Path, reserved: int,
     from jaxformer.data.tokenizer_hf import HFTokenizer  # noqa: PLC0415  (needs the hf extra)
     try:
       tokenizer = HFTokenizer.load(data.tokenizer_model)
+    except (FileNotFoundError, ValueError) as e:
+      raise DataError(f"data.tokenizer_model={data.tokenizer_model!r}: {e}") from None
+  elif data.tokenizer == "marian":
+    from jaxformer.data.tokenizer_marian import MarianTokenizer  # noqa: PLC0415
+    try:
+      tokenizer = MarianTokenizer.load(data.tokenizer_model)
     except (FileNotFoundError, ValueError) as e:
       raise DataError(f"data.tokenizer_model={data.tokenizer_model!r}: {e}") from None
   elif data.tokenizer_model:

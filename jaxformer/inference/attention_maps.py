@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from jaxformer.data.pipeline import sentence_ids
 from jaxformer.evaluate import decode_sources
 from jaxformer.inference.quantize import dequantize_params
 from jaxformer.inference.restore import Restored
@@ -50,11 +50,13 @@ class AttentionMaps:
   target: str | None
 
 
-def token_labels(tokenizer: Any, ids) -> list[str]:
-  r"""Readable labels of token ids: `<s>`/`</s>` for BOS/EOS, else the token's text (a
-  SentencePiece piece without its word-start mark, the bare mark as `▁`; a space or newline
-  of a character vocabulary as `␣`/`\n`)."""
-  special = {BOS_ID: "<s>", EOS_ID: "</s>"}
+def token_labels(tokenizer: Any, ids, special: Any = None) -> list[str]:
+  r"""Readable labels of token ids: `<s>`/`</s>` for the BOS/decoder start and EOS of `special`
+  (a model's `SpecialIds`; default the tokenizer's), else the token's text (a SentencePiece piece
+  without its word-start mark, the bare mark as `▁`; a space or newline of a character vocabulary
+  as `␣`/`\n`)."""
+  special = special or tokenizer.special_ids
+  special = {i: label for i, label in ((special.bos, "<s>"), (special.start, "<s>"), (special.eos, "</s>")) if i >= 0}
   # A piece that decodes to nothing on its own is SentencePiece's bare word-start mark.
   return [special.get(i) or tokenizer.decode([i]).replace("\n", "\\n").replace(" ", "␣") or "▁"
           for i in np.asarray(ids).tolist()]
@@ -73,8 +75,12 @@ def _plain_model(restored: Restored):
   return model, params
 
 
-def _encode(tokenizer: Any, text: str, what: str, limit: int, eos: bool) -> np.ndarray:
-  ids = tokenizer.encode(text) + ([EOS_ID] if eos else [])
+def _encode(tokenizer: Any, text: str, what: str, limit: int, eos: int | None) -> np.ndarray:
+  if eos is not None:   # a translation side: its plain ids and the model's EOS
+    plain, end = sentence_ids(tokenizer, [text], eos)
+    ids = plain[0] + [end]
+  else:
+    ids = tokenizer.encode(text)
   if not text or not ids:
     raise ValueError(f"{what} {text!r} encodes to no tokens; give some text")
   if len(ids) > limit:
@@ -87,7 +93,7 @@ def _greedy(restored: Restored, text: str) -> np.ndarray:
   `model.max_length` allows), as decoded rather than re-encoded from their text."""
   batch = decode_sources(restored, [text], batch_size=1)[0][0]
   row = batch["tokens"][list(batch["index"]).index(0)]
-  return row[row != PAD_ID][None].astype(np.int32)
+  return row[row != restored.config.model.pad_id][None].astype(np.int32)
 
 
 def attention_maps(restored: Restored, text: str, target: str | None = None) -> AttentionMaps:
@@ -111,16 +117,18 @@ def attention_maps(restored: Restored, text: str, target: str | None = None) -> 
     raise ValueError(f"--target is for translation models; this workdir holds model.kind={kind}: drop --target")
   model, params = _plain_model(restored)
   source = _encode(restored.source_tokenizer, text, "--text", min(cfg.data.max_length, cfg.model.max_length),
-                   eos=kind == "encoder_decoder")
+                   eos=cfg.model.eos_id if kind == "encoder_decoder" else None)
   if kind == "encoder_decoder":
     if target is None:
       targets = _greedy(restored, text)
       target = restored.tokenizer.decode(targets[0])
     else:
-      targets = _encode(restored.tokenizer, target, "--target", cfg.model.max_length, eos=True)
+      targets = _encode(restored.tokenizer, target, "--target", cfg.model.max_length, eos=cfg.model.eos_id)
     args = (source, targets)
-    labels = {"encoder": token_labels(restored.source_tokenizer, source[0]),
-              "decoder": token_labels(restored.tokenizer, np.asarray(shift_right(targets))[0])}
+    ids = cfg.model.special_ids
+    decoder_inputs = np.asarray(shift_right(targets, ids.start, pad_id=ids.pad))[0]
+    labels = {"encoder": token_labels(restored.source_tokenizer, source[0], ids),
+              "decoder": token_labels(restored.tokenizer, decoder_inputs, ids)}
   else:
     args = (source,)
     labels = {"layer": token_labels(restored.tokenizer, source[0])}

@@ -88,20 +88,27 @@ def _eos(model: nn.Module, eos_id: int | None) -> int:
   return model.config.eos_id if eos_id is None else eos_id
 
 
+def source_limits(inputs: jax.Array, pad_id: int, extra_tokens: int, max_length: int) -> jax.Array:
+  """int32 `[batch]`: each source's own output cap, min(its tokens (not `pad_id`) + `extra_tokens`,
+  `max_length`): the paper's input length + 50 (section 6.1), per sentence."""
+  return jnp.minimum(jnp.sum(inputs != pad_id, axis=1) + extra_tokens, max_length).astype(jnp.int32)
+
+
 def greedy_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_len: int,
-                  eos_id: int | None = None, return_cache: bool = False) -> Any:
+                  eos_id: int | None = None, return_cache: bool = False, row_limits: jax.Array | None = None) -> Any:
   """Greedy search: int32 `[batch, max_decode_len]` tokens through EOS (`eos_id`, default the
   model's), then padding (`model.pad_id`), for int `[batch, len]` inputs padded with `model.pad_id`.
   Rows stop independently; the loop ends when every row has emitted EOS. `max_decode_len` must
-  not exceed the model's `max_length`. With `return_cache`: (tokens, the final `KVCache`)."""
+  not exceed the model's `max_length`; int32 `[batch]` `row_limits` (<= max_decode_len) cap rows
+  one by one (`search`). With `return_cache`: (tokens, the final `KVCache`)."""
   logits, cache, step = start(model, params, inputs, max_decode_len)
   return greedy_core(step, logits, cache, max_decode_len=max_decode_len, eos_id=_eos(model, eos_id),
-                     return_cache=return_cache, pad_id=model.config.pad_id)
+                     return_cache=return_cache, pad_id=model.config.pad_id, row_limits=row_limits)
 
 
 def beam_search(model: nn.Module, params: Any, inputs: jax.Array, beam_size: int = BEAM_SIZE,
                 max_decode_len: int | None = None, alpha: float = LENGTH_PENALTY,
-                eos_id: int | None = None, return_cache: bool = False) -> Any:
+                eos_id: int | None = None, return_cache: bool = False, row_limits: jax.Array | None = None) -> Any:
   """Beam search with the KV cache (see `search.beam_strategy`). Jittable (`beam_size`,
   `max_decode_len`, `alpha`, `eos_id` static).
 
@@ -112,6 +119,7 @@ def beam_search(model: nn.Module, params: Any, inputs: jax.Array, beam_size: int
       min(src_len + 50, model max_length) (paper section 6.1); must not exceed max_length.
     alpha: GNMT length-penalty exponent (paper: 0.6), >= 0.
     eos_id: the end token (None: `model.eos_id`).
+    row_limits: int32 `[batch]` per-row caps (<= max_decode_len; see `search`), or None.
 
   Returns:
     (int32 `[batch, max_decode_len]` best hypothesis per row, float32 `[batch]` its
@@ -127,19 +135,19 @@ def beam_search(model: nn.Module, params: Any, inputs: jax.Array, beam_size: int
   logits, cache, step = start(model, params, inputs, length)
   return beam_search_core(step, logits, cache, beam_size=beam_size, max_decode_len=length, alpha=alpha,
                           eos_id=_eos(model, eos_id), cache_batch_axis=cache_batch_axis(model),
-                          return_cache=return_cache, pad_id=model.config.pad_id)
+                          return_cache=return_cache, pad_id=model.config.pad_id, row_limits=row_limits)
 
 
 def sample_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_len: int | None,
                   rng: jax.Array, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                  eos_id: int | None = None, return_cache: bool = False) -> Any:
+                  eos_id: int | None = None, return_cache: bool = False, row_limits: jax.Array | None = None) -> Any:
   """Samples one output per row with the KV cache (temperature, top-k, nucleus).
 
   Reproducible: the output is a function of (params, rng, the row's input tokens, options)
   only. Each row's key is `source_row_keys(rng, inputs)`, so an input gets the same sample
   alone or in any batch; identical inputs in one call get identical samples. top_k = 1 is
   greedy. Returns int32 `[batch, max_decode_len]`: tokens through EOS (`eos_id`, default the
-  model's), then padding (with
+  model's), then padding, each row capped by its `row_limits` entry when given (with
   `return_cache`: those and the final `KVCache`).
 
   Raises:
@@ -152,7 +160,7 @@ def sample_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_l
   pad = model.config.pad_id
   return sample_core(step, logits, cache, source_row_keys(rng, inputs, pad), max_decode_len=length,
                      temperature=temperature, top_k=top_k, top_p=top_p, eos_id=_eos(model, eos_id),
-                     return_cache=return_cache, pad_id=pad)
+                     return_cache=return_cache, pad_id=pad, row_limits=row_limits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,18 +234,19 @@ class SearchOptions:
 
 
 def decode_with(model: nn.Module, params: Any, inputs: jax.Array, out_len: int, options: SearchOptions,
-                return_cache: bool = False) -> Any:
-  """int32 `[batch, out_len]` tokens for `inputs` by the strategy of `options` (traceable);
-  with `return_cache`, (tokens, the final `KVCache`)."""
+                return_cache: bool = False, row_limits: jax.Array | None = None) -> Any:
+  """int32 `[batch, out_len]` tokens for `inputs` by the strategy of `options` (traceable), each
+  row capped by its `row_limits` entry when given; with `return_cache`, (tokens, the final `KVCache`)."""
   if options.strategy == "beam":
     (tokens, _), cache = beam_search(model, params, inputs, options.beam_size, out_len, options.length_penalty,
-                                     options.eos_id, return_cache=True)
+                                     options.eos_id, return_cache=True, row_limits=row_limits)
   elif options.strategy == "sample":
     t, k, p = options.sampling_args()
     tokens, cache = sample_decode(model, params, inputs, out_len, jax.random.key(options.seed), t, k, p,
-                                  options.eos_id, return_cache=True)
+                                  options.eos_id, return_cache=True, row_limits=row_limits)
   else:
-    tokens, cache = greedy_decode(model, params, inputs, out_len, options.eos_id, return_cache=True)
+    tokens, cache = greedy_decode(model, params, inputs, out_len, options.eos_id, return_cache=True,
+                                  row_limits=row_limits)
   return (tokens, cache) if return_cache else tokens
 
 
@@ -255,7 +264,9 @@ def make_decode_fn(model: nn.Module, mesh: Mesh, max_length: int, options: Searc
                    rules: sh.Rules = sh.LOGICAL_RULES) -> Callable[[Any, jax.Array], jax.Array]:
   """Jitted `(params, inputs [batch, src_len]) -> int32 tokens [batch, out_len]` for the
   strategy of `options` (default: greedy), out_len = min(src_len + extra_tokens, max_length),
-  traced on `mesh` with `rules` (the run's `sh.rules_for(config.mesh)`, fixed here).
+  traced on `mesh` with `rules` (the run's `sh.rules_for(config.mesh)`, fixed here). Each
+  sentence stops after its own `source_limits` (its tokens + extra_tokens): its output is the
+  same alone or beside longer sources.
 
   The batch is sharded over the data axes (beams stay with their sentence); recompiles
   once per source length. Sampling uses `jax.random.key(options.seed)` for every batch;
@@ -282,17 +293,21 @@ def make_decode_fn(model: nn.Module, mesh: Mesh, max_length: int, options: Searc
   def sharded(inputs):
     return jax.lax.with_sharding_constraint(inputs, sh.batch_sharding(mesh, rules=rules))
 
+  def limits(inputs):
+    return source_limits(inputs, model.config.pad_id, options.extra_tokens, max_length)
+
   @functools.partial(jax.jit, static_argnums=(2,))
   def run(params, inputs, out_len, draft_params=None):
     if draft is None:
-      return decode_with(model, params, sharded(inputs), out_len, options)
+      return decode_with(model, params, sharded(inputs), out_len, options, row_limits=limits(inputs))
     tokens, accepted, rounds = speculative_greedy(model, params, draft.model, draft_params, sharded(inputs), out_len,
-                                                  draft.num_tokens, options.eos_id)
+                                                  draft.num_tokens, options.eos_id, row_limits=limits(inputs))
     return tokens, jnp.sum(accepted), jnp.sum(rounds) * draft.num_tokens
 
   @functools.partial(jax.jit, static_argnums=(2,), donate_argnums=(3,), keep_unused=True)
   def run_reusing(params, inputs, out_len, workspace):   # workspace: a cache of this shape, values unused
-    return decode_with(model, params, sharded(inputs), out_len, options, return_cache=True)
+    return decode_with(model, params, sharded(inputs), out_len, options, return_cache=True,
+                       row_limits=limits(inputs))
 
   cache_shapes = {}   # per input shape: the cache's shapes (tracing them again would cost as much as a call)
 

@@ -13,8 +13,8 @@ paged_cache`). Requests wait in a queue; at every `step` the engine
      its own fails with a clear error);
   3. runs one `generate` step for the whole batch (idle and waiting rows feed PAD, which
      the cache ignores) and streams each row's token to its request;
-  4. retires finished requests (EOS, their token limit, or the model's max_length) and
-     cancelled ones, freeing their slots and pages.
+  4. retires finished requests (EOS, their `stop` test, their token limit, or the model's
+     max_length) and cancelled ones, freeing their slots and pages.
 
 With `batching="static"` (for comparison in benchmarks) step 1 admits requests only when no
 request is running: a batch fills from the queue, runs until all its requests have finished,
@@ -24,6 +24,14 @@ Each row is decoded independently of the others: greedy rows take the argmax, sa
 rows draw token i with `fold_in(row key, i)`, the row key coming from the request's seed
 and input ids (`search.source_row_keys`), so a request's output is the same alone or
 in any batch, as with the fixed-batch `inference.decode`.
+
+What a request may also ask for (the OpenAI routes of `jaxformer.serve` map onto these):
+`logprobs` records each generated token's log-probability under the model's distribution
+(the raw logits' log-softmax, before temperature or filtering) with up to `MAX_LOGPROBS` most
+probable alternatives; `prompt_logprobs` does the same for the prompt's tokens (decoder-only:
+one teacher-forced pass at admission); `choice` folds a number into the sampling key, so the
+n samples of one seeded request differ; `stop(request)` ends a request with finish reason
+"stop" when it returns True after a token (e.g. a stop string found in the decoded text).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import dataclasses
 import itertools
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,16 +50,18 @@ from jaxformer.inference import cache as kv
 from jaxformer.inference import topk
 from jaxformer.inference.pages import PageAllocator
 from jaxformer.inference.quantize import dequantize_params
-from jaxformer.inference.search import (
-  check_sampling,
-  check_seed,
-  sample_tokens,
-  sampling_values,
-  source_row_keys,
-)
+from jaxformer.inference.search import check_sampling, check_seed, sample_tokens, sampling_values, source_row_keys
 
 _ids = itertools.count()
 BATCHING = ("continuous", "static")
+MAX_LOGPROBS = 5   # most probable alternatives a request may ask for per token (the OpenAI API's limit)
+
+
+class TokenLogprob(NamedTuple):
+  """One token's log-probability and the `k` most probable tokens there: `top` holds
+  `(token id, log-probability)` pairs, most probable first."""
+  logprob: float
+  top: tuple[tuple[int, float], ...]
 
 
 @dataclasses.dataclass
@@ -64,6 +74,10 @@ class Request:
   model's `model.eos_id`, set by `Engine.submit`; -1: never stop at EOS).
   `on_token(request, token)` is called from the engine's thread for every token, and once
   more with token None when the request ends (`error` set if it failed).
+
+  `logprobs`, `prompt_logprobs`, `choice`, `stop`: see the module docstring; they fill
+  `token_logprobs` (a `TokenLogprob` per generated token) and `prompt_token_logprobs` (one per
+  input token, None for the first). `finish_reason`: "stop" (EOS or `stop`) or "length".
   """
   inputs: list[int]
   max_new_tokens: int
@@ -73,8 +87,15 @@ class Request:
   seed: int = 0
   eos_id: int | None = None
   on_token: Callable[[Request, int | None], None] | None = None
+  logprobs: int | None = None
+  prompt_logprobs: bool = False
+  choice: int = 0
+  stop: Callable[[Request], bool] | None = None
   id: int = dataclasses.field(default_factory=lambda: next(_ids))
   tokens: list[int] = dataclasses.field(default_factory=list)
+  token_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+  prompt_token_logprobs: list[TokenLogprob | None] = dataclasses.field(default_factory=list)
+  finish_reason: str | None = None
   done: bool = False
   cancelled: bool = False
   error: str | None = None
@@ -131,6 +152,7 @@ class Engine:
     self.waiting: deque[Request] = deque()
     self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
     self._generate = jax.jit(self._generate_fn, donate_argnums=(1,))
+    self._score_prompt = jax.jit(self._score_prompt_fn)
     self._step_rows([])   # an idle step: the cache takes the placement jit gives it, so prefill compiles once
 
   # ---------------------------------------------------------------- jitted functions
@@ -140,12 +162,23 @@ class Engine:
                                                   page_table=table, source_page_table=source_table))
 
   def _choose(self, logits, keys, index, sampling, temperature, top_k, top_p):
-    logits = kv.no_pad(logits, self.model.config.pad_id)
-    greedy = topk.argmax(logits)
-    return jax.lax.cond(jnp.any(sampling),
-                        lambda: jnp.where(sampling, sample_tokens(logits, keys, index, temperature, top_k, top_p),
-                                          greedy),
-                        lambda: greedy)
+    """(tokens int32 `[rows]`, their log-probabilities `[rows]`, the top alternatives' log-probabilities
+    float32 `[rows, k]` and ids int32 `[rows, k]`) of float `[rows, vocab]` logits; k = MAX_LOGPROBS
+    (or the vocabulary, if smaller)."""
+    chosen = kv.no_pad(logits, self.model.config.pad_id)
+    greedy = topk.argmax(chosen)
+    tokens = jax.lax.cond(jnp.any(sampling),
+                          lambda: jnp.where(sampling, sample_tokens(chosen, keys, index, temperature, top_k, top_p),
+                                            greedy),
+                          lambda: greedy)
+    return (tokens, *self._logprobs(logits, tokens))
+
+  def _logprobs(self, logits, tokens):
+    """(log-softmax of float `[rows, vocab]` logits at int `[rows]` tokens, then the top k's
+    log-probabilities and ids): the model's own distribution, before any sampling filter."""
+    logits = logits.astype(jnp.float32)
+    token = jnp.take_along_axis(logits, tokens[:, None], axis=1)[:, 0] - jax.nn.logsumexp(logits, axis=1)
+    return (token, *topk.top_k_log_probs(logits, min(MAX_LOGPROBS, logits.shape[1])))
 
   def _prefill_fn(self, params, layers, inputs, resume, table, source_table, rng, sampling, options):
     params = dequantize_params(params)   # int8 weights stay int8 between calls
@@ -155,14 +188,22 @@ class Engine:
     if resume.shape[1]:   # a preempted request: feed back the tokens it had fed before
       cache = kv.extend(self.model, params, cache, resume)[1]
     keys = source_row_keys(rng, inputs, self.model.config.pad_id)
-    token = self._choose(logits, keys, zeros, sampling, *options)
-    return token, cache.layers, cache.state.lengths, cache.state.source_lengths, keys
+    chosen = self._choose(logits, keys, zeros, sampling, *options)
+    return chosen, cache.layers, cache.state.lengths, cache.state.source_lengths, keys
 
   def _generate_fn(self, params, layers, tokens, lengths, source_lengths, table, source_table, keys, index,
                    sampling, temperature, top_k, top_p):
     cache = self._cache(layers, lengths, source_lengths, table, source_table)
     logits, cache = kv.step(self.model, dequantize_params(params), cache, tokens)
     return self._choose(logits, keys, index, sampling, temperature, top_k, top_p), cache.layers
+
+  def _score_prompt_fn(self, params, inputs):
+    """A decoder-only prompt `[1, width]` (padded at the end) teacher-forced: the log-probability
+    of each token after the first given the ones before, `[1, width - 1]`, and the top
+    alternatives there (`_logprobs`)."""
+    inputs = jnp.maximum(inputs, 0)   # a model without a pad id (-1) reads its padding as token 0: causal, unseen
+    logits = self.model.apply({"params": dequantize_params(params)}, inputs)[0, :-1]
+    return self._logprobs(logits, inputs[0, 1:])
 
   # ---------------------------------------------------------------- requests
 
@@ -177,6 +218,10 @@ class Engine:
     if request.sampling:
       check_sampling(*request.options())
     check_seed(request.seed)
+    if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LOGPROBS:
+      raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {request.logprobs!r}")
+    if request.prompt_logprobs and self.model.ENCODES_SOURCE:
+      raise ValueError("prompt log-probabilities need a decoder-only model; this one encodes a source")
     usable = self.pages.num_pages - 1
     own = self.pages.pages_for(min(1 + (1 if self.model.ENCODES_SOURCE else len(request.inputs)), self.max_length))
     source = self.source_pages.pages_for(len(request.inputs)) if self.model.ENCODES_SOURCE else 0
@@ -210,14 +255,21 @@ class Engine:
     request.done, request.error = True, error
     self._emit(request, None)
 
-  def _accept(self, slot: int, token: int) -> None:
-    """Records `token` as the next output of the request in `slot`; retires it when done."""
+  def _accept(self, slot: int, chosen: tuple, row: int) -> None:
+    """Records row `row` of `chosen` (the jitted `_choose`'s host arrays) as the next output of
+    the request in `slot`; retires it when done."""
     request = self.slots[slot]
+    token = int(chosen[0][row])
     request.tokens.append(token)
+    if request.logprobs is not None:
+      request.token_logprobs.append(_logprob(chosen, row, request.logprobs))
     self._emit(request, token)
     self.next_token[slot] = token
-    if (token == request.eos_id or len(request.tokens) >= request.max_new_tokens
-        or self.lengths[slot] >= self.max_length):
+    if token == request.eos_id or (request.stop is not None and request.stop(request)):
+      request.finish_reason = "stop"
+    elif len(request.tokens) >= request.max_new_tokens or self.lengths[slot] >= self.max_length:
+      request.finish_reason = "length"
+    if request.finish_reason:
       self._retire(slot)
 
   def _padded(self, tokens: list[int]) -> np.ndarray:
@@ -247,17 +299,23 @@ class Engine:
       self.waiting.popleft()
       self.slots[slot] = request
       t, k, p = request.options()
-      token, self.layers, lengths, source_lengths, keys = self._prefill(
+      rng = jax.random.key(request.seed)
+      chosen, self.layers, lengths, source_lengths, keys = self._prefill(
           self.params, self.layers, self._padded(request.inputs),
           self._padded(fed) if fed else np.zeros((1, 0), np.int32),
-          self.pages.table[slot:slot + 1], self.source_pages.table[slot:slot + 1], jax.random.key(request.seed),
+          self.pages.table[slot:slot + 1], self.source_pages.table[slot:slot + 1],
+          jax.random.fold_in(rng, request.choice) if request.choice else rng,
           jnp.asarray([request.sampling]), (jnp.float32(t), jnp.int32(k), jnp.float32(p)))
       self.lengths[slot], self.source_lengths[slot] = int(lengths[0]), int(source_lengths[0])
       self.row_keys = self.row_keys.at[slot].set(keys[0])
+      if request.prompt_logprobs and not request.prompt_token_logprobs:
+        scored = [np.asarray(x) for x in self._score_prompt(self.params, self._padded(request.inputs))]
+        request.prompt_token_logprobs = [None] + [_logprob(scored, i, request.logprobs or 0)
+                                                  for i in range(n - 1)]
       if request.tokens:   # resumed: its next token is the one it had not fed yet
         self.next_token[slot] = request.tokens[-1]
       else:
-        self._accept(slot, int(token[0]))
+        self._accept(slot, [np.asarray(x) for x in chosen], 0)
 
   def _preempt(self, slot: int) -> None:
     """Frees the pages of the request in `slot` and puts it back at the head of the queue; it
@@ -298,15 +356,15 @@ class Engine:
     index = np.asarray([len(r.tokens) if r is not None else 0 for r in self.slots], np.int32)
     opts = [r.options() if r is not None else (1.0, 0, 1.0) for r in self.slots]
     sampling = np.asarray([r is not None and r.sampling for r in self.slots])
-    out, self.layers = self._generate(
+    chosen, self.layers = self._generate(
         self.params, self.layers, tokens, self.lengths, self.source_lengths, self.pages.table,
         self.source_pages.table, self.row_keys, index, sampling,
         np.asarray([o[0] for o in opts], np.float32), np.asarray([o[1] for o in opts], np.int32),
         np.asarray([o[2] for o in opts], np.float32))
-    out = np.asarray(out)
+    chosen = [np.asarray(x) for x in chosen]
     self.lengths[ready] += 1
     for slot in ready:
-      self._accept(slot, int(out[slot]))
+      self._accept(slot, chosen, slot)
 
   def fail_all(self, error: str) -> None:
     """Ends every running and waiting request with `error` (after an unexpected failure)."""
@@ -330,3 +388,15 @@ class Engine:
     """Pages in use, running and waiting requests (for /health and benchmarks)."""
     return {"pages_in_use": self.pages.pages_in_use + self.source_pages.pages_in_use,
             "running": sum(r is not None for r in self.slots), "waiting": len(self.waiting)}
+
+  @property
+  def pages_free(self) -> int:
+    """Pages free in the pools this model uses (the source pool only for an encoder-decoder)."""
+    return len(self.pages.free) + (len(self.source_pages.free) if self.model.ENCODES_SOURCE else 0)
+
+
+def _logprob(chosen, row: int, k: int) -> TokenLogprob:
+  """Row `row` of `_logprobs`-shaped host arrays (..., token log-probabilities, top values, top
+  ids; the first axis indexed by `row`) with its `k` best alternatives."""
+  token, values, ids = chosen[-3][row], chosen[-2][row], chosen[-1][row]
+  return TokenLogprob(float(token), tuple((int(i), float(v)) for i, v in zip(ids[:k], values[:k])))

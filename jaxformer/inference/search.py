@@ -9,6 +9,11 @@ Token conventions: the first token (0-based index 0) comes from the prefill's lo
 i-th generated token is fed at loop position i + 1. Outputs are int32 `[batch,
 max_decode_len]` holding each row's tokens up to and including EOS, then PAD.
 
+Optional `row_limits` (int32 `[batch]`, each in [1, max_decode_len]) cap each row on its own:
+a row stops after `row_limits[b]` tokens exactly as if decoded alone with that
+`max_decode_len`, so a sentence's output never depends on its batch-mates (the paper's
+"input length + 50" is per sentence).
+
 Defaults follow the paper (Vaswani et al. 2017, section 6.1): beam size 4, length penalty
 alpha = 0.6, maximum output length = input length + 50.
 """
@@ -162,31 +167,37 @@ def decode_loop(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, strateg
 
 
 def token_strategy(choose: Callable[[jax.Array, jax.Array], jax.Array], max_decode_len: int,
-                   eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Strategy:
+                   eos_id: int = EOS_ID, pad_id: int = PAD_ID, row_limits: jax.Array | None = None) -> Strategy:
   """One token per row per step, `choose(logits [batch, vocab], i) -> tokens [batch]`
   (argmax: greedy; a draw: sampling). State: (out int32 `[batch, L]`, finished `[batch]`);
-  a row that emitted `eos_id` is fed `pad_id` (the model's padding: not cached) from then on."""
+  a row that emitted `eos_id` or reached its `row_limits` entry is fed `pad_id` (the model's
+  padding: not cached) from then on, and its later columns hold `pad_id`."""
   def init(logits):
     batch = logits.shape[0]
-    return jnp.zeros((batch, max_decode_len), jnp.int32), jnp.zeros((batch,), bool)
+    return jnp.full((batch, max_decode_len), pad_id, jnp.int32), jnp.zeros((batch,), bool)
 
   def step(state, logits, i):
     out, finished = state
     token = jnp.where(finished, pad_id, choose(logits, i).astype(jnp.int32))
-    return (out.at[:, i].set(token), finished | (token == eos_id)), token, None
+    finished = finished | (token == eos_id)
+    if row_limits is not None:
+      finished = finished | (i + 1 >= row_limits)
+    return (out.at[:, i].set(token), finished), token, None
   return Strategy(init, step, lambda state: jnp.all(state[1]))
 
 
-def greedy_strategy(max_decode_len: int, eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Strategy:
+def greedy_strategy(max_decode_len: int, eos_id: int = EOS_ID, pad_id: int = PAD_ID,
+                    row_limits: jax.Array | None = None) -> Strategy:
   """Greedy search: the highest-scoring token at every step."""
-  return token_strategy(lambda logits, i: topk.argmax(logits), max_decode_len, eos_id, pad_id)
+  return token_strategy(lambda logits, i: topk.argmax(logits), max_decode_len, eos_id, pad_id, row_limits)
 
 
 def sample_strategy(row_keys: jax.Array, max_decode_len: int, temperature: float = 1.0, top_k: int = 0,
-                    top_p: float = 1.0, eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Strategy:
+                    top_p: float = 1.0, eos_id: int = EOS_ID, pad_id: int = PAD_ID,
+                    row_limits: jax.Array | None = None) -> Strategy:
   """Ancestral sampling: token i of row b from `filter_logits` with key `fold_in(row_keys[b], i)`."""
   return token_strategy(lambda logits, i: sample_tokens(logits, row_keys, i, temperature, top_k, top_p),
-                        max_decode_len, eos_id, pad_id)
+                        max_decode_len, eos_id, pad_id, row_limits)
 
 
 class BeamState(NamedTuple):
@@ -204,7 +215,7 @@ def _take(x, idx):  # x [B, M, ...] gathered at idx [B, K'] along axis 1
 
 
 def beam_strategy(beam_size: int, max_decode_len: int, alpha: float = LENGTH_PENALTY,
-                  eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Strategy:
+                  eos_id: int = EOS_ID, pad_id: int = PAD_ID, row_limits: jax.Array | None = None) -> Strategy:
   """Beam search with a separate finished set and per-row early stopping.
 
   Each step scores the K*vocab extensions of the live beams and keeps the top 2K. EOS
@@ -212,7 +223,8 @@ def beam_strategy(beam_size: int, max_decode_len: int, alpha: float = LENGTH_PEN
   `sum log p / lp(|Y|)`); the best K non-EOS candidates become the live beams, so the beam
   stays full. A row stops (its state frozen) once its best finished score is >= the best any
   live beam can still reach, `max live log-prob / lp(L)` (log-probs only fall and lp grows
-  with alpha >= 0). With K = 1 and alpha = 0 this is greedy search.
+  with alpha >= 0), where L is the row's `row_limits` entry (default `max_decode_len`); a row
+  also stops once its hypotheses are L tokens long. With K = 1 and alpha = 0 this is greedy search.
 
   Raises:
     ValueError: beam_size or max_decode_len < 1, alpha < 0.
@@ -225,13 +237,13 @@ def beam_strategy(beam_size: int, max_decode_len: int, alpha: float = LENGTH_PEN
   if not alpha >= 0.0:
     raise ValueError(f"length penalty alpha must be >= 0, got {alpha}")
   neg_inf = jnp.float32(-jnp.inf)
-  best_possible_lp = length_penalty(length, alpha)
+  best_possible_lp = length_penalty(length if row_limits is None else row_limits, alpha)
 
   def init(logits):
     batch, vocab = logits.shape
     if vocab < 2:
       raise ValueError(f"beam search needs a vocabulary of at least 2 tokens, got {vocab}")
-    seqs = jnp.zeros((batch, k, length), jnp.int32)
+    seqs = jnp.full((batch, k, length), pad_id, jnp.int32)
     first = jnp.broadcast_to(jnp.where(jnp.arange(k) == 0, 0.0, neg_inf), (batch, k)).astype(jnp.float32)
     return BeamState(seqs, first, seqs, jnp.full((batch, k), neg_inf), jnp.zeros((batch,), bool))
 
@@ -272,18 +284,22 @@ def beam_strategy(beam_size: int, max_decode_len: int, alpha: float = LENGTH_PEN
     # grouped beam cache needs (`layers.kv_cache`). Its score stays -inf.
     tokens = jnp.where(keep, pad_id, jnp.where(tokens == pad_id, pad_id + 1, tokens))
     done = new.done | (new.fin_scores.max(axis=1) >= new.live_logp.max(axis=1) / best_possible_lp)
+    if row_limits is not None:
+      done = done | (i + 1 >= row_limits)
     return new._replace(done=done), tokens.reshape(-1), parent
 
   return Strategy(init, step, lambda s: jnp.all(s.done), rows_per_input=k)
 
 
-def best_hypothesis(s: BeamState, max_decode_len: int, alpha: float) -> tuple[jax.Array, jax.Array]:
+def best_hypothesis(s: BeamState, max_decode_len: int, alpha: float,
+                    row_limits: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """(int32 `[batch, L]` tokens, float32 `[batch]` score) of each row's best hypothesis: its
-  best finished one; only a row where none finished returns its best live beam, cut at L and
-  scored at |Y| = L."""
+  best finished one; only a row where none finished returns its best live beam, cut at its
+  limit (`row_limits`, default L) and scored at |Y| = that limit."""
   neg_inf = jnp.float32(-jnp.inf)
   has_finished = s.fin_scores[:, 0] > neg_inf                                 # top_k: column 0 is the best
-  live_scores = jnp.where(has_finished[:, None], neg_inf, s.live_logp / length_penalty(max_decode_len, alpha))
+  limit = max_decode_len if row_limits is None else row_limits[:, None]
+  live_scores = jnp.where(has_finished[:, None], neg_inf, s.live_logp / length_penalty(limit, alpha))
   scores = jnp.concatenate([s.fin_scores, live_scores], axis=1)
   best = jnp.argmax(scores, axis=1)[:, None]
   return _take(jnp.concatenate([s.fin_seqs, s.live_seqs], axis=1), best)[:, 0], _take(scores, best)[:, 0]
@@ -291,23 +307,26 @@ def best_hypothesis(s: BeamState, max_decode_len: int, alpha: float) -> tuple[ja
 
 def beam_search_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, *, beam_size: int,
                      max_decode_len: int, alpha: float = LENGTH_PENALTY, eos_id: int = EOS_ID,
-                     cache_batch_axis: int = 0, return_cache: bool = False, pad_id: int = PAD_ID) -> Any:
+                     cache_batch_axis: int = 0, return_cache: bool = False, pad_id: int = PAD_ID,
+                     row_limits: jax.Array | None = None) -> Any:
   """Beam search (`beam_strategy`) over `logits_fn` for `batch * beam_size` rows (row
   b * beam_size + k is beam k of sentence b), from float `[batch, vocab]` first-token logits
   and a cache of `batch` rows (`cache_batch_axis` as in `decode_loop`). Returns
   `best_hypothesis`: int32 `[batch, L]`, float32 `[batch]`; with `return_cache`, (that, the
-  final cache)."""
-  strategy = beam_strategy(beam_size, max_decode_len, alpha, eos_id, pad_id)
+  final cache). `row_limits`: see the module docstring."""
+  strategy = beam_strategy(beam_size, max_decode_len, alpha, eos_id, pad_id, row_limits)
   state, cache = decode_loop(logits_fn, init_logits, cache, strategy, max_decode_len, cache_batch_axis)
-  best = best_hypothesis(state, max_decode_len, alpha)
+  best = best_hypothesis(state, max_decode_len, alpha, row_limits)
   return (best, cache) if return_cache else best
 
 
 def sample_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, row_keys: jax.Array, *,
                 max_decode_len: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                eos_id: int = EOS_ID, return_cache: bool = False, pad_id: int = PAD_ID) -> Any:
+                eos_id: int = EOS_ID, return_cache: bool = False, pad_id: int = PAD_ID,
+                row_limits: jax.Array | None = None) -> Any:
   """Sampling (`sample_strategy`) over `logits_fn`; int32 `[batch, max_decode_len]` tokens
-  through EOS, then PAD (with `return_cache`: those and the final cache).
+  through EOS, then PAD (with `return_cache`: those and the final cache). `row_limits`: see
+  the module docstring.
 
   Raises:
     ValueError: bad sampling options or max_decode_len < 1.
@@ -315,15 +334,16 @@ def sample_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, row_key
   check_sampling(temperature, top_k, top_p)
   if not isinstance(max_decode_len, int) or max_decode_len < 1:
     raise ValueError(f"max_decode_len must be an integer >= 1, got {max_decode_len!r}")
-  strategy = sample_strategy(row_keys, max_decode_len, temperature, top_k, top_p, eos_id, pad_id)
+  strategy = sample_strategy(row_keys, max_decode_len, temperature, top_k, top_p, eos_id, pad_id, row_limits)
   state, cache = decode_loop(logits_fn, init_logits, cache, strategy, max_decode_len)
   return (state[0], cache) if return_cache else state[0]
 
 
 def greedy_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, *, max_decode_len: int,
-                eos_id: int = EOS_ID, return_cache: bool = False, pad_id: int = PAD_ID) -> Any:
+                eos_id: int = EOS_ID, return_cache: bool = False, pad_id: int = PAD_ID,
+                row_limits: jax.Array | None = None) -> Any:
   """Greedy search over `logits_fn`; int32 `[batch, max_decode_len]` tokens through EOS, then
-  PAD (with `return_cache`: those and the final cache)."""
-  strategy = greedy_strategy(max_decode_len, eos_id, pad_id)
+  PAD (with `return_cache`: those and the final cache). `row_limits`: see the module docstring."""
+  strategy = greedy_strategy(max_decode_len, eos_id, pad_id, row_limits)
   state, cache = decode_loop(logits_fn, init_logits, cache, strategy, max_decode_len)
   return (state[0], cache) if return_cache else state[0]

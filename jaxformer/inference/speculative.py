@@ -39,7 +39,8 @@ def _capacity(model: nn.Module, inputs: jax.Array, max_decode_len: int, k: int) 
 
 def speculative_greedy(target: nn.Module, target_params: Any, draft: nn.Module, draft_params: Any,
                        inputs: jax.Array, max_decode_len: int, num_draft_tokens: int = 4,
-                       eos_id: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                       eos_id: int | None = None,
+                       row_limits: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Greedy decoding of `target` sped up by `draft` (same vocabulary). Jittable.
 
   Args:
@@ -48,6 +49,7 @@ def speculative_greedy(target: nn.Module, target_params: Any, draft: nn.Module, 
     max_decode_len: tokens to generate at most per row, EOS included.
     num_draft_tokens: k >= 1 tokens the draft proposes per round.
     eos_id: the end token; None: the target's `model.eos_id`.
+    row_limits: int32 `[batch]` per-row caps (<= max_decode_len), as in `search`; None: none.
 
   Returns:
     int32 `[batch, max_decode_len]` tokens through EOS then PAD (equal to the target's greedy
@@ -70,7 +72,8 @@ def speculative_greedy(target: nn.Module, target_params: Any, draft: nn.Module, 
   _, dcache = kv.prefill(draft, draft_params, dcache, inputs)
   first = jnp.argmax(kv.no_pad(t_logits, pad), axis=-1).astype(jnp.int32)          # [B]
   out = jnp.full((batch, length), pad, jnp.int32).at[:, 0].set(first)
-  finished = (first == eos_id) | (length <= 1)
+  limits = jnp.full((batch,), length, jnp.int32) if row_limits is None else row_limits
+  finished = (first == eos_id) | (limits <= 1)
   catch_up = jnp.stack([first, jnp.full_like(first, pad)], axis=1)              # [B, 2]: not in the draft yet
   zeros = jnp.zeros((batch,), jnp.int32)
   carry = (tcache, dcache, first, catch_up, out, jnp.ones((batch,), jnp.int32), finished, zeros, zeros)
@@ -97,11 +100,12 @@ def speculative_greedy(target: nn.Module, target_params: Any, draft: nn.Module, 
     j = jnp.arange(k + 1)[None]
     is_eos = (greedy == eos_id) & (j <= n[:, None])
     stop = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1), n)             # last kept index
+    stop = jnp.minimum(stop, limits - count - 1)                                      # the row's cap
     keep = (j <= stop[:, None]) & live[:, None]
     slot = jnp.where(keep, count[:, None] + j, length)                                # past the end: dropped
     out = out.at[jnp.arange(batch)[:, None], slot].set(greedy, mode="drop")
     new_count = count + jnp.where(live, stop + 1, 0)
-    finished = finished | is_eos.any(axis=1) | (new_count >= length)
+    finished = finished | is_eos.any(axis=1) | (new_count >= limits)
     # Roll back what was rejected: the target keeps pending + n proposals, the draft its catch-up + n.
     tcache = _set_lengths(tcache, jnp.where(live, t_lengths + n + 1, t_lengths))
     d_lengths = dcache.state.lengths - jnp.where(live, (k - 1) - jnp.minimum(n, k - 1), 0)

@@ -7,7 +7,7 @@ fast tokenizer (`tokenizer.json`, `tokenizer_config.json`, plus our `spiece.mode
 
 | our model | Hugging Face |
 |---|---|
-| encoder_decoder, post-LN, sinusoidal, LayerNorm, ReLU/GELU (the paper's) | `MarianMTModel` |
+| encoder_decoder, post-LN, sinusoidal, LayerNorm, ReLU/GELU/SiLU (the paper's; published Marian) | `MarianMTModel` |
 | encoder_decoder, pre-LN, t5 bias, RMSNorm, no biases, unscaled embeddings | `T5ForConditionalGeneration` |
 | decoder_only, pre-LN, RoPE (not ntk), RMSNorm, SwiGLU, no or all attention biases | `LlamaForCausalLM` |
 | the same with attention biases on query/key/value only, no FFN biases | `Qwen2ForCausalLM` |
@@ -28,9 +28,11 @@ our function (logits equal to float rounding, tested) and importing it gives our
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -136,6 +138,21 @@ def hf_model(config: Config, params: Any, prefer: str | None = None):
   return model
 
 
+@contextlib.contextmanager
+def staged_dir(out: Path) -> Iterator[Path]:
+  """Yields `OUT.incomplete` to write into, renamed to `out` when the block completes; removed
+  if it raises, so a failed export leaves nothing that looks like a model directory."""
+  tmp = out.with_name(out.name + ".incomplete")
+  shutil.rmtree(tmp, ignore_errors=True)
+  tmp.mkdir(parents=True)
+  try:
+    yield tmp
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  tmp.rename(out)
+
+
 def export_params(config: Config, params: Any, tokenizer, out: str | Path,
                   origin: dict | None = None, prefer: str | None = None) -> dict[str, Any]:
   """Writes our model as a Hugging Face directory `out` (config, safetensors weights,
@@ -143,7 +160,8 @@ def export_params(config: Config, params: Any, tokenizer, out: str | Path,
 
   Args:
     config: the run config; params: its params (float32 pytree, either layer layout);
-    tokenizer: the run's (shared) SentencePiece tokenizer, or its `HFTokenizer` (`data.tokenizer=hf`).
+    tokenizer: the run's (shared) SentencePiece tokenizer, or its `HFTokenizer` (`data.tokenizer=hf`) or
+      target-side `MarianTokenizer` (`data.tokenizer=marian`).
     origin: written as `jaxformer_export.json` (which workdir and step), if given.
     prefer: the architecture to write when it fits (an imported model's own; see `select_mapping`).
 
@@ -158,16 +176,14 @@ def export_params(config: Config, params: Any, tokenizer, out: str | Path,
     raise ConfigError(f"--out {out} already exists; remove it or pass another --out")
   mapping = select_mapping(config, prefer)
   model = hf_model(config, params, prefer)
-  tmp = out.with_name(out.name + ".incomplete")
-  shutil.rmtree(tmp, ignore_errors=True)
-  model.save_pretrained(str(tmp))
-  if config.data.tokenizer == "hf":   # a published model's own tokenizer goes back as it came
-    tokenizer.save(tmp)
-  else:
-    save_tokenizer(tokenizer, tmp, config.model.vocab_size, **mapping.TOKENIZER)
-  if origin is not None:
-    (tmp / EXPORT_FILE).write_text(json.dumps(origin) + "\n")
-  tmp.rename(out)
+  with staged_dir(out) as tmp:
+    model.save_pretrained(str(tmp))
+    if config.data.tokenizer in ("hf", "marian"):   # a published model's own tokenizer goes back as it came
+      tokenizer.save(tmp)
+    else:
+      save_tokenizer(tokenizer, tmp, config.model.vocab_size, **mapping.TOKENIZER)
+    if origin is not None:
+      (tmp / EXPORT_FILE).write_text(json.dumps(origin) + "\n")
   return {"out": str(out), "architecture": mapping.ARCHITECTURE, "files": sorted(p.name for p in out.iterdir())}
 
 

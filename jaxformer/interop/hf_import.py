@@ -6,11 +6,13 @@ The workdir holds `config.yaml` (the exporting run's config when `config.json` c
 else the architecture's options and special ids on the default config: set the data keys when
 training), `tokenizer.model` (the directory's SentencePiece model, or for a published model its
 own tokenizer, whose files are also copied to `hf_tokenizer/`, which `data.tokenizer_model`
-names, with `data.tokenizer=hf`), `imported.json` (where from) and one checkpoint at step 0:
-the imported params with a fresh optimizer state, so `jaxformer train --config
-NEW/config.yaml --workdir NEW` continues from them. Every imported tensor is checked
-by mapping the params back: a checkpoint holding anything our model has no counterpart for (a
-nonzero attention bias, another LM-head transform) is refused in one line. Nothing downloads.
+names, with `data.tokenizer=hf` for a `tokenizer.json`, `marian` for Marian's SentencePiece pair
+and `vocab.json`; a Marian source side is also `source_tokenizer.model`), `imported.json` (where
+from) and one checkpoint at step 0: the imported params alone (training adds a fresh optimizer state), so
+`jaxformer train --config NEW/config.yaml --workdir NEW` continues from them. Every imported
+tensor is checked by mapping the params back: a checkpoint holding anything our model has no
+counterpart for (a nonzero attention bias, another LM-head transform) is refused in one line.
+Nothing downloads.
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ from jaxformer.interop.hf_tokenizer import load_tokenizer
 
 IMPORT_FILE = "imported.json"
 TOKENIZER_DIR = "hf_tokenizer"   # a published model's own tokenizer files, which data.tokenizer_model names
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "source.spm", "target.spm",
+                   "vocab.json")
+TOKENIZER_SIGNS = ("tokenizer.json", "spiece.model", "tokenizer.model", "source.spm")   # one of them: a tokenizer
+OWN_TOKENIZERS = ("hf", "marian")   # data.tokenizer values naming a published model's own tokenizer files
 
 
 def read_hf(hf_dir: str | Path) -> tuple[Config, dict[str, np.ndarray]]:
@@ -73,38 +78,66 @@ def _first(token_id: Any) -> int | None:
 
 def special_ids(hf_config, tokenizer) -> dict[str, int]:
   """`model.*_id` fields of a published model: bos and eos from its config (else its tokenizer's),
-  pad from its config only (-1 when absent or equal to eos, so EOS targets keep their loss), the
-  decoder start of an encoder-decoder from `decoder_start_token_id` (-1: bos)."""
+  pad from its config only (-1 when absent or equal to eos, so EOS targets keep their loss), [MASK]
+  from its tokenizer, the decoder start of an encoder-decoder from `decoder_start_token_id` (-1: bos; a
+  bos equal to eos is then none: Marian's configs name EOS as BOS)."""
   ids = tokenizer.special_ids if tokenizer is not None else None
-  bos = _first(getattr(hf_config, "bos_token_id", None))
-  eos = _first(getattr(hf_config, "eos_token_id", None))
+  vocab = getattr(hf_config, "vocab_size", None) or 0
+
+  def config_id(name: str) -> int | None:   # an id past the vocabulary (GPT-2's 50256 in a small model) is none
+    value = _first(getattr(hf_config, name, None))
+    return -1 if value is not None and vocab and not 0 <= value < vocab else value
+
+  bos, eos = config_id("bos_token_id"), config_id("eos_token_id")
   out = {"bos_id": bos if bos is not None else (ids.bos if ids else -1),
          "eos_id": eos if eos is not None else (ids.eos if ids else -1)}
-  pad = _first(getattr(hf_config, "pad_token_id", None))
+  pad = config_id("pad_token_id")
   out["pad_id"] = -1 if pad is None or pad == out["eos_id"] else pad
+  if ids is not None and ids.mask >= 0:   # a masked LM's [MASK] is the tokenizer's own token
+    out["mask_id"] = ids.mask
   start = getattr(hf_config, "decoder_start_token_id", None)
   if getattr(hf_config, "is_encoder_decoder", False) and start is not None:
     out["decoder_start_id"] = start
+    if out["bos_id"] == out["eos_id"]:
+      out["bos_id"] = -1
   return out
+
+
+def own_tokenizer(kind: str, folder: str | Path, side: str = "target"):
+  """A published model's own tokenizer in `folder`: an `HFTokenizer` (`kind` "hf") or, for "marian", the
+  `MarianTokenizer` of `side`.
+
+  Raises:
+    FileNotFoundError, ValueError: missing or invalid tokenizer files (one line).
+  """
+  if kind == "marian":
+    from jaxformer.data.tokenizer_marian import MarianTokenizer  # noqa: PLC0415
+    return MarianTokenizer.load(folder, side)
+  from jaxformer.data.tokenizer_hf import HFTokenizer  # noqa: PLC0415
+  return HFTokenizer.load(folder)
 
 
 def published_config(hf_dir: str | Path, mapping, hf_config) -> Config:
   """The run config of a published model (no jaxformer config inside): the architecture's options,
-  its special ids, and its own tokenizer (`data.tokenizer=hf` on the directory) when it has a
-  `tokenizer.json`.
+  its special ids, and its own tokenizer (on the directory): `data.tokenizer=hf` when it has a
+  `tokenizer.json` or only a SentencePiece model (T5's `spiece.model`, converted), `marian` when
+  it has Marian's `source.spm`, `target.spm` and `vocab.json`.
 
   Raises:
-    ValueError: options without a counterpart, or a tokenizer.json that does not load (one line).
+    ValueError: options without a counterpart, or tokenizer files that do not load (one line).
   """
-  from jaxformer.data.tokenizer_hf import HFTokenizer  # noqa: PLC0415
+  from jaxformer.data.tokenizer_hf import slow_model  # noqa: PLC0415
+  from jaxformer.data.tokenizer_marian import is_marian_dir  # noqa: PLC0415
   hf_dir = Path(hf_dir).absolute()
-  tokenizer = HFTokenizer.load(hf_dir) if (hf_dir / "tokenizer.json").is_file() else None
+  kind = ("hf" if (hf_dir / "tokenizer.json").is_file() or slow_model(hf_dir) is not None
+          else ("marian" if is_marian_dir(hf_dir) else None))
+  tokenizer = own_tokenizer(kind, hf_dir) if kind else None
   model = {**mapping.model_config(hf_config), **special_ids(hf_config, tokenizer)}
   length = min(DataConfig.max_length, model["max_length"])
   buckets = [b for b in DataConfig.buckets if b < length] + [length]
   data = {"max_length": length, "buckets": buckets}
   if tokenizer is not None:
-    data.update(tokenizer="hf", tokenizer_model=str(hf_dir))
+    data.update(tokenizer=kind, tokenizer_model=str(hf_dir))
   return config_from_dict({"name": hf_dir.name, "model": model, "data": data})
 
 
@@ -119,7 +152,7 @@ def params_from_hf(config: Config, tensors: dict[str, np.ndarray]) -> dict[str, 
   links, consts = select_mapping(config).links(config.model)
   flat = L.from_hf(links, consts, tensors)
   fallbacks = {link.hf: link.fallback for link in links if link.fallback}
-  for name, again in L.to_hf(links, consts, flat).items():
+  for name, again in L.to_hf_items(links, consts, flat):   # one tensor at a time: no second model copy
     if name not in tensors and any(link.hf == name and link.from_hf is None for link in links):
       continue   # a derived tensor the checkpoint leaves out (a tied head)
     expected = tensors[name] if name in tensors else tensors.get(fallbacks.get(name), np.zeros_like(again))
@@ -138,36 +171,31 @@ def write_workdir(config: Config, params: Any, tokenizer, workdir: str | Path, o
                   tokenizer_files: Path | None = None) -> Path:
   """Writes a workdir (see the module docstring) under a temporary name, renamed when complete.
   `tokenizer_files`: a directory whose Hugging Face tokenizer files are copied to `TOKENIZER_DIR`.
+  A Marian `tokenizer` (the target side) also writes its source side (`source_tokenizer.model`).
 
   Raises:
     ConfigError: `workdir` exists.
   """
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-
   from jaxformer import checkpoint as ckpt  # noqa: PLC0415
-  from jaxformer.precision import initial_loss_scale  # noqa: PLC0415
-  from jaxformer.train.optim import make_optimizer  # noqa: PLC0415
-  from jaxformer.train.state import TrainState  # noqa: PLC0415
   workdir = Path(workdir)
   if workdir.exists():
     raise ConfigError(f"--workdir {workdir} already exists; import writes a new workdir")
   tmp = workdir.with_name(workdir.name + ".incomplete")
   shutil.rmtree(tmp, ignore_errors=True)
   try:
-    ckpt.save_run_files(tmp, dump_config(config), tokenizer.serialized)
+    source = tokenizer.with_side("source").serialized if config.data.tokenizer == "marian" else None
+    ckpt.save_run_files(tmp, dump_config(config), tokenizer.serialized, source)
     if tokenizer_files is not None:
       (tmp / TOKENIZER_DIR).mkdir()
       for name in TOKENIZER_FILES:
         if (tokenizer_files / name).is_file():
           shutil.copyfile(tokenizer_files / name, tmp / TOKENIZER_DIR / name)
+      if config.data.tokenizer == "hf" and not (tokenizer_files / "tokenizer.json").is_file():
+        tokenizer.save(tmp / TOKENIZER_DIR)   # converted from the directory's SentencePiece model
     (tmp / IMPORT_FILE).write_text(json.dumps(origin) + "\n")
-    params = jax.tree.map(jnp.asarray, params)
-    tx = make_optimizer(config.optim, config.model.d_model)
-    state = TrainState(jnp.array(0, jnp.int32), params, tx.init(params),
-                       initial_loss_scale(config.precision.start_scale))
+    # Params alone (no optimizer state, which training creates): memory stays near one model copy.
     saver = ckpt.Checkpointer(tmp, async_save=False)
-    saver.save(state, force=True)
+    saver.save_params(0, params)
     saver.close()
     tmp.rename(workdir)
   except BaseException:   # a failed or interrupted write leaves no .incomplete directory behind
@@ -187,12 +215,15 @@ def import_hf(hf_dir: str | Path, workdir: str | Path) -> dict[str, Any]:
   """
   if Path(workdir).exists():   # before reading any weights
     raise ConfigError(f"--workdir {workdir} already exists; import writes a new workdir")
+  if (Path(hf_dir) / "config.json").is_file() and not any((Path(hf_dir) / f).is_file() for f in TOKENIZER_SIGNS):
+    raise ConfigError(f"{hf_dir} has no tokenizer ({', '.join(TOKENIZER_SIGNS)}); save the model's tokenizer "
+                      "beside it (AutoTokenizer's save_pretrained)")
   config, tensors = read_hf(hf_dir)
   params = params_from_hf(config, tensors)
-  own = config.data.tokenizer == "hf"   # a published model's tokenizer.json (else our SentencePiece model)
+  del tensors   # the state dict's arrays go before the checkpoint is written
+  own = config.data.tokenizer in OWN_TOKENIZERS   # a published model's tokenizer (else our SentencePiece model)
   if own:
-    from jaxformer.data.tokenizer_hf import HFTokenizer  # noqa: PLC0415
-    tokenizer = HFTokenizer.load(hf_dir)
+    tokenizer = own_tokenizer(config.data.tokenizer, hf_dir)
     folder = Path(workdir).absolute() / TOKENIZER_DIR
     config = dataclasses.replace(config, data=dataclasses.replace(config.data, tokenizer_model=str(folder)))
   else:

@@ -30,6 +30,9 @@ def unsupported(m: ModelConfig, attention_bias=("none", "all"), sliding_window: 
             "attn_logit_softcap": 0.0, "global_tokens": 0, "embedding_norm": False, "type_vocab_size": 0}
   return L.mismatches(m, wanted, {"attention_bias": m.attention_bias in attention_bias,
                                   "rope_scaling": m.rope_scaling != "ntk",
+                                  # transformers' dynamic scaling counts from max_position_embeddings
+                                  "rope_trained_length": m.rope_scaling != "dynamic"
+                                  or m.rope_trained_length == m.max_length,
                                   "sliding_window": sliding_window or not m.sliding_window})
 
 

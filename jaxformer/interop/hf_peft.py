@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -99,20 +98,17 @@ def export_adapter(config: Config, params: Any, tokenizer, out: str | Path, orig
   """
   from safetensors.numpy import save_file  # noqa: PLC0415
 
-  from jaxformer.interop.hf_export import export_params  # noqa: PLC0415
+  from jaxformer.interop.hf_export import export_params, staged_dir  # noqa: PLC0415
   out = Path(out)
   if out.exists():
     raise ConfigError(f"--out {out} already exists; remove it or pass another --out")
   tensors, targets = peft_tensors(config, params, prefer)
-  tmp = out.with_name(out.name + ".incomplete")
-  shutil.rmtree(tmp, ignore_errors=True)
-  tmp.mkdir(parents=True)
   base_config = dataclasses.replace(config, model=dataclasses.replace(config.model, lora_rank=0))
-  written = export_params(base_config, lora.without_adapters(params), tokenizer, tmp / BASE_DIR, origin, prefer)
-  save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
   base = str((out / BASE_DIR).absolute())
-  settings = adapter_config(config, targets, base, written["architecture"])
-  (tmp / ADAPTER_CONFIG).write_text(json.dumps(settings, indent=2) + "\n")
-  tmp.rename(out)
+  with staged_dir(out) as tmp:
+    written = export_params(base_config, lora.without_adapters(params), tokenizer, tmp / BASE_DIR, origin, prefer)
+    save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    settings = adapter_config(config, targets, base, written["architecture"])
+    (tmp / ADAPTER_CONFIG).write_text(json.dumps(settings, indent=2) + "\n")
   return {"out": str(out), "architecture": written["architecture"], "files": sorted(p.name for p in out.iterdir()),
           "base": base}

@@ -17,7 +17,7 @@ FFN, LayerNorm and the logits are equivariant under it, so the model's function 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -155,12 +155,23 @@ def to_hf(links: Sequence[Link], consts: Sequence[Const], params: dict[str, Arra
   Raises:
     ValueError: a param no link reads, or a link to a param that is missing (a mapping bug).
   """
+  return dict(to_hf_items(links, consts, params))
+
+
+def to_hf_items(links: Sequence[Link], consts: Sequence[Const],
+                params: dict[str, Array]) -> Iterator[tuple[str, Array]]:
+  """`to_hf`'s (name, float32 tensor) pairs one at a time, so a caller holds one tensor at once.
+
+  Raises:
+    ValueError: as `to_hf` (before the first pair).
+  """
   unused = sorted(set(params) - {p for link in links for p in link.ours})
   if unused:
     raise ValueError(f"the export mapping does not cover the params exactly: unused {unused[:3]}")
-  out = {link.hf: np.ascontiguousarray(link.to_hf(*[params[p] for p in link.ours]), np.float32) for link in links}
-  out.update({c.hf: np.asarray(c.value, np.float32) for c in consts})
-  return out
+  for link in links:
+    yield link.hf, np.ascontiguousarray(link.to_hf(*[params[p] for p in link.ours]), np.float32)
+  for c in consts:
+    yield c.hf, np.asarray(c.value, np.float32)
 
 
 def from_hf(links: Sequence[Link], consts: Sequence[Const], tensors: dict[str, Array]) -> dict[str, Array]:

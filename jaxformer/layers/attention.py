@@ -27,6 +27,7 @@ from jaxformer.layers.dropout import dropout
 from jaxformer.layers.lora import LoraSpec, add_adapter
 from jaxformer.layers.positions import RopeScaling, T5Bias, alibi_bias, alibi_slopes, apply_rope
 from jaxformer.layers.scores import attention_mask, attention_scores, repeat_kv
+from jaxformer.layers.splash import splash_attention
 from jaxformer.schema import ConfigError
 
 
@@ -111,6 +112,10 @@ def _attention(opts: _Options, arrays, bias_params, gather_axes: tuple[str, ...]
                                softcap=opts.softcap, block_size=opts.block_size, q_segment_ids=q_seg,
                                kv_segment_ids=kv_seg, global_tokens=opts.global_tokens,
                                gather_axes=gather_axes), None
+  if opts.implementation == "splash":
+    return splash_attention(q, k, v, q_valid, kv_valid, q_seg, kv_seg, causal=opts.causal, softcap=opts.softcap,
+                            sliding_window=opts.sliding_window, block_size=opts.block_size,
+                            gather_axes=gather_axes), None
   k, v, kv_pos, kv_valid, kv_seg = (gather_length(x, gather_axes) for x in (k, v, kv_pos, kv_valid, kv_seg))
   mask = attention_mask(q_pos, kv_pos, q_valid, kv_valid, opts.causal, opts.sliding_window, q_seg, kv_seg,
                         opts.global_tokens)
@@ -200,7 +205,7 @@ class MultiHeadAttention(nn.Module):
   sliding_window: int = 0    # tokens; 0 = unlimited
   position: str = "none"     # rope | alibi | t5 act here; sinusoidal / learned / none are added outside
   softcap: float = 0.0       # attention score soft-cap c (c * tanh(s / c)); 0 = off
-  implementation: str = "dense"  # dense | blockwise | linformer | fused
+  implementation: str = "dense"  # dense | blockwise | linformer | fused | splash (layers/splash.py)
   block_size: int = 128      # blockwise: keys per block
   global_tokens: int = 0     # with a sliding window: positions < G see and are seen by all
   rope_scaling: RopeScaling = RopeScaling()  # rope: context-extension scaling

@@ -117,9 +117,11 @@ def rope_frequencies(head_dim: int, scaling: RopeScaling = RopeScaling()) -> tup
 
 
 def dynamic_base(scaling: RopeScaling, head_dim: int, positions: jax.Array) -> jax.Array:
-  """Dynamic NTK scaling's base for a call whose largest position is max(`positions`): float32 scalar,
-  `scaling.base` while the length L' = max + 1 stays within the trained context L."""
-  length = jnp.maximum(jnp.max(positions).astype(jnp.float32) + 1, scaling.original_length)
+  """Dynamic NTK scaling's base for each row of int `[batch, length]` `positions`: float32 `[batch]`,
+  from the row's largest position (L' = max + 1), `scaling.base` while L' stays within the trained
+  context L. Per row, so a sequence's values never depend on its batch-mates (transformers takes
+  the batch's largest; equal for one sequence)."""
+  length = jnp.maximum(jnp.max(positions, axis=-1).astype(jnp.float32) + 1, scaling.original_length)
   s = scaling.factor
   return scaling.base * (s * length / scaling.original_length - (s - 1)) ** (head_dim / (head_dim - 2))
 
@@ -147,7 +149,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, scaling: RopeScaling = RopeSc
     raise ValueError(f"rope needs an even head_dim, got {head_dim}")
   if scaling.kind == "dynamic":
     exponents = jnp.arange(head_dim // 2, dtype=jnp.float32) / (head_dim // 2)
-    inv_freq, mscale = dynamic_base(scaling, head_dim, positions) ** -exponents, 1.0    # [H/2]
+    base = dynamic_base(scaling, head_dim, positions)[:, None, None, None]            # [B, 1, 1, 1]
+    inv_freq, mscale = base ** -exponents, 1.0                                          # [B, 1, 1, H/2]
   else:
     inv_freq, mscale = rope_frequencies(head_dim, scaling)                              # [H/2]
   angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq                # [B, T, 1, H/2]

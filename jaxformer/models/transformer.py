@@ -166,11 +166,11 @@ VOCAB_MAJOR_TOKENS = 32
 
 
 def output_logits(config: ModelConfig, embed: Embed, output_proj: jax.Array | None, y: jax.Array,
-                  decode: bool = False) -> jax.Array:
+                  decode: bool = False, bias: jax.Array | None = None) -> jax.Array:
   """float32 logits `[batch, length, vocab_size]` from `y` `[batch, length, d_model]`: the
-  tied embedding (`model.tie_embeddings`, section 3.4) or `output_proj` `[d_model, vocab]`.
-  `decode`: a cached step; with at most VOCAB_MAJOR_TOKENS tokens, the tied product runs
-  vocabulary-major (`Embed.attend`)."""
+  tied embedding (`model.tie_embeddings`, section 3.4) or `output_proj` `[d_model, vocab]`,
+  plus `bias` `[vocab_size]` when given (`model.logits_bias`). `decode`: a cached step; with at
+  most VOCAB_MAJOR_TOKENS tokens, the tied product runs vocabulary-major (`Embed.attend`)."""
   if config.tie_embeddings:
     logits = embed.attend(y, vocab_major=decode and y.shape[0] * y.shape[1] <= VOCAB_MAJOR_TOKENS)
   else:
@@ -178,6 +178,8 @@ def output_logits(config: ModelConfig, embed: Embed, output_proj: jax.Array | No
     b, t, d = y.shape  # one 2-D matmul over the tokens (see layers/attention.py `_project`)
     logits = jnp.einsum("md,dv->mv", y.reshape(b * t, d).astype(dtype), output_proj.astype(dtype))
     logits = logits.reshape(b, t, -1).astype(jnp.float32)
+  if bias is not None:
+    logits = logits + bias.astype(jnp.float32)
   return sh.constrain(logits, (sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_VOCAB))
 
 
@@ -212,6 +214,9 @@ class EncoderDecoder(StackedInit, nn.Module):
       self.source_embed = Embed(cfg.vocab_size, cfg.d_model, dtype, cfg.embedding_scale, name="source_embed")
       self.target_embed = Embed(cfg.vocab_size, cfg.d_model, dtype, cfg.embedding_scale, name="target_embed")
       self.output_proj = untied_output_proj(self, cfg)
+    if cfg.logits_bias:   # Marian's final_logits_bias
+      self.logits_bias = self.param("logits_bias", sh.param_with_axes(nn.initializers.zeros, (sh.VOCAB,)),
+                                    (cfg.vocab_size,))
     self.encoder_stack = layer_stack(EncoderBlock, cfg, cfg.num_encoder_layers, "encoder", self.pipeline)
     self.decoder_stack = layer_stack(DecoderBlock, cfg, cfg.num_decoder_layers, "decoder", self.pipeline)
     self.encoder_bias = bias_table(self, cfg, "encoder_relative_bias")
@@ -292,7 +297,8 @@ class EncoderDecoder(StackedInit, nn.Module):
                   rngs=layer_rngs(self, self.config.num_decoder_layers, deterministic))
     if self.config.pre_norm:
       y = self.decoder_norm(y)
-    return output_logits(self.config, self.target_embed, getattr(self, "output_proj", None), y, decode)
+    return output_logits(self.config, self.target_embed, getattr(self, "output_proj", None), y, decode,
+                         getattr(self, "logits_bias", None))
 
   def __call__(self, inputs: jax.Array, targets: jax.Array, *, inputs_segment_ids: jax.Array | None = None,
                inputs_positions: jax.Array | None = None, targets_segment_ids: jax.Array | None = None,

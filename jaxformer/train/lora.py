@@ -25,22 +25,29 @@ from jaxformer.models import layout
 from jaxformer.train.state import TrainState
 
 
-def saved_has_adapters(step_dir: str | Path) -> bool | None:
-  """Whether the checkpoint in `step_dir` (`<workdir>/checkpoints/<step>`) holds LoRA adapters;
-  None when its metadata cannot be read (a damaged step: restoring reports it)."""
+def saved_tree(step_dir: str | Path) -> dict | None:
+  """The metadata tree of the checkpoint in `step_dir` (`<workdir>/checkpoints/<step>`); None when
+  it cannot be read (a damaged step: restoring reports it)."""
   import orbax.checkpoint as ocp  # noqa: PLC0415  (only restoring needs Orbax here)
   try:
     with ocp.StandardCheckpointer() as reader:
-      tree = reader.metadata(Path(step_dir) / "default").item_metadata.tree
+      return dict(reader.metadata(Path(step_dir) / "default").item_metadata.tree)
   except Exception:   # whatever Orbax raises on damaged metadata; the restore itself names the damage
     return None
-  return lora.has_adapters(tree.get("params", {}))
+
+
+def saved_has_adapters(step_dir: str | Path) -> bool | None:
+  """Whether the checkpoint in `step_dir` holds LoRA adapters; None when its metadata cannot be read."""
+  tree = saved_tree(step_dir)
+  return None if tree is None else lora.has_adapters(tree.get("params", {}))
 
 
 def restore_state(checkpointer, target: TrainState, model, fresh: Callable[..., TrainState]) -> TrainState:
-  """The state to resume from: `layout.restore_state(checkpointer, target, model)`, or, when
+  """The state to resume from: `layout.restore_state(checkpointer, target, model)`; or, when
   `target` (the sharded abstract state) has adapters and the newest checkpoint has none, its
-  params and step under fresh adapters and a fresh optimizer state (see the module docstring).
+  params and step under fresh adapters and a fresh optimizer state (see the module docstring);
+  or, when the newest checkpoint holds params alone (`Checkpointer.save_params`: an import, which
+  so never builds an optimizer state), its params and step with a fresh optimizer state.
 
   Args:
     fresh: `fresh(known=params, step=step)` -> a new state holding `params` (`state.create_state`
@@ -49,17 +56,22 @@ def restore_state(checkpointer, target: TrainState, model, fresh: Callable[..., 
   Raises:
     CheckpointError: as `Checkpointer.restore`.
   """
-  newest = checkpointer.directory / str(max(checkpointer.all_steps()))
-  if not lora.has_adapters(target.params) or saved_has_adapters(newest) is not False:
+  tree = saved_tree(checkpointer.directory / str(max(checkpointer.all_steps())))
+  new_adapters = tree is not None and lora.has_adapters(target.params) and not lora.has_adapters(tree.get("params", {}))
+  if tree is None or ("opt_state" in tree and not new_adapters):
     return layout.restore_state(checkpointer, target, model)
   # A reader of its own: restoring params alone on the run's checkpointer would bind its items to
   # Orbax's PyTree handler, and the run's own saves (StandardSave) would then fail.
   reader = ckpt.Checkpointer(checkpointer.directory.parent, read_only=True)
   try:
-    step, base = layout.restore_params(reader, lora.without_adapters(target.params), model)
+    step, base = layout.restore_params(reader, lora.without_adapters(target.params) if new_adapters else target.params,
+                                       model)
   finally:
     reader.close()
-  if jax.process_index() == 0:
+  if jax.process_index() == 0 and new_adapters:
     print(f"the step-{step} checkpoint has no LoRA adapters: fine-tuning it with new ones (model.lora_rank="
           f"{model.config.lora_rank}); the base params stay frozen", file=sys.stderr, flush=True)
+  elif jax.process_index() == 0:
+    print(f"the step-{step} checkpoint holds params alone: training them with a fresh optimizer state",
+          file=sys.stderr, flush=True)
   return fresh(known=base, step=step)
