@@ -275,7 +275,8 @@ def test_chat_on_a_translation_model_translates_the_last_user_message(tmp_path):
     expected = running.request("POST", "/v1/translate", {"text": "a big red bird"})[1]["translation"]
     answer = client.chat.completions.create(model=NAME, messages=messages)
     assert answer.choices[0].message.content == expected and expected
-    assert answer.usage.prompt_tokens == len(running.restored.tokenizer.encode("a big red bird")) + 1   # + EOS
+    # a translation source: its plain ids (no specials from the tokenizer's post-processor) + EOS
+    assert answer.usage.prompt_tokens == len(running.restored.tokenizer.encode_plain("a big red bird")) + 1
     streamed = client.chat.completions.create(model=NAME, messages=messages, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == expected
     scored = client.chat.completions.create(model=NAME, messages=messages, logprobs=True, top_logprobs=1)

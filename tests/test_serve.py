@@ -24,7 +24,7 @@ from pathlib import Path
 import jax
 import pytest
 import yaml
-from openai_served import events
+from openai_served import events as sse_events
 from test_cli import ROOT
 from test_engine import NO_EOS, PAGE, SLOTS, SMALL_POOL, _model
 from test_own_data import _reverse, _sentences
@@ -264,7 +264,7 @@ def test_streamed_translation_pieces_add_up_to_the_answer(servers, reference):
   conn.request("POST", "/v1/translate", json.dumps({"text": LOOPING, "stream": True}))
   response = conn.getresponse()
   assert response.status == 200 and response.getheader("Content-Type").startswith("text/event-stream")
-  events = events(response)
+  events = sse_events(response)
   conn.close()
   assert events[-1] == "[DONE]" and len(events) >= 3
   tokens = events[:-1]
@@ -355,7 +355,7 @@ def test_generation_with_a_seed_is_reproducible(servers):
   assert lm.post("/v1/generate", body) == {"text": first}
   conn = lm.connection()
   conn.request("POST", "/v1/generate", json.dumps({**body, "stream": True}))
-  events = events(conn.getresponse())
+  events = sse_events(conn.getresponse())
   conn.close()
   assert events[-1] == "[DONE]" and len(events) == 9                         # 8 tokens (no EOS stop), then DONE
   assert "".join(e["text"] for e in events[:-1]) == first
@@ -396,7 +396,7 @@ def test_sigterm_lets_the_request_in_flight_finish(servers, reference):
   first = response.readline()
   mt.proc.send_signal(signal.SIGTERM)
   sent = time.monotonic()
-  events = events([first, *response])
+  events = sse_events([first, *response])
   conn.close()
   assert events[-1] == "[DONE]" and "".join(e["text"] for e in events[:-1]) == reference[LOOPING]
   assert mt.proc.wait(30) == -signal.SIGTERM and time.monotonic() - sent < 30
