@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from jaxformer.config import Config, ConfigError, DataConfig, config_from_dict, dump_config
+from jaxformer.data.tokenizer_hf import SPM_FILES
 from jaxformer.interop import links as L
 from jaxformer.interop.hf_export import CONFIG_KEY, MAPPINGS
 from jaxformer.interop.hf_tokenizer import load_tokenizer
@@ -34,7 +35,7 @@ IMPORT_FILE = "imported.json"
 TOKENIZER_DIR = "hf_tokenizer"   # a published model's own tokenizer files, which data.tokenizer_model names
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "source.spm", "target.spm",
                    "vocab.json")
-TOKENIZER_SIGNS = ("tokenizer.json", "spiece.model", "tokenizer.model", "source.spm")   # one of them: a tokenizer
+TOKENIZER_SIGNS = ("tokenizer.json", *SPM_FILES, "source.spm")   # one of them: the directory has a tokenizer
 OWN_TOKENIZERS = ("hf", "marian")   # data.tokenizer values naming a published model's own tokenizer files
 
 
