@@ -28,7 +28,6 @@ and had (`out_of_memory`). Any other compiler error becomes one `CompileError` l
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import time
 from typing import Any
@@ -40,7 +39,7 @@ from jaxformer import aot_gpu
 from jaxformer import sharding as sh
 from jaxformer.config import Config, ConfigError
 from jaxformer.errors import CompileError
-from jaxformer.runtime import build_mesh
+from jaxformer.runtime import build_mesh, quiet_libtpu
 from jaxformer.tasks import get_task
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import state_shardings
@@ -48,11 +47,6 @@ from jaxformer.train.step import make_train_call
 
 _UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
           "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
-# libtpu as a compiler only: say this host is a whole one-host slice, or loading it without TPU chips
-# prints warnings about the missing TPU metadata (it compiles the same either way), and let several
-# processes load it (it otherwise takes a lock meant for processes that use the chips).
-_LIBTPU_HOST_ENV = {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_HOST_BOUNDS": "1,1,1",
-                    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 # The TPU compiler's two out-of-memory messages (sizes such as "27.21G", powers of 1024).
 _SIZE = r"([0-9.]+)\s*([KMGTP]?)i?B?"
 _OOM_PATTERNS = (
@@ -75,18 +69,9 @@ def parse_size(text: str) -> int:
   return int(float(match.group(1)) * _UNITS[unit])
 
 
-def quiet_libtpu() -> None:
-  """Where they are unset, sets libtpu's host variables for a process that only compiles
-  (`_LIBTPU_HOST_ENV`): no warnings on a machine without TPU chips, no lock against other
-  compiling processes. Call it before anything loads libtpu (it reads them once), in a process
-  whose JAX backends exclude TPU (`jaxformer compile --topology` runs on the CPU platform)."""
-  for key, value in _LIBTPU_HOST_ENV.items():
-    os.environ.setdefault(key, value)
-
-
 def topology_devices(name: str) -> list[Any]:
   """The devices of TPU topology `name` (e.g. "v5e:16x16", "v5p:4x4x8"), from
-  `jax.experimental.topologies` (after `quiet_libtpu`), or of GPU topology `name` ("h100:8",
+  `jax.experimental.topologies` (after `runtime.quiet_libtpu`), or of GPU topology `name` ("h100:8",
   `aot_gpu.gpu_devices`).
 
   Raises:

@@ -295,9 +295,9 @@ def cmd_compile(args) -> None:
   config = load_config(config_path(args.config), [*args.overrides, *cpu, "runtime.platform=cpu"])
   from jaxformer import aot
   hbm = aot.parse_size(args.hbm) if args.hbm else aot.device_memory(args.topology)
+  from jaxformer.runtime import init_runtime, quiet_libtpu
   if args.topology:
-    aot.quiet_libtpu()   # before any backend starts
-  from jaxformer.runtime import init_runtime
+    quiet_libtpu()   # before any backend starts
   init_runtime(config.runtime)
   devices = aot.topology_devices(args.topology) if args.topology else None
   if args.decode:

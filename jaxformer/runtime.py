@@ -23,6 +23,29 @@ from jaxformer.models.pipeline import check_pipeline
 # pinned: Eigen sizes its matmul blocks by the CPU's caches, so CPUs with other caches may differ.
 DETERMINISTIC_XLA_FLAGS = ("--xla_cpu_max_isa=AVX2", "--xla_cpu_enable_platform_dependent_math=false",
                            "--xla_cpu_use_xnnpack=false", "--xla_cpu_experimental_ynn_fusion_type=")
+# libtpu where no TPU chip is attached (installed to compile for TPU topologies, the `aot` extra):
+# say this host is a whole one-host slice, or loading it prints warnings about the missing TPU
+# metadata on every start, and let several processes load it (it otherwise takes a lock meant for
+# processes that use the chips).
+_LIBTPU_HOST_ENV = {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_HOST_BOUNDS": "1,1,1",
+                    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+
+
+def quiet_libtpu() -> None:
+  """Where they are unset, sets libtpu's host variables for a process that does not use TPU chips
+  (`_LIBTPU_HOST_ENV`): no warnings on a machine without them, no lock against other compiling
+  processes. Acts only before anything loads libtpu (it reads them once)."""
+  for key, value in _LIBTPU_HOST_ENV.items():
+    os.environ.setdefault(key, value)
+
+
+def _tpu_chips_attached() -> bool:
+  """Whether PCI lists a TPU chip (JAX's own probe; assumed so if this JAX lacks it)."""
+  try:
+    from jax._src import hardware_utils
+    return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
+  except (ImportError, AttributeError, OSError):
+    return True
 
 
 def pin_cpu_numerics(cpu_threads: int) -> None:
@@ -46,6 +69,8 @@ def init_runtime(runtime: RuntimeConfig) -> None:
     ConfigError: the machine has no devices of `runtime.platform` (naming the platforms it
       has), or the CPU device count cannot be applied.
   """
+  if not _tpu_chips_attached():
+    quiet_libtpu()
   if runtime.deterministic:
     pin_cpu_numerics(runtime.cpu_threads)
   if runtime.platform:
