@@ -86,7 +86,7 @@ def pipeline(args) -> dict:
   from jaxformer import data as D  # noqa: PLC0415
   from jaxformer import sharding as sh  # noqa: PLC0415
   from jaxformer.config import load_config  # noqa: PLC0415
-  from jaxformer.runtime import build_mesh  # noqa: PLC0415
+  from jaxformer.runtime.startup import build_mesh  # noqa: PLC0415
   from jaxformer.tasks import get_task  # noqa: PLC0415
   from jaxformer.train.optim import make_optimizer  # noqa: PLC0415
   from jaxformer.train.state import abstract_state, create_state  # noqa: PLC0415

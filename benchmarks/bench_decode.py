@@ -40,14 +40,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer import evaluate
 from jaxformer import sharding as sh
 from jaxformer.config import load_config
 from jaxformer.inference import restore as inference_restore
 from jaxformer.inference.decode import SearchOptions, greedy_decode
 from jaxformer.inference.search import LENGTH_PENALTY
 from jaxformer.models.transformer import BOS_ID, EncoderDecoder
-from jaxformer.tasks import get_task
+from jaxformer.tasks import evaluate, get_task
 
 NO_EOS = -1  # an id no argmax can return: decoding runs the full output length
 

@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jaxformer import checkpoint as ckpt
+from jaxformer.checkpoint import manager as ckpt
 from jaxformer.config import config_from_dict, dump_config, load_config, to_dict
 from jaxformer.inference.restore import restore
 from jaxformer.tasks import get_task

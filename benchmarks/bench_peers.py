@@ -17,7 +17,11 @@ Marian keeps its pad token as one extra id at the end of the vocabulary (`vocab 
 transformers, never generated; the converter drops it, leaving CTranslate2 with `vocab` rows as
 jaxformer).
 
-Timing: one process, float32, the same thread count for all (`--threads`, default every usable
+`--quantize int8` runs jaxformer with int8 weights and int8 products (`inference.quantize`, every
+kernel quantized, as `--quantize int8` restores them) and CTranslate2 with `compute_type="int8"` on
+the same converted float32 model (it quantizes at load); transformers stays float32.
+
+Timing: one process, float32 (or the int8 above), the same thread count for all (`--threads`, default every usable
 CPU: XLA:CPU's pool through NPROC, `torch.set_num_threads`, CTranslate2's intra_threads with one
 inter thread). Each of the six decoders runs once untimed (compiles, first-call set-up), then
 `--rounds` interleaved rounds (jaxformer, transformers, CTranslate2, jaxformer, ...) so load from
@@ -57,9 +61,10 @@ from tokenizers import Tokenizer, models
 from jaxformer import sharding as sh
 from jaxformer.config import Config, ConfigError, load_config
 from jaxformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from jaxformer.inference.quantize import quantize_params
 from jaxformer.interop.ctranslate2 import convert
 from jaxformer.interop.hf_export import hf_model, select_mapping
-from jaxformer.runtime import build_mesh
+from jaxformer.runtime.startup import build_mesh
 from jaxformer.tasks import get_task
 
 Decoder = Callable[[np.ndarray], np.ndarray]   # int32 sources [batch, src_len] -> ids [batch, new_tokens]
@@ -132,11 +137,12 @@ def token_names(vocab_size: int) -> list[str]:
   return [special.get(i, f"w{i}") for i in range(vocab_size)] + ["<pad>"]
 
 
-def ctranslate2_translator(model: transformers.MarianMTModel, directory: str | Path,
-                           threads: int) -> ctranslate2.Translator:
+def ctranslate2_translator(model: transformers.MarianMTModel, directory: str | Path, threads: int,
+                           compute_type: str = "float32") -> ctranslate2.Translator:
   """`model` saved with `save_pretrained` (plus a word-level tokenizer over `token_names`: random
   weights have no SentencePiece model) under `directory`/hf, converted to float32 CTranslate2 in
-  `directory`/ct2 (`interop.ctranslate2.convert`), loaded on the CPU."""
+  `directory`/ct2 (`interop.ctranslate2.convert`), loaded on the CPU to run in `compute_type`
+  (float32, or int8: quantized at load)."""
   names = token_names(model.config.vocab_size - 1)
   tokenizer = transformers.PreTrainedTokenizerFast(
       tokenizer_object=Tokenizer(models.WordLevel({n: i for i, n in enumerate(names)}, unk_token="<unk>")),
@@ -145,7 +151,7 @@ def ctranslate2_translator(model: transformers.MarianMTModel, directory: str | P
   model.save_pretrained(hf_dir)
   tokenizer.save_pretrained(hf_dir)
   convert(hf_dir, ct2_dir)
-  return ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type="float32", inter_threads=1,
+  return ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type=compute_type, inter_threads=1,
                                 intra_threads=threads)
 
 
@@ -190,6 +196,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--rounds", type=int, default=5, help="timed interleaved rounds (median reported)")
   p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads of every engine")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--quantize", choices=("int8",), default=None,
+                 help="jaxformer with int8 weights and products, CTranslate2 with compute_type=int8")
   p.add_argument("overrides", nargs="*", help="config overrides, e.g. model.d_model=512")
   return p
 
@@ -208,12 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     params = jaxformer_params(cfg, args.seed)
     hf = marian_model(cfg, params)
     searches = {"greedy": 1, f"beam{args.beam_size}": args.beam_size}
+    ours = jax.jit(lambda p: quantize_params(p, min_size=1))(params) if args.quantize else params
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
-      translator = ctranslate2_translator(hf, tmp, args.threads)
+      translator = ctranslate2_translator(hf, tmp, args.threads, args.quantize or "float32")
       inputs = random_sources(args.batch_size, args.src_len, m.vocab_size, args.seed)
       decoders = {}
       for search, k in searches.items():
-        engines = (jaxformer_decoder(cfg, params, k, args.src_len, args.new_tokens),
+        engines = (jaxformer_decoder(cfg, ours, k, args.src_len, args.new_tokens),
                    transformers_decoder(hf, k, args.new_tokens),
                    ctranslate2_decoder(translator, m.vocab_size, k, args.new_tokens))
         decoders.update({(search, e): d for e, d in zip(ENGINES, engines)})
@@ -229,10 +238,12 @@ def main(argv: list[str] | None = None) -> int:
   tokens = args.batch_size * args.new_tokens
   result: dict[str, Any] = {
       "model": cfg.name, "batch_size": args.batch_size, "src_len": args.src_len, "new_tokens": args.new_tokens,
-      "rounds": args.rounds, "threads": args.threads,
+      "rounds": args.rounds, "threads": args.threads, "quantize": args.quantize,
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
       "versions": {"jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
                    "ctranslate2": ctranslate2.__version__}}
   print(f"{cfg.name}, {args.batch_size} rows x {args.new_tokens} new tokens, {args.threads} threads, "
+        f"{args.quantize or 'float32'} (transformers float32), "
         f"median of {args.rounds} rounds: target tokens/s")
   print("| search | jaxformer | transformers | ctranslate2 | jaxformer/transformers | jaxformer/ctranslate2 |")
   print("|---|---|---|---|---|---|")

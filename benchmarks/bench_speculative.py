@@ -14,9 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from jaxformer import evaluate
 from jaxformer.inference import restore as inference_restore
-from jaxformer.tasks import get_task
+from jaxformer.tasks import evaluate, get_task
 from jaxformer.tasks.base import EvalOptions
 
 

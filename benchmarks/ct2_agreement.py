@@ -28,11 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def compare(workdir: str, sources: list[str], batch_size: int = 64, threads: int = 2) -> dict:
   """Exports `workdir`, converts it, translates `sources` with both engines; returns
   `{"sentences", "identical", "fraction", "differing": [{"index", "jaxformer", "ctranslate2"}]}`."""
-  from jaxformer import evaluate
   from jaxformer.inference import restore as inference_restore
   from jaxformer.inference.decode import SearchOptions
   from jaxformer.interop import ctranslate2 as ct2
   from jaxformer.interop.hf_export import export_workdir
+  from jaxformer.tasks import evaluate
   config = inference_restore.workdir_config(workdir)
   max_length = config.model.max_length
   restored = inference_restore.restore(workdir, config)

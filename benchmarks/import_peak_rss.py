@@ -7,10 +7,14 @@ then, in a fresh subprocess, reads every tensor with `HFWeights.get` one at a ti
 to float32, then dropped) and prints one JSON line: the peak RSS of that process
 (`ru_maxrss`), its RSS before reading, the file size, the largest tensor in float32, the
 number of tensors and the seconds taken. Then, in another fresh subprocess, runs `jaxformer
-import --from-hf` of that directory into a new workdir (params mapped to ours, checked by mapping
-them back, written as an Orbax checkpoint of params alone) and adds that process's peak RSS and
-seconds. Needs about 8 GB of free space in the temporary directory and about 6 GB of memory for
-the writing step.
+import --from-hf` of that directory into a new workdir (each tensor read, mapped to our params and
+checked by mapping it back, one at a time; the params written as an Orbax checkpoint of their own)
+and adds that process's peak RSS and
+seconds, the peak of each stage (sampled every 10 ms: "start", reading the config and opening the
+files; "convert", the params read, converted and checked one tensor at a time; "params_held", the
+RSS once they are all built; "write", the tokenizer, run files and Orbax checkpoint) and the peak
+over the model's float32 params. Needs about 8 GB of free space in the temporary directory and
+about 6 GB of memory.
 
   python benchmarks/import_peak_rss.py [--config configs/decoder_1b.yaml] [--keep DIR]
 """
@@ -69,12 +73,31 @@ print(json.dumps({
 """
 
 IMPORT = """
-import json, resource, sys, time
+import json, os, resource, sys, threading, time
 from jaxformer.cli import main
+from jaxformer.interop import hf_import
+def rss_mib():
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+stage, peaks = ["start"], {}
+def watch():   # each stage's peak RSS, sampled every 10 ms (ru_maxrss is the exact peak of the whole)
+  while True:
+    peaks[stage[0]] = max(peaks.get(stage[0], 0.0), rss_mib())
+    time.sleep(0.01)
+threading.Thread(target=watch, daemon=True).start()
+convert = hf_import.params_from_hf
+def params_from_hf(*args):
+  stage[0] = "convert"
+  params = convert(*args)
+  peaks["params_held"] = rss_mib()
+  stage[0] = "write"
+  return params
+hf_import.params_from_hf = params_from_hf
 start = time.perf_counter()
 status = main(["import", "--from-hf", sys.argv[1], "--workdir", sys.argv[2]])
 print(json.dumps({"import_status": status, "import_seconds": round(time.perf_counter() - start, 1),
-                  "import_peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}))
+                  "import_peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                  "import_rss_mib": {k: round(v, 1) for k, v in peaks.items()}}))
 """
 
 
@@ -95,8 +118,11 @@ def main() -> None:
     imported = json.loads(run.stdout.strip().splitlines()[-1])
     if imported["import_status"]:
       imported["import_error"] = run.stderr.strip().splitlines()[-1]
-  print(json.dumps({"config": args.config, "parameters": int(params), "dtype": "bfloat16", **json.loads(line),
-                    **imported}))
+  fp32 = int(params) * 4 / 2**20
+  if "import_peak_rss_mib" in imported:
+    imported["import_peak_over_float32_params"] = round(imported["import_peak_rss_mib"] / fp32, 2)
+  print(json.dumps({"config": args.config, "parameters": int(params), "float32_params_mib": round(fp32, 1),
+                    "dtype": "bfloat16", **json.loads(line), **imported}))
 
 
 if __name__ == "__main__":

@@ -101,7 +101,7 @@ def run_cell(row_name: str, slice_name: str, name: str) -> dict:
 def corrected(result: dict, layers: dict[str, dict]) -> tuple[float, float]:
   """The preset's (flops, bytes accessed) per device with its scanned layers all counted: plus
   (depth - 1) times the difference of the unscanned 2- and 1-layer compiles."""
-  from jaxformer.cli_args import config_path
+  from jaxformer.cli.args import config_path
   from jaxformer.config import load_config
   depth = load_config(config_path(result["config"])).model.num_decoder_layers
   one, two = layers["layers=1"], layers["layers=2"]
@@ -110,7 +110,7 @@ def corrected(result: dict, layers: dict[str, dict]) -> tuple[float, float]:
 
 def model_flops(result: dict) -> float:
   """6 * params * tokens + 12 * layers * d_model * length * tokens per step (see the module docstring)."""
-  from jaxformer.cli_args import config_path
+  from jaxformer.cli.args import config_path
   from jaxformer.config import load_config
   m = load_config(config_path(result["config"])).model
   length = result["length"]

@@ -12,8 +12,8 @@ The public Python API is the names below; everything else is internal. Each does
   jaxformer.logits(model, ids)                      # float32 logits, to compare with another implementation
   jaxformer.export(workdir, out)                    # `jaxformer export --format hf`
 
-(Training is `fit` and evaluation `score` because `jaxformer.train` and `jaxformer.evaluate`
-are internal modules.) The names are imported on first use, so `import jaxformer` loads
+(Training is `fit` and evaluation `score` because `jaxformer.train` is an internal package and
+evaluation lives in `jaxformer.tasks.evaluate`.) The names are imported on first use, so `import jaxformer` loads
 neither JAX nor anything else.
 """
 

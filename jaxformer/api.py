@@ -10,14 +10,13 @@ from typing import Any
 
 import numpy as np
 
-from jaxformer import evaluate
 from jaxformer import sharding as sh
 from jaxformer.config import Config, runtime_from_overrides
 from jaxformer.inference import restore as inference_restore
 from jaxformer.inference.decode import SearchOptions
 from jaxformer.inference.restore import Restored
-from jaxformer.runtime import init_runtime
-from jaxformer.tasks import get_task
+from jaxformer.runtime.startup import init_runtime
+from jaxformer.tasks import evaluate, get_task
 from jaxformer.tasks.base import EvalOptions
 from jaxformer.train.loop import train
 
@@ -83,10 +82,11 @@ def logits(model: Restored, inputs: Any, targets: Any = None) -> np.ndarray:
   import jax  # noqa: PLC0415
   kind, vocab = model.config.model.kind, model.config.model.vocab_size
   arrays = [_ids(name, x, vocab) for name, x in (("inputs", inputs), ("targets", targets)) if x is not None]
-  if (kind == "encoder_decoder") != (targets is not None):
+  translates = get_task(model.config).translates
+  if translates != (targets is not None):
     raise ValueError(f"targets {'are required' if targets is None else 'are only taken'} for an encoder_decoder "
                      f"model; this one is model.kind={kind}")
-  if kind == "encoder_decoder":
+  if translates:
     fn = jax.jit(lambda p, x, y: model.model.apply({"params": p}, x, y, method=_teacher_forced))
   else:
     fn = jax.jit(lambda p, x: model.model.apply({"params": p}, x))
@@ -119,7 +119,7 @@ def translate(model: Restored, sentences: Sequence[str], *, batch_size: int = 64
   Raises:
     ValueError: invalid search options, or a model that is not an encoder-decoder.
   """
-  if model.config.model.kind != "encoder_decoder":
+  if not get_task(model.config).translates:
     raise ValueError(f"translate needs an encoder_decoder model; this one is model.kind={model.config.model.kind}")
   return evaluate.translate(model, list(sentences), batch_size, SearchOptions(**search).validate())[0]
 

@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxformer.config import ConfigError
-from jaxformer.mesh_config import MESH_AXES, MeshConfig
+from jaxformer.config.mesh import MESH_AXES, MeshConfig
 
 # Weight axes.
 VOCAB = "vocab"

@@ -33,6 +33,22 @@ TINY = str(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml")
 SHAKESPEARE = Path(__file__).resolve().parents[1] / "jaxformer" / "data" / "raw" / "tinyshakespeare" / "input.txt.gz"
 
 
+def tiny_config(kind: str | None = None, *overrides: str, **sections: dict):
+  """configs/tiny.yaml as a `Config`, the one base of the tests' small models: `kind` sets
+  `model.kind` (None keeps the file's encoder-decoder), each keyword is a section whose fields
+  replace the file's (`model={"d_model": 16}`), then `overrides` apply as on the command line
+  (`"mesh.data=2"`); validated like `--config tiny.yaml`."""
+  import yaml
+
+  from jaxformer.config import config_from_dict  # here: JAX must be imported after the flags above
+  tree = yaml.safe_load(Path(TINY).read_text())
+  for section, fields in sections.items():
+    tree[section] = {**tree.get(section, {}), **fields}
+  if kind is not None:
+    tree["model"]["kind"] = kind
+  return config_from_dict(tree, overrides)
+
+
 def shakespeare_lines(n: int) -> list[str]:
   """The first `n` non-empty lines of Tiny Shakespeare (of its first 4000), stripped."""
   with gzip.open(SHAKESPEARE, "rt", encoding="utf-8") as f:

@@ -7,13 +7,15 @@ import jax
 import pytest
 from conftest import TINY
 
-from jaxformer import aot, cli, cli_args
+from jaxformer import cli
 from jaxformer import sharding as sh
+from jaxformer.aot import train_step as aot
+from jaxformer.cli import args as cli_args
 from jaxformer.config import ConfigError, load_config
-from jaxformer.summary import per_device_bytes
 from jaxformer.tasks import get_task
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import abstract_state, state_shardings
+from jaxformer.train.summary import per_device_bytes
 
 # One layer per stack, short rows: every sharded weight and collective, compiled in seconds.
 SMALL = ["model.num_encoder_layers=1", "model.num_decoder_layers=1", "data.max_length=16", "data.buckets=[16]",

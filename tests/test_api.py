@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 import jaxformer
-from jaxformer import evaluate, plots
+from jaxformer import plots
 from jaxformer.cli import main
 from jaxformer.inference.attention_maps import attention_maps
+from jaxformer.tasks import evaluate
 
 ROOT = Path(__file__).parent.parent
 SOURCES = ["A man is riding a bike.", "Two dogs play in the snow."]

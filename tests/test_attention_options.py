@@ -16,7 +16,7 @@ from jaxformer.layers.blockwise import blockwise_attention
 from jaxformer.layers.positions import alibi_bias, alibi_slopes, apply_rope
 from jaxformer.layers.scores import attention_mask, attention_scores
 from jaxformer.models.transformer import BOS_ID, PAD_ID, EncoderDecoder
-from jaxformer.runtime import check_model_fits_mesh
+from jaxformer.runtime.startup import check_model_fits_mesh
 
 B, T, S, N, H = 2, 13, 11, 4, 8  # batch, query length, key length, heads, head_dim
 

@@ -4,9 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxformer import average
-from jaxformer import checkpoint as ckpt
 from jaxformer import sharding as sh
+from jaxformer.checkpoint import average
+from jaxformer.checkpoint import manager as ckpt
 from jaxformer.config import MeshConfig, config_from_dict
 from jaxformer.errors import CheckpointError
 from jaxformer.models.transformer import EncoderDecoder

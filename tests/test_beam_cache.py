@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from jaxformer.config import ModelConfig
-from jaxformer.evaluate import hypothesis_scores
 from jaxformer.inference.decode import beam_search
 from jaxformer.inference.search import EOS_ID, beam_strategy, length_penalty
 from jaxformer.layers import kv_cache as kvc
 from jaxformer.layers.positions import alibi_bias, alibi_slopes
 from jaxformer.models.decoder_only import DecoderOnly
 from jaxformer.models.transformer import PAD_ID, EncoderDecoder
+from jaxformer.tasks.evaluate import hypothesis_scores
 
 
 @pytest.mark.parametrize("cached", [(4, 4, 4, 2, 2, 2), (12, 12, 12, 9, 9, 9)])

@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from jaxformer import bench
+from jaxformer.bench import step as bench
 from jaxformer.config import ModelConfig, config_from_dict
 
 ROOT = Path(__file__).parent.parent
@@ -147,10 +147,10 @@ def test_bench_rejects_a_length_beyond_the_model_and_other_model_kinds():
 
 def test_torch_peer_has_our_parameter_count():
   pytest.importorskip("torch")
-  from jaxformer.bench_torch import PeerTransformer, count_parameters
+  from jaxformer.bench.torch_peer import PeerTransformer, count_parameters
   from jaxformer.models.transformer import EncoderDecoder
-  from jaxformer.train.state import abstract_state
   from jaxformer.train.optim import make_optimizer
+  from jaxformer.train.state import abstract_state
   for overrides in ({}, {"tie_embeddings": False}, {"pre_norm": True}):
     m = dataclasses.replace(_config().model, vocab_size=37, d_model=16, d_ff=24, **overrides)
     abstract, _ = abstract_state(EncoderDecoder(m), make_optimizer(_config().optim, m.d_model))

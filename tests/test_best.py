@@ -10,7 +10,7 @@ import pytest
 from test_cli import TINY, run_cli
 from test_own_data import TINY_MODEL, _reverse, _sentences
 
-from jaxformer import checkpoint as ckpt
+from jaxformer.checkpoint import manager as ckpt
 from jaxformer.train.best import BestCheckpoint
 
 

@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxformer import checkpoint as ckpt
 from jaxformer import sharding as sh
+from jaxformer.checkpoint import manager as ckpt
 from jaxformer.config import MeshConfig, config_from_dict
 from jaxformer.models.transformer import EncoderDecoder
 from jaxformer.train.optim import make_optimizer

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from test_cli import cli_env
 
-from jaxformer import checkpoint as ckpt
 from jaxformer import sharding as sh
+from jaxformer.checkpoint import manager as ckpt
 from jaxformer.config import MeshConfig, load_config
 from jaxformer.inference import restore as inference_restore
 from jaxformer.tasks import get_task

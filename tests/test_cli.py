@@ -138,7 +138,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path):
 
 
 def test_eval_errors_on_workdir_without_checkpoints_and_mismatched_files(tmp_path):
-  from jaxformer.checkpoint import save_run_files
+  from jaxformer.checkpoint.manager import save_run_files
   from jaxformer.config import dump_config, load_config
   workdir = tmp_path / "w"
   save_run_files(workdir, dump_config(load_config(TINY)), b"not used before the checks")
@@ -169,7 +169,7 @@ def test_config_command_lists_and_shows_every_key(tmp_path):
 
 
 def test_scoring_mismatched_counts_and_zero_batch_sizes_are_refused(tmp_path):
-  from jaxformer import evaluate
+  from jaxformer.tasks import evaluate
   with pytest.raises(ValueError, match="3 hypotheses but 2 references"):
     evaluate.score(["a", "b", "c"], ["a", "b"])
   assert evaluate.score(["a b c d"], ["a b c d"])["bleu"] == 100.0

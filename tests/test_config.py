@@ -136,7 +136,7 @@ def test_a_config_typo_fails_before_jax_is_imported():
 
 def test_overrides_anywhere_and_shipped_names_from_any_directory(tmp_path, monkeypatch, capsys):
   from jaxformer.cli import _parser
-  from jaxformer.cli_args import CONFIGS_DIR, config_path, parse_command_line
+  from jaxformer.cli.args import CONFIGS_DIR, config_path, parse_command_line
   monkeypatch.chdir(tmp_path)   # no configs/ here
   args = parse_command_line(_parser(), ["train", "--config", "tiny", "model.position=t5", "--workdir", "W",
                                         "train.num_steps=3"])

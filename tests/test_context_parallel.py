@@ -10,14 +10,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_config
 
 from jaxformer import sharding as sh
-from jaxformer.aot import compile_train_step
-from jaxformer.config import ConfigError, MeshConfig, load_config
+from jaxformer.aot.train_step import compile_train_step
+from jaxformer.config import ConfigError, MeshConfig
 from jaxformer.layers.attention import MultiHeadAttention
-from jaxformer.runtime import build_mesh
+from jaxformer.runtime.startup import build_mesh
 from jaxformer.tasks import get_task
-from jaxformer.train.step import loss_fn
+from jaxformer.tasks.objective import loss_fn
 
 ROOT = Path(__file__).parent.parent
 B, T, S, D = 2, 16, 8, 24
@@ -109,8 +110,8 @@ def test_masks_and_position_biases_equal_dense_on_one_device(dense_references, c
 
 
 def _config(*overrides: str):
-  return load_config(ROOT / "configs/tiny.yaml", ["model.num_encoder_layers=1", "model.num_decoder_layers=2",
-                                                  "model.attention_block_size=4", *overrides])
+  return tiny_config(None, "model.num_encoder_layers=1", "model.num_decoder_layers=2", "model.attention_block_size=4",
+                     *overrides)
 
 
 @pytest.mark.parametrize("kind, context, extra", [

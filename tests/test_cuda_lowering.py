@@ -12,7 +12,9 @@ import jax._src.cudnn.fused_attention_stablehlo as cudnn_attention
 import pytest
 from conftest import TINY
 
-from jaxformer import aot, aot_decode, aot_gpu
+from jaxformer.aot import decode as aot_decode
+from jaxformer.aot import gpu as aot_gpu
+from jaxformer.aot import train_step as aot
 from jaxformer.config import ConfigError, load_config
 
 # One layer per stack, every weight sharded (data x fsdp x tensor over the 8 CPU devices), bfloat16 compute.

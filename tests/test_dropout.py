@@ -6,7 +6,8 @@ import jax.extend.random as jex_random
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxformer.layers.dropout import Dropout, dropout, random_words, threefry_2x32
 

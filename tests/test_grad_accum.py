@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 
 from jaxformer import sharding as sh
-from jaxformer.config import (Config, ConfigError, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig,
-                              TrainConfig)
+from jaxformer.config import Config, ConfigError, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig, TrainConfig
 from jaxformer.data import PAD_ID, global_batch, stack_batches
 from jaxformer.models.transformer import EncoderDecoder
-from jaxformer.precision import LossScale
 from jaxformer.tasks import get_task
+from jaxformer.tasks.objective import loss_fn
+from jaxformer.train.loss_scale import LossScale
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import create_state, state_shardings
-from jaxformer.train.step import _microbatches, loss_fn, make_multi_step, make_train_step
+from jaxformer.train.step import _microbatches, make_multi_step, make_train_step
 
 VOCAB, SRC_LEN, TGT_LEN = 38, 9, 11   # vocab splits over tensor=2
 # Real target tokens per row: microbatches of rows j, j + k, ... hold 5 and 43 tokens (k = 2) or

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import TINY
+
 from jaxformer.config import ConfigError, load_config
 
 # Builds and exports four models, then runs transformers: with the slow tests (CI runs them).
@@ -49,6 +49,7 @@ def _sentences(lang: str, n: int = 4) -> list[str]:
 def _random_params(config, seed: int = 0):
   """A random init of `config`'s model with every leaf perturbed (float32 numpy tree)."""
   import flax.linen as nn
+
   from jaxformer.tasks import get_task
   model = get_task(config).make_model()
   ids = jnp.ones((1, 4), jnp.int32)
@@ -115,6 +116,7 @@ def test_tokenizer_gives_our_ids(exported):
 @pytest.mark.parametrize("arch", list(MIXES))
 def test_logits_equal_ours(exported, arch):
   import torch
+
   from jaxformer.models.transformer import shift_right
   models, _ = exported
   config, model, params, directory = models[arch]
@@ -141,6 +143,7 @@ def test_logits_equal_ours(exported, arch):
 @pytest.mark.parametrize("arch", ["MarianMTModel", "LlamaForCausalLM", "GPT2LMHeadModel"])
 def test_generate_greedy_equals_our_greedy(exported, arch):
   import torch
+
   from jaxformer.data.tokenizer import EOS_ID
   models, _ = exported
   config, model, params, directory = models[arch]
@@ -173,7 +176,7 @@ def test_import_gives_identical_params(exported, arch):
 
 @pytest.mark.slow
 def test_import_then_train_fine_tunes_and_export_cli(exported, tmp_path, capsys):
-  from jaxformer import checkpoint as ckpt
+  from jaxformer.checkpoint import manager as ckpt
   from jaxformer.cli import main
   from jaxformer.interop.hf_import import import_hf
   from jaxformer.interop.links import flatten
@@ -241,6 +244,7 @@ def test_import_a_llama_made_by_transformers(exported, tmp_path):
   config) imports as such, and our model then computes its logits."""
   import torch
   import transformers
+
   from jaxformer.interop.hf_import import params_from_hf, read_hf
   from jaxformer.interop.hf_tokenizer import save_tokenizer
   from jaxformer.tasks import get_task

@@ -248,12 +248,57 @@ def test_read_hf_returns_the_files_tensors_by_state_dict_name(tmp_path):
     np.testing.assert_array_equal(value, want[name], err_msg=name)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_params_read_one_tensor_at_a_time_are_those_of_the_state_dict(tied, tmp_path):
+  """Import reads each tensor on request (`open_hf`), converting and checking it before the next:
+  the params equal those of the whole state dict (`read_hf`), and a scanned layout's stacks, filled
+  as each layer is read, equal `layout.stack_layers` of the unrolled params."""
+  import dataclasses
+
+  import jax
+
+  from jaxformer.interop.hf_import import open_hf, params_from_hf, read_hf
+  from jaxformer.interop.links import flatten
+  from jaxformer.models import layout
+  from jaxformer.tasks import get_task
+  torch.manual_seed(0)
+  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA, "num_hidden_layers": 3},
+                                                                  tie_word_embeddings=tied))
+  model.to(torch.bfloat16).save_pretrained(str(tmp_path))
+  config, tensors = read_hf(tmp_path)
+  unrolled = dataclasses.replace(config, model=dataclasses.replace(config.model, scan_layers=False))
+  scanned = dataclasses.replace(config, model=dataclasses.replace(config.model, scan_layers=True))
+  want = params_from_hf(unrolled, tensors)
+  with open_hf(tmp_path)[1] as weights:
+    got = flatten(params_from_hf(unrolled, weights))
+    assert got.keys() == flatten(want).keys()
+    for name, value in flatten(want).items():
+      np.testing.assert_array_equal(got[name], value, err_msg=name)
+    stacked = params_from_hf(scanned, weights)
+  want = layout.stack_layers(want, layout.layer_stacks(get_task(scanned).make_model()))
+  assert jax.tree.structure(stacked) == jax.tree.structure(want)
+  for got, value in zip(jax.tree.leaves(stacked), jax.tree.leaves(want)):
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, np.asarray(value))
+
+
+def test_blockwise_allclose_is_numpys():
+  from jaxformer.interop.links import allclose
+  rng = np.random.default_rng(0)
+  for shape in [(), (5,), (7, 3), (0, 4), (6, 2, 3)]:
+    a = rng.standard_normal(shape).astype(np.float32)
+    for b in (a.copy(), a + np.float32(1e-7), a * np.float32(1 + 1e-3)):
+      assert allclose(a, b, block=4) == np.allclose(a, b, rtol=1e-5, atol=1e-6), shape
+  assert not allclose(np.zeros((9, 2)), np.eye(9, 2), block=2)
+
+
 def test_import_failing_while_writing_leaves_nothing(tmp_path, monkeypatch):
   """A failure after the temporary workdir exists (here: the checkpoint save) removes it."""
-  from jaxformer import checkpoint as ckpt
+  from conftest import TINY
+
+  from jaxformer.checkpoint import manager as ckpt
   from jaxformer.config import load_config
   from jaxformer.interop.hf_import import write_workdir
-  from conftest import TINY
 
   class Tokenizer:
     serialized = b"not a real tokenizer"
@@ -261,7 +306,7 @@ def test_import_failing_while_writing_leaves_nothing(tmp_path, monkeypatch):
   def fail(*args, **kwargs):
     raise OSError("disk full")
 
-  monkeypatch.setattr(ckpt.Checkpointer, "save_params", fail)
+  monkeypatch.setattr(ckpt, "save_host_params", fail)
   with pytest.raises(OSError, match="disk full"):
     write_workdir(load_config(TINY), {"w": np.zeros(2, np.float32)}, Tokenizer(), tmp_path / "run", {})
   assert list(tmp_path.iterdir()) == []

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import tiny_config
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -131,10 +132,11 @@ def test_options_without_a_counterpart_are_one_line(options, message):
 
 
 def test_logits_bias_is_an_encoder_decoder_option():
-  from jaxformer.config import ConfigError, ModelConfig
-  ModelConfig(logits_bias=True).validate()
+  from jaxformer.config import ConfigError
+  from jaxformer.tasks import get_task
+  get_task(tiny_config(None, "model.logits_bias=true")).validate()
   with pytest.raises(ConfigError, match="model.logits_bias=true"):
-    ModelConfig(kind="decoder_only", logits_bias=True).validate()
+    get_task(tiny_config("decoder_only", "model.logits_bias=true")).validate()
 
 
 def _published(folder: Path, name: str, seed: int = 0, noise: float = 0.05):

@@ -12,7 +12,6 @@ import sys
 import time
 
 import pytest
-
 from test_cli import ROOT, TINY, cli_env
 
 # The tiny model with one layer per stack, as in test_cli and test_checkpoint_damage: the same

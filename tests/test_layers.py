@@ -10,10 +10,10 @@ import pytest
 
 from jaxformer.config import ModelConfig
 from jaxformer.layers.attention import MultiHeadAttention, dot_product_attention
-from jaxformer.layers.scores import attention_mask
 from jaxformer.layers.embedding import sinusoidal_positions
 from jaxformer.layers.feed_forward import FeedForward
 from jaxformer.layers.norm import LayerNorm, RMSNorm, make_norm
+from jaxformer.layers.scores import attention_mask
 from jaxformer.models.blocks import EncoderBlock
 
 B, T, S, N, H = 3, 7, 11, 2, 8  # batch, query length, key length, heads, head_dim

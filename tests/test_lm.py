@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_cli import run_cli
 
 from jaxformer.config import ConfigError, ModelConfig, OptimConfig, config_from_dict
 from jaxformer.data import CharTokenizer, WindowBatches, window_eval_batches
@@ -19,9 +20,8 @@ from jaxformer.inference.restore import Restored
 from jaxformer.layers.kv_cache import join_segments
 from jaxformer.models.decoder_only import DecoderOnly
 from jaxformer.models.encoder_only import EncoderOnly
-from jaxformer.train.optim import cosine_schedule, decay_mask, make_optimizer
 from jaxformer.tasks.masked_lm import mlm_mask, random_ids
-from test_cli import run_cli
+from jaxformer.train.optim import cosine_schedule, decay_mask, make_optimizer
 
 V, T = 37, 11
 CFG = ModelConfig(vocab_size=V, d_model=24, num_heads=3, d_ff=40, num_encoder_layers=2, num_decoder_layers=2,
@@ -32,7 +32,8 @@ CFG = ModelConfig(vocab_size=V, d_model=24, num_heads=3, d_ff=40, num_encoder_la
 def decoder():
   model = DecoderOnly(CFG)
   tokens = jax.random.randint(jax.random.key(1), (3, T), 1, V)
-  params = nn.meta.unbox(model.init(jax.random.key(0), tokens)["params"])
+  # Jitted inits throughout: one compile each rather than one per op (the same values).
+  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), tokens)["params"])
   return model, params, tokens
 
 
@@ -86,7 +87,7 @@ def test_every_option_is_causal_and_decodes_like_the_full_forward(options):
   logits, and prefill + one-token cached steps give the full forward's logits."""
   model = DecoderOnly(dataclasses.replace(CFG, **options))
   tokens = jax.random.randint(jax.random.key(3), (2, T), 1, V)
-  params = model.init(jax.random.key(0), tokens)["params"]
+  params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
   forward = jax.jit(lambda p, x: model.apply({"params": p}, x))
   full = forward(params, tokens)
   changed = forward(params, tokens.at[:, 6:].set((tokens[:, 6:] + 5) % (V - 1) + 1))
@@ -100,7 +101,7 @@ def test_every_option_is_causal_and_decodes_like_the_full_forward(options):
 def test_encoder_only_ignores_appended_padding():
   model = EncoderOnly(CFG)
   tokens = jax.random.randint(jax.random.key(2), (2, 7), 1, V)
-  params = model.init(jax.random.key(0), tokens)["params"]
+  params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
   padded = jnp.pad(tokens, ((0, 0), (0, 4)))
   a, b = model.apply({"params": params}, tokens), model.apply({"params": params}, padded)
   np.testing.assert_allclose(np.asarray(b[:, :7]), np.asarray(a), atol=1e-5, rtol=0)

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_layers import _normal, _random_params
+from test_mesh_equivalence import _run
 
 from jaxformer.config import ConfigError, config_from_dict
 from jaxformer.inference import cache as kv
@@ -20,8 +22,6 @@ from jaxformer.layers.scores import attention_mask, position_mask
 from jaxformer.models.decoder_only import DecoderOnly
 from jaxformer.models.encoder_only import EncoderOnly
 from jaxformer.models.transformer import PAD_ID
-from test_layers import _normal, _random_params
-from test_mesh_equivalence import _run
 
 B, T, N, H = 2, 13, 4, 8
 

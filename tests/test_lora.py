@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import TINY, tiny_config
 
-from conftest import TINY
 from jaxformer import sharding as sh
 from jaxformer.config import ConfigError, MeshConfig, load_config
 from jaxformer.data import global_batch
@@ -38,7 +38,7 @@ TRAIN = ["optim.optimizer=adamw", "optim.weight_decay=0.1", "optim.clip_grad_nor
 
 
 def _config(*overrides: str):
-  return load_config(TINY, [*LLAMA, *overrides])
+  return tiny_config(None, *LLAMA, *overrides)
 
 
 def _init(config, seed: int = 0):
@@ -316,7 +316,7 @@ def test_lora_fine_tunes_a_workdir_without_adapters_and_exports_merged_and_peft(
   both giving our logits in transformers / peft."""
   peft = pytest.importorskip("peft")
   transformers = pytest.importorskip("transformers")
-  from jaxformer import checkpoint as ckpt
+  from jaxformer.checkpoint import manager as ckpt
   from jaxformer.cli import main
   from jaxformer.inference import restore as inference_restore
   from jaxformer.interop.hf_import import write_workdir

@@ -8,15 +8,16 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import tiny_config
 
 from jaxformer import sharding as sh
 from jaxformer.config import MeshConfig, load_config
 from jaxformer.models.transformer import EncoderDecoder
-from jaxformer.runtime import check_model_fits_mesh
-from jaxformer.summary import per_device_bytes, total_bytes
+from jaxformer.runtime.startup import check_model_fits_mesh
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import abstract_state, create_state
 from jaxformer.train.step import make_train_step
+from jaxformer.train.summary import per_device_bytes, total_bytes
 
 ROOT = Path(__file__).parent.parent
 MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2), (4, 1, 2)]
@@ -28,8 +29,7 @@ def _config(dropout: float, *overrides: str):
   # mathematically zero (e.g. the key projection's softmax shift-invariant direction)
   # into full-size updates whose sign depends on reduction order; eps=1e-4 keeps the
   # comparison well-conditioned while every sharded collective is still exercised.
-  return load_config(ROOT / "configs/tiny.yaml",
-                     [f"model.dropout_rate={dropout}", "optim.warmup_steps=10", "optim.eps=1e-4", *overrides])
+  return tiny_config(None, f"model.dropout_rate={dropout}", "optim.warmup_steps=10", "optim.eps=1e-4", *overrides)
 
 
 def _batches():

@@ -17,11 +17,12 @@ import pytest
 from jaxformer import sharding as sh
 from jaxformer.config import ConfigError, MeshConfig, load_config
 from jaxformer.layers.moe import AUX, MixtureOfExperts, expert_capacity, route
-from jaxformer.runtime import build_mesh
+from jaxformer.runtime.startup import build_mesh
 from jaxformer.tasks import get_task
+from jaxformer.tasks.objective import loss_fn
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import abstract_state, create_state
-from jaxformer.train.step import loss_fn, make_train_step
+from jaxformer.train.step import make_train_step
 
 ROOT = Path(__file__).parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -232,8 +233,8 @@ def test_router_fields_in_the_log(tmp_path):
   metrics.jsonl and to TensorBoard as one curve per layer and expert."""
   from tensorboardX.proto import event_pb2
 
+  from jaxformer.tasks.router import summarise_router
   from jaxformer.train.loop import _Logger
-  from jaxformer.train.router import summarise_router
   history = [{"router_load": np.array([[3.0, 1.0], [2.0, 2.0]]), "router_balance": 5.0, "router_z": 6.0,
               "router_dropped": 1.0},
              {"router_load": np.array([[3.0, 1.0], [1.0, 0.0]]), "router_balance": 3.0, "router_z": 2.0,
@@ -269,7 +270,7 @@ def test_int8_quantization_scales_each_expert(scan):
 
 
 def test_model_flops_count_the_routed_experts_and_the_router():
-  from jaxformer.bench import forward_flops_per_pair
+  from jaxformer.bench.step import forward_flops_per_pair
   dense, moe = (load_config(TINY, ["model.kind=decoder_only", f"model.num_experts={e}"]).model for e in (0, 4))
   # Per token and layer: one more FFN (2 of 4 experts, 2 * 2 * d_model * d_ff) and the router (2 * d_model * 4).
   extra = 10 * 2 * (2 * 2 * 64 * 128 + 2 * 64 * 4)

@@ -9,11 +9,18 @@ import numpy as np
 import pytest
 
 from jaxformer import sharding as sh
-from jaxformer.config import (Config, ConfigError, MeshConfig, ModelConfig, OptimConfig, TrainConfig,
-                              dump_config, load_config)
-from jaxformer.data import PAD_ID, stack_batches
+from jaxformer.config import (
+  Config,
+  ConfigError,
+  MeshConfig,
+  ModelConfig,
+  OptimConfig,
+  TrainConfig,
+  dump_config,
+  load_config,
+)
+from jaxformer.data import PAD_ID, global_batch, stack_batches
 from jaxformer.models.transformer import EncoderDecoder
-from jaxformer.data import global_batch
 from jaxformer.train.loop import call_length, train
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import create_state, state_shardings

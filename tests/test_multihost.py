@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxformer import distributed
+from jaxformer.runtime import distributed
 
 ROOT = Path(__file__).parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")

@@ -9,11 +9,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxformer import checkpoint as ckpt
 from jaxformer import cli
 from jaxformer import sharding as sh
-from jaxformer.config import (Config, ConfigError, MeshConfig, ModelConfig, OptimConfig, TrainConfig,
-                              load_config)
+from jaxformer.checkpoint import manager as ckpt
+from jaxformer.config import Config, ConfigError, MeshConfig, ModelConfig, OptimConfig, TrainConfig, load_config
 from jaxformer.data import PAD_ID, global_batch
 from jaxformer.errors import NonFiniteError
 from jaxformer.models.transformer import EncoderDecoder
@@ -106,7 +105,7 @@ def test_config_keys_and_their_checks():
 def test_cli_prints_the_error_as_one_line(monkeypatch, tmp_path, capsys):
   def diverge(args):
     raise NonFiniteError("step 3 has a non-finite loss, gradient or update (train.nan_policy=abort)")
-  monkeypatch.setattr(cli, "cmd_train", diverge)
+  monkeypatch.setitem(cli.train.COMMANDS, "train", diverge)
   assert cli.main(["train", "--config", "configs/tiny.yaml", "--workdir", str(tmp_path)]) == 2
   assert capsys.readouterr().err == "error: step 3 has a non-finite loss, gradient or update (train.nan_policy=abort)\n"
 

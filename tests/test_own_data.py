@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from test_cli import ROOT, run_cli
 
 TINY_MODEL = ["model.vocab_size=96", "model.d_model=32", "model.num_heads=2", "model.d_ff=48",

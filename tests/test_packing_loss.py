@@ -4,12 +4,12 @@ batch equal those over the same examples unpacked (fp32, label smoothing and z-l
 import jax
 import numpy as np
 import pytest
+from test_packing_models import _random_params
 
 from jaxformer import data as D
 from jaxformer.config import config_from_dict
 from jaxformer.tasks import get_task
-from jaxformer.train.step import loss_fn
-from test_packing_models import _random_params
+from jaxformer.tasks.objective import loss_fn
 
 MODEL = {"vocab_size": 41, "d_model": 16, "num_heads": 2, "d_ff": 24, "num_encoder_layers": 2,
          "num_decoder_layers": 2, "dropout_rate": 0.0, "max_length": 64}

@@ -12,13 +12,14 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import tiny_config
 
 from jaxformer import sharding as sh
-from jaxformer.checkpoint import Checkpointer, sharded_target
-from jaxformer.config import ConfigError, MeshConfig, load_config
+from jaxformer.checkpoint.manager import Checkpointer, sharded_target
+from jaxformer.config import ConfigError, MeshConfig
 from jaxformer.models.layout import layer_stacks, restore_state, unstack_layers
 from jaxformer.models.pipeline import Pipeline, pipeline_for
-from jaxformer.runtime import build_mesh
+from jaxformer.runtime.startup import build_mesh
 from jaxformer.tasks import get_task
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import abstract_state, create_state
@@ -37,9 +38,8 @@ def test_schedule_and_bubble_fraction():
 
 
 def _config(kind, mesh, *overrides):
-  config = load_config(ROOT / "configs/tiny.yaml", [
-      f"model.kind={kind}", "model.dropout_rate=0.0", "model.scan_layers=true", "optim.warmup_steps=10",
-      "optim.eps=1e-4", f"train.batch_size={ROWS}", *overrides])
+  config = tiny_config(kind, "model.dropout_rate=0.0", "model.scan_layers=true", "optim.warmup_steps=10",
+                       "optim.eps=1e-4", f"train.batch_size={ROWS}", *overrides)
   return dataclasses.replace(config, mesh=MeshConfig(**dict(mesh)))
 
 
@@ -129,7 +129,7 @@ def test_pipeline_draws_dropout_per_microbatch():
 
 @pytest.mark.slow
 def test_bench_reports_the_bubble_of_the_schedule_it_runs():
-  from jaxformer import bench
+  from jaxformer.bench import step as bench
   config = _config("decoder_only", (("data", 4), ("stage", 2)), "train.microbatches=2", "train.batch_size=8")
   result = bench.run_bench(config, bench.BenchOptions(batch_size=8, tgt_length=7, steps=1, warmup=0, peer=False))
   assert result["bubble_fraction"] == Pipeline(2, 2).bubble_fraction == pytest.approx(1 / 3)

@@ -10,15 +10,25 @@ import numpy as np
 import pytest
 
 from jaxformer import sharding as sh
-from jaxformer.config import (Config, ConfigError, MeshConfig, ModelConfig, OptimConfig, PrecisionConfig,
-                              config_from_dict, dump_config, load_config)
+from jaxformer.config import (
+  Config,
+  ConfigError,
+  MeshConfig,
+  ModelConfig,
+  OptimConfig,
+  PrecisionConfig,
+  config_from_dict,
+  dump_config,
+  load_config,
+)
+from jaxformer.config.policy import Policy, parse_policy
 from jaxformer.models.transformer import PAD_ID, EncoderDecoder
-from jaxformer.policy import Policy, parse_policy
-from jaxformer.precision import MIN_LOSS_SCALE, LossScale, next_loss_scale
+from jaxformer.tasks import get_task
+from jaxformer.tasks.objective import loss_fn
+from jaxformer.train.loss_scale import MIN_LOSS_SCALE, LossScale, next_loss_scale
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import create_state, state_shardings
-from jaxformer.train.step import loss_fn, make_train_step
-from jaxformer.tasks import get_task
+from jaxformer.train.step import make_train_step
 
 ROOT = Path(__file__).parent.parent
 VOCAB, SRC_LEN, TGT_LEN = 37, 11, 9

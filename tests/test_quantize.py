@@ -1,6 +1,8 @@
-"""Int8 weight-only quantization (jaxformer/inference/quantize.py): hand-checked per-channel
-scales, the half-step round-trip bound, int8 storage size, and logits close to float32
-for the unrolled and the scanned tiny model."""
+"""Int8 quantization (jaxformer/inference/quantize.py, jaxformer/layers/int8.py): hand-checked
+per-channel scales, the half-step round-trip bound, int8 storage size, logits close to float32
+for the unrolled and the scanned tiny model (dequantized, and through the layers' int8 x int8
+products), a hand-computed int8 product, which kernels decoding keeps in int8, and greedy
+decoding with int8 products against float32."""
 
 from __future__ import annotations
 
@@ -11,7 +13,16 @@ import numpy as np
 import pytest
 
 from jaxformer.config import load_config
-from jaxformer.inference.quantize import QuantizedArray, dequantize_params, quantize_params, weight_bytes
+from jaxformer.inference import quantize
+from jaxformer.inference.decode import greedy_decode
+from jaxformer.inference.quantize import (
+  QuantizedArray,
+  decoding_params,
+  dequantize_params,
+  quantize_params,
+  weight_bytes,
+)
+from jaxformer.layers import int8
 from jaxformer.models.transformer import PAD_ID
 from jaxformer.tasks import get_task
 
@@ -27,6 +38,16 @@ def _tokens(seed, shape, vocab):
   ids = np.random.default_rng(seed).integers(4, vocab, shape).astype(np.int32)
   ids[1, shape[1] // 2:] = PAD_ID
   return jnp.asarray(ids)
+
+
+def _assert_close_logits(got, expected, targets, tolerance):
+  """The argmax agrees at >= 95% of the non-pad targets, and no logit is off by more than
+  `tolerance` times the largest |expected| logit."""
+  valid = np.asarray(targets != PAD_ID)
+  agree = np.mean(np.argmax(got, -1)[valid] == np.argmax(expected, -1)[valid])
+  diff = np.max(np.abs(np.asarray(got) - np.asarray(expected)))
+  assert agree >= 0.95, agree
+  assert diff <= tolerance * np.max(np.abs(np.asarray(expected))), diff
 
 
 def test_scales_per_output_channel_by_hand():
@@ -104,11 +125,80 @@ def test_dequantized_logits_match_float32(scan):
   expected = model.apply({"params": params}, inputs, targets)
   # The intended use: the int8 tree is the jitted function's argument, dequantised inside.
   got = jax.jit(lambda qp, x, y: model.apply({"params": dequantize_params(qp)}, x, y))(q, inputs, targets)
-  valid = np.asarray(targets != PAD_ID)
-  agree = np.mean(np.argmax(got, -1)[valid] == np.argmax(expected, -1)[valid])
-  diff = np.max(np.abs(np.asarray(got) - np.asarray(expected)))
-  assert agree >= 0.95, agree
-  assert diff <= 0.02 * np.max(np.abs(np.asarray(expected))), diff
+  _assert_close_logits(got, expected, targets, 0.02)
+
+
+def test_int8_product_by_hand():
+  x = jnp.asarray([[1.27, -0.635], [0.0, 0.0], [0.1, 0.254]], jnp.float32)   # [rows=3, k=2]
+  w = QuantizedArray(values=jnp.asarray([[100, -127], [50, 10]], jnp.int8), scale=jnp.asarray([[0.5, 0.25]]))
+  # Row scales 0.01, 0 (an all-zero row), 0.002: x quantizes to [[127, -64], [0, 0], [50, 127]].
+  xq, x_scale = int8.quantize_rows(x)
+  np.testing.assert_array_equal(xq, [[127, -64], [0, 0], [50, 127]])
+  np.testing.assert_allclose(x_scale[:, 0], [0.01, 0.0, 0.002], rtol=1e-6)
+  acc = np.array([[127 * 100 - 64 * 50, -127 * 127 - 64 * 10], [0, 0], [50 * 100 + 127 * 50, -50 * 127 + 127 * 10]])
+  expected = acc * np.array([[0.01], [0.0], [0.002]]) * np.array([[0.5, 0.25]])
+  np.testing.assert_allclose(int8.matmul(x, w), expected, rtol=1e-6)
+  # The tied output layer: a [n, d] table scaled per row, x times its transpose.
+  table = QuantizedArray(values=w.values.T, scale=w.scale.T)
+  np.testing.assert_allclose(int8.matmul_rows(x, table), expected, rtol=1e-6)
+  # A row lookup dequantizes the rows it reads.
+  np.testing.assert_allclose(int8.take_rows(table, jnp.asarray([[1, 0]])), [[[-31.75, 2.5], [50.0, 25.0]]], rtol=1e-6)
+
+
+def test_int8_products_only_with_ynnpack_dots(monkeypatch):
+  for flags, expected in (("", True), ("--xla_cpu_use_xnnpack=false", True),
+                          ("--xla_cpu_max_isa=AVX2 --xla_cpu_experimental_ynn_fusion_type=", False),
+                          ("--xla_cpu_experimental_ynn_fusion_type=individual_dot,eltwise", True)):
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    assert quantize.int8_products() is expected, flags
+  q = quantize_params({"ffn": {"wi": jnp.ones((4, 4))}}, min_size=1)
+  assert isinstance(decoding_params(q)["ffn"]["wi"], QuantizedArray)
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=")   # dequantized where int8 dots are slow
+  np.testing.assert_array_equal(decoding_params(q)["ffn"]["wi"], np.ones((4, 4)))
+
+
+@pytest.fixture
+def int8_dots(monkeypatch):
+  """Decoding keeps int8 kernels whatever XLA_FLAGS the tests run with."""
+  monkeypatch.setattr(quantize, "int8_products", lambda: True)
+
+
+def test_decoding_keeps_the_layers_int8_kernels(int8_dots):
+  e, d, f = 2, 4, 3
+  params = {"layer_0": {"attention": {"query": np.ones((d, 2, 2)), "out": np.ones((2, 2, d))},
+                        "ffn": {"wi": np.ones((d, f))}, "moe": {"wi": np.ones((e, d, f)), "router": np.ones((d, e))}},
+            "embed": {"embedding": np.ones((7, d))}, "relative_bias": {"table": np.ones((5, 2))}}
+  q = quantize_params(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params), min_size=1)
+  got = decoding_params(q)
+  layer = got["layer_0"]
+  for kernel in (layer["attention"]["query"], layer["attention"]["out"], layer["ffn"]["wi"], got["embed"]["embedding"]):
+    assert isinstance(kernel, QuantizedArray)
+  # A mixture of experts' [experts, d, f] kernel and a kernel of another name go to the model in float.
+  for leaf in (layer["moe"]["wi"], got["relative_bias"]["table"]):
+    assert not isinstance(leaf, QuantizedArray) and leaf.dtype == jnp.float32
+  np.testing.assert_allclose(layer["moe"]["wi"], params["layer_0"]["moe"]["wi"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_int8_products_match_float32(scan, int8_dots):
+  # Activations quantized per row add their own rounding to the weights': a looser bound than dequantized.
+  model, params = _model_and_params("configs/tiny.yaml", [f"model.scan_layers={str(scan).lower()}"])
+  vocab = model.config.vocab_size
+  inputs, targets = _tokens(0, (4, 13), vocab), _tokens(1, (4, 11), vocab)
+  q = quantize_params(params, min_size=1)
+  expected = model.apply({"params": params}, inputs, targets)
+  got = jax.jit(lambda qp, x, y: model.apply({"params": decoding_params(qp)}, x, y))(q, inputs, targets)
+  _assert_close_logits(got, expected, targets, 0.03)
+
+
+def test_int8_greedy_decoding_agrees_with_float32(int8_dots):
+  model, params = _model_and_params("configs/tiny.yaml")
+  inputs = _tokens(2, (8, 12), model.config.vocab_size)
+  decode = jax.jit(lambda p, x: greedy_decode(model, p, x, 16))
+  expected = np.asarray(decode(params, inputs))
+  got = np.asarray(decode(quantize_params(params, min_size=1), inputs))
+  assert got.shape == expected.shape == (8, 16)
+  assert np.mean(got == expected) >= 0.9, np.mean(got == expected)
 
 
 def test_unsupported_input():

@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from jaxformer import checkpoint as ckpt
 from jaxformer import sharding as sh
+from jaxformer.checkpoint import manager as ckpt
 from jaxformer.config import ConfigError, MeshConfig, ModelConfig, config_from_dict
 from jaxformer.inference.cache import contiguous_cache
 from jaxformer.inference.decode import beam_search, greedy_decode
+from jaxformer.layers.remat import POLICY_NAMES
 from jaxformer.models.layout import layer_stacks, stack_layers
 from jaxformer.models.transformer import PAD_ID, EncoderDecoder
-from jaxformer.remat import POLICY_NAMES
-from jaxformer.train.losses import cross_entropy_sums
+from jaxformer.tasks.losses import cross_entropy_sums
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import create_state, state_shardings
 from jaxformer.train.step import make_train_step
@@ -74,7 +74,7 @@ def _assert_close(a, b, tol=TOL):
 def params():
   """Unrolled-layout params of the BASE shape (all configs here share it)."""
   src, tgt = _batch()
-  return nn.meta.unbox(EncoderDecoder(_config()).init(jax.random.key(0), src, tgt))["params"]
+  return nn.meta.unbox(jax.jit(EncoderDecoder(_config()).init)(jax.random.key(0), src, tgt))["params"]
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +150,8 @@ def test_unknown_policy_is_a_one_line_config_error():
 @pytest.mark.slow
 def test_scan_checkpoint_round_trip(tmp_path):
   config = config_from_dict({"model": {**BASE, "dropout_rate": 0.1}, "optim": {"warmup_steps": 5}},
-                            ["model.scan_layers=true", "model.remat=full", "model.vocab_size=40", "model.max_length=64"])
+                            ["model.scan_layers=true", "model.remat=full", "model.vocab_size=40",
+                             "model.max_length=64"])
   model = EncoderDecoder(config.model)
   tx = make_optimizer(config.optim, config.model.d_model)
   mesh = sh.make_mesh(MeshConfig(2, 2, 2))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from jaxformer.config import ConfigError, config_from_dict
-from jaxformer.runtime import DETERMINISTIC_XLA_FLAGS, pin_cpu_numerics
+from jaxformer.runtime.startup import DETERMINISTIC_XLA_FLAGS, pin_cpu_numerics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAIN = """
 import hashlib, json
 from jaxformer.config import Config, MeshConfig, ModelConfig, OptimConfig, RuntimeConfig
-from jaxformer.runtime import init_runtime
+from jaxformer.runtime.startup import init_runtime
 init_runtime(RuntimeConfig())
 import jax, numpy as np
 from jaxformer import sharding as sh

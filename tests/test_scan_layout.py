@@ -50,8 +50,8 @@ def _args(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_scanned_init_is_the_stacked_unrolled_init(kind):
   unrolled, scanned = _models(kind)
-  boxed = scanned.init(jax.random.key(4), *_args(kind))["params"]
-  u = nn.meta.unbox(unrolled.init(jax.random.key(4), *_args(kind))["params"])
+  boxed = jax.jit(scanned.init)(jax.random.key(4), *_args(kind))["params"]   # jitted: one compile, not one per op
+  u = nn.meta.unbox(jax.jit(unrolled.init)(jax.random.key(4), *_args(kind))["params"])
   s = nn.meta.unbox(boxed)
   stacks = layer_stacks(unrolled)
   assert not is_scanned(u, stacks) and is_scanned(s, stacks)
@@ -72,7 +72,7 @@ def test_scanned_init_is_the_stacked_unrolled_init(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_scanned_logits_with_dropout_equal_unrolled(kind):
   unrolled, scanned = _models(kind, remat="full")
-  params = nn.meta.unbox(unrolled.init(jax.random.key(4), *_args(kind))["params"])
+  params = nn.meta.unbox(jax.jit(unrolled.init)(jax.random.key(4), *_args(kind))["params"])
   stacked = stack_layers(params, layer_stacks(unrolled))
 
   def logits(model, p, key):

@@ -9,12 +9,27 @@ import pytest
 
 from jaxformer import sharding as sh
 from jaxformer.config import Config, MeshConfig, ModelConfig, OptimConfig
-from jaxformer.evaluate import hypothesis_scores
-from jaxformer.inference.decode import (SearchOptions, beam_search, decode_with, default_decode_len, greedy_decode,
-                                        make_decode_fn, sample_decode, source_limits)
-from jaxformer.inference.search import (EOS_ID, beam_search_core, filter_logits, length_penalty, sample_core,
-                                        source_row_keys)
+from jaxformer.inference.decode import (
+  SearchOptions,
+  beam_search,
+  decode_with,
+  default_decode_len,
+  greedy_decode,
+  make_decode_fn,
+  sample_decode,
+  source_limits,
+)
+from jaxformer.inference.search import (
+  EOS_ID,
+  LENGTH_PENALTY,
+  beam_search_core,
+  filter_logits,
+  length_penalty,
+  sample_core,
+  source_row_keys,
+)
 from jaxformer.models.transformer import PAD_ID, EncoderDecoder
+from jaxformer.tasks.evaluate import hypothesis_scores
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import create_state, state_shardings
 from jaxformer.train.step import make_train_step
@@ -207,17 +222,24 @@ TRAP = _table({A: [_OTHER, _OTHER, _OTHER, 0.37, 0.3, 0.3],    # greedy: A (0.5)
                B: [_OTHER, _OTHER, _OTHER, 0.9, 0.03, 0.04]})  # better: B (0.4) then EOS: 0.36
 
 
+def _jit_beam(fn, beam_size, max_decode_len, alpha):
+  """`beam_search_core` over `fn` jitted, `(init_logits [batch, 6]) -> (tokens, scores)`: one compile
+  rather than one per op of the search's set-up."""
+  return jax.jit(lambda init: beam_search_core(fn, init, _fake_cache(init.shape[0]), beam_size=beam_size,
+                                               max_decode_len=max_decode_len, alpha=alpha))
+
+
 def test_beam_finds_hypothesis_greedy_misses():
   fn = _fake_logits_fn(TRAP)
   init = jnp.asarray(INIT[None], jnp.float32)
-  g_tokens, g_score = beam_search_core(fn, init, _fake_cache(1), beam_size=1, max_decode_len=5, alpha=0.0)
+  g_tokens, g_score = _jit_beam(fn, beam_size=1, max_decode_len=5, alpha=0.0)(init)
   np.testing.assert_array_equal(g_tokens, [[A, EOS_ID, 0, 0, 0]])
   np.testing.assert_allclose(g_score, [np.log(0.5 * 0.37)], rtol=1e-5)
-  s_tokens = sample_core(fn, init, _fake_cache(1), source_row_keys(jax.random.key(0), jnp.ones((1, 2), jnp.int32)),
-                         max_decode_len=5, top_k=1)
+  s_tokens = jax.jit(lambda init: sample_core(fn, init, _fake_cache(1), source_row_keys(
+      jax.random.key(0), jnp.ones((1, 2), jnp.int32)), max_decode_len=5, top_k=1))(init)
   np.testing.assert_array_equal(s_tokens, g_tokens)
 
-  tokens, score = beam_search_core(fn, init, _fake_cache(1), beam_size=2, max_decode_len=5, alpha=0.6)
+  tokens, score = _jit_beam(fn, beam_size=2, max_decode_len=5, alpha=0.6)(init)
   np.testing.assert_array_equal(tokens, [[B, EOS_ID, 0, 0, 0]])
   np.testing.assert_allclose(score, [np.log(0.4 * 0.9) / (7 / 6) ** 0.6], rtol=1e-5)
 
@@ -229,12 +251,12 @@ def test_finished_hypothesis_beats_a_truncated_one_with_a_higher_score():
   #                          PAD   UNK   BOS   EOS   A    B
   init = jnp.log(jnp.array([[.01, .01, .01, .07, .8, .1]], jnp.float32))
   fn = _fake_logits_fn(_table({A: [.01, .01, .01, .15, .8, .02]}))   # B's row: uniform
-  tokens, score = beam_search_core(fn, init, _fake_cache(1), beam_size=2, max_decode_len=5, alpha=2.0)
+  tokens, score = _jit_beam(fn, beam_size=2, max_decode_len=5, alpha=2.0)(init)
   np.testing.assert_array_equal(tokens, [[A, A, A, A, EOS_ID]])
   np.testing.assert_allclose(score, [(4 * np.log(0.8) + np.log(0.15)) / (10 / 6) ** 2], rtol=1e-5)
   # Beam 1 never puts EOS in its beam (A is always the most probable): nothing finished, so
   # the truncated hypothesis is the answer, as greedy search gives.
-  tokens, score = beam_search_core(fn, init, _fake_cache(1), beam_size=1, max_decode_len=5, alpha=2.0)
+  tokens, score = _jit_beam(fn, beam_size=1, max_decode_len=5, alpha=2.0)(init)
   np.testing.assert_array_equal(tokens, [[A, A, A, A, A]])
   np.testing.assert_allclose(score, [5 * np.log(0.8) / (10 / 6) ** 2], rtol=1e-5)
 
@@ -251,8 +273,7 @@ def test_eos_stops_one_row_while_the_other_runs_to_max_length():
 
   for k in (1, 3):
     calls.clear()
-    tokens, scores = beam_search_core(fn, jnp.asarray(init, jnp.float32), _fake_cache(2), beam_size=k,
-                                      max_decode_len=6, alpha=0.6)
+    tokens, scores = _jit_beam(fn, beam_size=k, max_decode_len=6, alpha=0.6)(jnp.asarray(init, jnp.float32))
     np.testing.assert_array_equal(tokens, [[EOS_ID, 0, 0, 0, 0, 0], [A, B, A, B, A, B]])
     init_lp = jax.nn.log_softmax(jnp.asarray(init), -1)
     cyc = jax.nn.log_softmax(jnp.asarray(cycle), -1)
@@ -261,7 +282,7 @@ def test_eos_stops_one_row_while_the_other_runs_to_max_length():
     assert calls == [1, 2, 3, 4, 5]  # max_decode_len - 1 model calls (the last token needs none), then the end
 
   calls.clear()  # a batch whose rows all stop early ends the loop early
-  beam_search_core(fn, jnp.asarray(init[:1], jnp.float32), _fake_cache(1), beam_size=3, max_decode_len=6)
+  _jit_beam(fn, beam_size=3, max_decode_len=6, alpha=LENGTH_PENALTY)(jnp.asarray(init[:1], jnp.float32))
   assert calls == []   # the first token (from the prefill's logits) already finished it
 
 
@@ -352,9 +373,12 @@ def test_make_decode_fn_matches_direct_calls_on_a_mesh(model_and_params):
   np.testing.assert_array_equal(limits, [12, 5, 8, 3])
   out = make_decode_fn(model, mesh, MAX_LEN, SearchOptions(beam_size=3, extra_tokens=1))(params, src)
   assert out.shape == (4, 12)
-  np.testing.assert_array_equal(out, beam_search(model, params, src, 3, 12, 0.6, row_limits=limits)[0])
+  # The direct calls jitted: run op by op they would compile each of their hundreds of ops alone.
+  beam = jax.jit(lambda p, x: beam_search(model, p, x, 3, 12, 0.6, row_limits=limits)[0])
+  np.testing.assert_array_equal(out, beam(params, src))
   out = make_decode_fn(model, mesh, MAX_LEN, SearchOptions(temperature=2.0, seed=0, extra_tokens=1))(params, src)
-  np.testing.assert_array_equal(out, sample_decode(model, params, src, 12, jax.random.key(0), 2.0, row_limits=limits))
+  sample = jax.jit(lambda p, x: sample_decode(model, p, x, 12, jax.random.key(0), 2.0, row_limits=limits))
+  np.testing.assert_array_equal(out, sample(params, src))
   assert default_decode_len(11, MAX_LEN) == MAX_LEN and default_decode_len(3, 100) == 53
 
 
@@ -396,7 +420,8 @@ def test_each_sentence_is_capped_at_its_own_length(model_and_params, options):
   assert out.shape == (4, 14)                            # the widest source + 3
   for row, n in enumerate((11, 4, 7, 2)):
     cap = min(n + 3, MAX_LEN)
-    alone = np.asarray(jax.jit(lambda p, x, cap=cap: decode_with(model, p, x, cap, options))(params, src[row:row + 1, :n]))
+    alone_fn = jax.jit(lambda p, x, cap=cap: decode_with(model, p, x, cap, options))
+    alone = np.asarray(alone_fn(params, src[row:row + 1, :n]))
     np.testing.assert_array_equal(out[row, :cap], alone[0])
     assert (out[row, cap:] == PAD_ID).all()
   assert (out[1:, :5] != PAD_ID).all() and (out[:, -1] == PAD_ID).any()   # rows ran to their caps
@@ -404,7 +429,7 @@ def test_each_sentence_is_capped_at_its_own_length(model_and_params, options):
 
 def test_cli_decoding_flags_pick_the_strategy():
   from jaxformer.cli import _parser
-  from jaxformer.cli_args import search_options as _search_options
+  from jaxformer.cli.args import search_options as _search_options
   parse = lambda *a: _search_options(_parser().parse_args(["translate", "--workdir", "w", *a]))  # noqa: E731
   assert parse() == SearchOptions()
   assert parse("--beam-size", "4", "--length-penalty", "1.0", "--max-length", "10").summary() == {

@@ -29,10 +29,10 @@ from test_cli import ROOT
 from test_engine import NO_EOS, PAGE, SLOTS, SMALL_POOL, _model
 from test_own_data import _reverse, _sentences
 
-from jaxformer import evaluate
 from jaxformer.inference import restore as inference_restore
 from jaxformer.inference.engine import Engine, Request
 from jaxformer.serve import EngineWorker, QueueFull
+from jaxformer.tasks import evaluate
 
 ONE_DEVICE = "runtime.num_cpu_devices=1"
 # model.max_length 96 leaves each sentence its own cap, source length + 50 (the paper, section 6.1),

@@ -8,13 +8,14 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import TINY
+
 from jaxformer.config import ConfigError, load_config
 from jaxformer.data import prepare as prep
 from jaxformer.data.sft import encode_example, masked_ids, unmask
-from jaxformer.data.sources import DataError, make_source
+from jaxformer.data.sources import make_source
 from jaxformer.data.windows import ArrayStream, _batch
+from jaxformer.errors import DataError
 
 pytest.importorskip("tokenizers")
 

@@ -6,7 +6,7 @@ from jax.sharding import AxisType, PartitionSpec
 
 from jaxformer import sharding as sh
 from jaxformer.config import ConfigError, MeshConfig, config_from_dict
-from jaxformer.runtime import build_mesh
+from jaxformer.runtime.startup import build_mesh
 
 
 def test_mesh_fills_minus_one_and_uses_auto_axes():

@@ -11,7 +11,8 @@ import pytest
 from jaxformer import data as D
 from jaxformer.config import ConfigError, config_from_dict
 from jaxformer.data import prepare as prep
-from jaxformer.data.sources import DataError, make_source
+from jaxformer.data.sources import make_source
+from jaxformer.errors import DataError
 from jaxformer.tasks import get_task
 
 PAIRS = [(f"the cat number {i} sat on mat {i % 7}", f"le chat numero {i} assis sur tapis {i % 7}") for i in range(60)]

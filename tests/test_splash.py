@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 from conftest import TINY
 
-from jaxformer import aot
 from jaxformer import sharding as sh
+from jaxformer.aot import train_step as aot
 from jaxformer.config import ConfigError, load_config
 from jaxformer.layers.attention import dot_product_attention
 from jaxformer.layers.scores import attention_mask
 from jaxformer.layers.splash import splash_attention
-from jaxformer.runtime import build_mesh
+from jaxformer.runtime.startup import build_mesh
 from jaxformer.tasks import get_task
 
 B, N, H = 2, 4, 8

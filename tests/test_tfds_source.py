@@ -7,7 +7,8 @@ from etils import epath
 
 from jaxformer import data as D
 from jaxformer.config import config_from_dict
-from jaxformer.data.sources import DataError, make_source
+from jaxformer.data.sources import make_source
+from jaxformer.errors import DataError
 from jaxformer.tasks import get_task
 
 tfds.disable_progress_bar()

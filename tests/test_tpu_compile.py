@@ -11,7 +11,8 @@ import jax
 import pytest
 from conftest import TINY
 
-from jaxformer import aot, cli
+from jaxformer import cli
+from jaxformer.aot import train_step as aot
 from jaxformer.config import ConfigError
 from jaxformer.errors import CompileError
 

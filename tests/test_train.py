@@ -12,7 +12,7 @@ from jaxformer.config import Config, MeshConfig, ModelConfig, OptimConfig
 from jaxformer.inference.decode import SearchOptions, make_decode_fn
 from jaxformer.inference.search import EOS_ID
 from jaxformer.models.transformer import PAD_ID, EncoderDecoder
-from jaxformer.train.losses import cross_entropy_sums
+from jaxformer.tasks.losses import cross_entropy_sums
 from jaxformer.train.optim import make_optimizer, make_schedule, rsqrt_schedule
 from jaxformer.train.state import create_state, state_shardings
 from jaxformer.train.step import make_train_step

@@ -11,16 +11,15 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+from test_cli import TINY, _error_line, _first_lines, run_cli
 
-from jaxformer import checkpoint as ckpt
-from jaxformer import evaluate
 from jaxformer import sharding as sh
+from jaxformer.checkpoint import manager as ckpt
 from jaxformer.config import MeshConfig, dump_config, load_config
 from jaxformer.data.tokenizer import train_tokenizer
-from jaxformer.tasks import get_task
+from jaxformer.tasks import evaluate, get_task
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import create_state, state_shardings
-from test_cli import TINY, _error_line, _first_lines, run_cli
 
 SMALL = ["model.vocab_size=64", "model.d_model=16", "model.num_heads=2", "model.d_ff=24",
          "model.num_encoder_layers=1", "model.num_decoder_layers=1", "data.buckets=[32,64]"]

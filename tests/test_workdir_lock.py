@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from jaxformer.errors import CheckpointError
-from jaxformer.workdir_lock import LOCK_FILE, hold
+from jaxformer.runtime.workdir_lock import LOCK_FILE, hold
 
 ROOT = Path(__file__).parent.parent
-HOLDER = ("import sys, time; from jaxformer.workdir_lock import hold\n"
+HOLDER = ("import sys, time; from jaxformer.runtime.workdir_lock import hold\n"
           "with hold(sys.argv[1]):\n  print('held', flush=True); time.sleep(600)")
 
 

@@ -31,7 +31,7 @@ from jaxformer.data.pipeline import (
   tokenize_split,
 )
 from jaxformer.data.prepare import PreparedPairs, PreparedText, prepare_pairs, prepare_text
-from jaxformer.data.sources import PAIRS, SOURCES, SPLITS, TEXT, DataError, make_source, source_key
+from jaxformer.data.sources import PAIRS, SOURCES, SPLITS, TEXT, make_source, source_key
 from jaxformer.data.tokenizer import (
   BOS_ID,
   EOS_ID,
@@ -42,8 +42,9 @@ from jaxformer.data.tokenizer import (
   tokenizer_from_bytes,
   train_tokenizer,
 )
-from jaxformer.data.vocab import Vocabulary, make_vocabulary
+from jaxformer.data.vocab import Vocabulary, fit_vocab_size, make_vocabulary
 from jaxformer.data.windows import ArrayStream, WindowBatches, window_eval_batches
+from jaxformer.errors import DataError
 
 HELD_OUT_PAIRS = 1000         # validation pairs taken from the end of train when no validation split is given
 HELD_OUT_TEXT_FRACTION = 0.1  # the same for text: this share of the train tokens
@@ -158,9 +159,10 @@ def global_batch(local: dict[str, np.ndarray], mesh, rules=None) -> dict[str, An
 
 __all__ = [
     "BOS_ID", "DEFAULT_BUCKETS", "EOS_ID", "HELD_OUT_PAIRS", "PAD_ID", "PAIRS", "SOURCES", "SPLITS", "TEXT",
-    "UNK_ID", "ArrayStream", "absolute_paths", "CharTokenizer", "DataError", "PackedBatches", "PreparedPairs",
+    "UNK_ID", "ArrayStream", "absolute_paths", "CharTokenizer", "PackedBatches", "PreparedPairs",
     "PreparedText", "TokenizedSplit", "Tokenizer", "TrainBatches", "Vocabulary", "WindowBatches", "eval_batches",
-    "first_fit", "global_batch", "lm_eval_batches", "load_data", "make_buckets", "make_source", "make_vocabulary",
+    "first_fit", "fit_vocab_size", "global_batch", "lm_eval_batches", "load_data", "make_buckets", "make_source",
+    "make_vocabulary",
     "pack_rows", "padding_fraction", "pair_batches", "prepare_pairs", "prepare_text", "shard_rows", "source_key",
     "stack_batches", "tokenize_split", "tokenizer_from_bytes", "train_tokenizer", "window_batches",
 ]

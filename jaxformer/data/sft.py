@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxformer.data.sources.base import DataError
+from jaxformer.errors import DataError
 
 
 def example_text(example: str | dict) -> str:

@@ -21,6 +21,7 @@ import numpy as np
 import sentencepiece as spm
 
 from jaxformer.data.special_ids import SpecialIds
+from jaxformer.errors import VocabularyTooLarge
 
 # Our tokenizers' special ids (`SpecialIds`' defaults): where they are defined for the package.
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = SpecialIds()[:4]
@@ -173,17 +174,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int,
         f"SentencePiece training failed ({e}); try a smaller vocab_size or "
         "more training text.") from e
   return Tokenizer.from_bytes(model.getvalue())
-
-
-class VocabularyTooLarge(ValueError):
-  """SentencePiece found fewer pieces in the text than ``vocab_size``;
-  ``limit`` is its estimate of the largest size that works."""
-
-  def __init__(self, vocab_size: int, limit: int):
-    super().__init__(f"the training text supports at most about {limit} "
-                     f"pieces, fewer than vocab_size={vocab_size}; lower "
-                     "model.vocab_size or add text")
-    self.vocab_size, self.limit = vocab_size, limit
 
 
 class CharTokenizer:

@@ -6,6 +6,7 @@ language model's text.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
 from collections.abc import Iterable, Iterator
@@ -14,8 +15,9 @@ from typing import Any, NamedTuple
 
 from jaxformer.data.prepare import cache_key
 from jaxformer.data.sft import example_text
-from jaxformer.data.sources.base import PAIRS, DataError, Source
-from jaxformer.data.tokenizer import CharTokenizer, Tokenizer, VocabularyTooLarge, train_tokenizer
+from jaxformer.data.sources.base import PAIRS, Source
+from jaxformer.data.tokenizer import CharTokenizer, Tokenizer, train_tokenizer
+from jaxformer.errors import ConfigError, DataError, VocabularyTooLarge
 
 
 def reservoir_sample(items: Iterable[str], size: int, seed: int = 0) -> list[str]:
@@ -82,6 +84,47 @@ def train_fitting(sample: list[str], vocab_size: int, model_type: str, attempts:
                   "or lower model.vocab_size")
 
 
+def char_tokenizer(source: Source) -> CharTokenizer:
+  """The character vocabulary of every split's text (PAD, then one id per character, sorted)."""
+  chars: set[str] = set()
+  for split in source.splits():
+    for doc in source.examples(split):
+      chars.update(example_text(doc))
+  return CharTokenizer("".join(sorted(chars)))
+
+
+def fit_vocab_size(config: Any, source: Source, reserved: int = 0, vocab: Vocabulary | None = None):
+  """`(config, vocab)` for a run whose character tokenizer is built from the data (`data.tokenizer=char`,
+  no `data.tokenizer_model`); other runs come back unchanged.
+
+  With `model.vocab_size` left unset (`model.vocab_from_data`) the config takes the character
+  vocabulary's ids plus `reserved` (the masked LM's [MASK]), and one line on stderr says so.
+  `vocab` is the run's saved vocabulary (a resumed run); None builds it from `source`'s text, and it
+  comes back so the data is read with it.
+
+  Raises:
+    ConfigError: an explicit `model.vocab_size` smaller than the character ids plus `reserved` (one line).
+  """
+  data = config.data
+  if data.tokenizer != "char" or data.tokenizer_model:
+    return config, vocab
+  if vocab is None:
+    tokenizer = char_tokenizer(source)
+    vocab = Vocabulary(tokenizer, tokenizer)
+  ids = vocab.target.vocab_size
+  if config.model.vocab_from_data:
+    print(f"model.vocab_size={ids + reserved}: sized from the data ({ids - 1} characters + PAD"
+          f"{f' + {reserved} reserved' if reserved else ''}); set model.vocab_size to fix it", file=sys.stderr,
+          flush=True)
+    model = dataclasses.replace(config.model, vocab_size=ids + reserved, vocab_from_data=False)
+    return dataclasses.replace(config, model=model), vocab
+  if config.model.vocab_size < ids + reserved:
+    raise ConfigError(f"the character vocabulary of the data has {ids} ids but model.vocab_size="
+                      f"{config.model.vocab_size} leaves {config.model.vocab_size - reserved} for them; set "
+                      f"model.vocab_size={ids + reserved}, or leave it unset to size it from the data")
+  return config, vocab
+
+
 def make_vocabulary(data, source: Source, vocab_size: int, root: Path, reserved: int = 0) -> Vocabulary:
   """The tokenizers of a run whose model has `vocab_size` ids for text.
 
@@ -131,11 +174,7 @@ def _tokenizer(data, source: Source, vocab_size: int, root: Path, reserved: int,
     except ValueError as e:
       raise DataError(f"data.tokenizer_model={data.tokenizer_model!r}: {e}") from None
   elif data.tokenizer == "char":
-    chars: set[str] = set()
-    for split in source.splits():
-      for doc in source.examples(split):
-        chars.update(example_text(doc))
-    tokenizer = CharTokenizer("".join(sorted(chars)))
+    tokenizer = char_tokenizer(source)
   else:
     key = cache_key(source.fingerprint("train"), source.kind, vocab_size, data.tokenizer, data.input_sentence_size,
                     *([sides] if sides != (0, 1) else []))

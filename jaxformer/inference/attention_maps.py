@@ -15,21 +15,12 @@ import jax
 import numpy as np
 
 from jaxformer.data.pipeline import sentence_ids
-from jaxformer.evaluate import decode_sources
 from jaxformer.inference.quantize import dequantize_params
 from jaxformer.inference.restore import Restored
 from jaxformer.models import layout
 from jaxformer.models.transformer import shift_right
 from jaxformer.tasks import get_task
-
-# (intermediates stack, attention module, panel title) per model kind, encoder side first.
-KINDS = {
-    "encoder_decoder": (("encoder", "self_attention", "encoder self-attention"),
-                        ("decoder", "self_attention", "decoder self-attention"),
-                        ("decoder", "cross_attention", "encoder-decoder attention")),
-    "decoder_only": (("layer", "self_attention", "decoder self-attention"),),
-    "encoder_only": (("layer", "self_attention", "encoder self-attention"),),
-}
+from jaxformer.tasks.evaluate import decode_sources
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,13 +103,14 @@ def attention_maps(restored: Restored, text: str, target: str | None = None) -> 
       model.max_length, or a `target` for a model without a decoder reading a source.
   """
   cfg = restored.config
-  kind = cfg.model.kind
-  if target is not None and kind != "encoder_decoder":
-    raise ValueError(f"--target is for translation models; this workdir holds model.kind={kind}: drop --target")
+  task = get_task(cfg)
+  if target is not None and not task.translates:
+    raise ValueError(f"--target is for translation models; this workdir holds model.kind={cfg.model.kind}: "
+                     "drop --target")
   model, params = _plain_model(restored)
   source = _encode(restored.source_tokenizer, text, "--text", min(cfg.data.max_length, cfg.model.max_length),
-                   eos=cfg.model.eos_id if kind == "encoder_decoder" else None)
-  if kind == "encoder_decoder":
+                   eos=cfg.model.eos_id if task.translates else None)
+  if task.translates:
     if target is None:
       targets = _greedy(restored, text)
       target = restored.tokenizer.decode(targets[0])
@@ -135,7 +127,7 @@ def attention_maps(restored: Restored, text: str, target: str | None = None) -> 
   _, state = jax.jit(lambda p, *a: model.apply({"params": p}, *a, mutable=["intermediates"]))(params, *args)
   sown = state["intermediates"]
   maps = []
-  for stack, module, title in KINDS[kind]:
+  for stack, module, title in task.attention_maps:
     depth = layout.layer_stacks(model)[stack]
     weights = np.stack([np.asarray(sown[f"{stack}_{i}"][module]["attention_weights"][0][0]) for i in range(depth)])
     keys = labels["encoder"] if module == "cross_attention" else labels[stack]

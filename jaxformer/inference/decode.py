@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from jaxformer import sharding as sh
 from jaxformer.inference import cache as kv
-from jaxformer.inference.quantize import dequantize_params
+from jaxformer.inference.quantize import decoding_params
 from jaxformer.inference.search import (
   BEAM_SIZE,
   EXTRA_TOKENS,
@@ -63,9 +63,9 @@ def start(model: nn.Module, params: Any, inputs: jax.Array, max_decode_len: int)
   `[batch, vocab]`, cache, `LogitsFn` of one cached step), PAD excluded (`cache.no_pad`).
 
   The cache holds just what `max_decode_len` generated tokens need (the last one is never
-  read), so attention touches no unused slots. int8 params
-  (`inference.quantize`) are dequantized here, inside the caller's jit."""
-  params = dequantize_params(params)
+  read), so attention touches no unused slots. int8 params (`inference.quantize`) go to the
+  model as int8 kernels for its int8 products (`decoding_params`), inside the caller's jit."""
+  params = decoding_params(params)
   pad = model.config.pad_id
   capacity = max_decode_len + (0 if model.ENCODES_SOURCE else inputs.shape[1])   # + BOS, - the unread last token
   cache = kv.contiguous_cache(model, params, inputs.shape[0], inputs.shape[1], min(capacity, model.config.max_length))

@@ -49,7 +49,7 @@ import numpy as np
 from jaxformer.inference import cache as kv
 from jaxformer.inference import topk
 from jaxformer.inference.pages import PageAllocator
-from jaxformer.inference.quantize import dequantize_params
+from jaxformer.inference.quantize import decoding_params
 from jaxformer.inference.search import check_sampling, check_seed, sample_tokens, sampling_values, source_row_keys
 
 _ids = itertools.count()
@@ -142,7 +142,7 @@ class Engine:
     num_pages = num_pages or max_batch * max(per_row, src_per_row) + 1
     self.pages = PageAllocator(num_pages, page_size, max_batch, per_row)
     self.source_pages = PageAllocator(num_pages, page_size, max_batch, src_per_row)
-    cache = kv.paged_cache(model, dequantize_params(params), max_batch, num_pages, page_size, per_row, src_per_row)
+    cache = kv.paged_cache(model, decoding_params(params), max_batch, num_pages, page_size, per_row, src_per_row)
     self.layers, self._state = cache.layers, cache.state
     self.slots: list[Request | None] = [None] * max_batch
     self.lengths = np.zeros((max_batch,), np.int32)        # tokens cached per slot
@@ -181,7 +181,7 @@ class Engine:
     return (token, *topk.top_k_log_probs(logits, min(MAX_LOGPROBS, logits.shape[1])))
 
   def _prefill_fn(self, params, layers, inputs, resume, table, source_table, rng, sampling, options):
-    params = dequantize_params(params)   # int8 weights stay int8 between calls
+    params = decoding_params(params)   # int8 weights stay int8 between calls (`inference.quantize`)
     zeros = jnp.zeros((1,), jnp.int32)
     cache = self._cache(layers, zeros, zeros, table, source_table)
     logits, cache = kv.prefill(self.model, params, cache, inputs)
@@ -194,7 +194,7 @@ class Engine:
   def _generate_fn(self, params, layers, tokens, lengths, source_lengths, table, source_table, keys, index,
                    sampling, temperature, top_k, top_p):
     cache = self._cache(layers, lengths, source_lengths, table, source_table)
-    logits, cache = kv.step(self.model, dequantize_params(params), cache, tokens)
+    logits, cache = kv.step(self.model, decoding_params(params), cache, tokens)
     return self._choose(logits, keys, index, sampling, temperature, top_k, top_p), cache.layers
 
   def _score_prompt_fn(self, params, inputs):
@@ -202,7 +202,7 @@ class Engine:
     of each token after the first given the ones before, `[1, width - 1]`, and the top
     alternatives there (`_logprobs`)."""
     inputs = jnp.maximum(inputs, 0)   # a model without a pad id (-1) reads its padding as token 0: causal, unseen
-    logits = self.model.apply({"params": dequantize_params(params)}, inputs)[0, :-1]
+    logits = self.model.apply({"params": decoding_params(params)}, inputs)[0, :-1]
     return self._logprobs(logits, inputs[0, 1:])
 
   # ---------------------------------------------------------------- requests

@@ -1,28 +1,30 @@
-"""Int8 weight-only quantization of a model's params for decoding.
+"""Int8 weight quantization of a model's params for decoding.
 
-Each matrix-like float kernel becomes a `QuantizedArray`: int8 values and float32 scales,
-symmetric, one scale per output channel (absmax / 127), so `w ~ values * scale` with an
-error of at most half a scale step per element. Activations and the KV cache stay in the
-compute dtype; only the stored weights shrink (about 4x against float32).
+Each matrix-like float kernel becomes a `layers.int8.QuantizedArray`: int8 values and float32
+scales, symmetric, one scale per output channel (absmax / 127), so `w ~ values * scale` with an
+error of at most half a scale step per element. The KV cache stays in the compute dtype.
 
-Use: quantize once on the host (`quantize_params`), keep the int8 tree on the device, and
-call `dequantize_params` at the top of the jitted decode function. XLA then converts and
-scales the weights inside each call: the multiply fuses into the convert, and the float
-weights exist only as per-call temporaries (materialised for the matmuls that read them),
-while the memory held between calls, and moved host -> device, is the int8 tree.
+Use: quantize once on the host (`quantize_params`), keep the int8 tree on the device, and call
+`decoding_params` at the top of the jitted decode function. It leaves the kernels the layers
+multiply in int8 (`INT8_MATMUL`: attention and feed-forward projections, output layer, embedding
+tables) as they are: those products quantize their activations per row and run int8 x int8 with
+int32 accumulation (`layers.int8`), about twice as fast as float32 on XLA:CPU at decode shapes.
+It dequantizes the others (a mixture of experts' kernels, small tables) inside the call, so they
+exist in float only as per-call temporaries. `dequantize_params` gives the whole float tree
+(evaluation losses, attention maps).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-INT8_MAX = 127
+from jaxformer.layers.int8 import INT8_MAX, QuantizedArray, is_quantized
 
 # Param name -> (ndim of one layer's kernel, the axes a matmul contracts, i.e. reduced for the scale).
 # Projections `[d_model, heads, head_dim]` scale per (head, head_dim); the attention output
@@ -34,28 +36,6 @@ KERNELS: dict[str, tuple[int, tuple[int, ...]]] = {
     "wi": (2, (0,)), "wi_gate": (2, (0,)), "wo": (2, (0,)),
     "output_proj": (2, (0,)), "embedding": (2, (1,)),
 }
-
-
-@flax.struct.dataclass
-class QuantizedArray:
-  """A kernel stored as int8 values and float32 per-output-channel scales (a pytree node).
-
-  Attributes:
-    values: int8, the kernel's shape, in [-127, 127].
-    scale: float32, the kernel's shape with the contracted (input) axes of size 1, e.g.
-      `[1, heads, head_dim]` for a `[d_model, heads, head_dim]` projection, `[layers, 1, d_ff]`
-      for stacked `[layers, d_model, d_ff]` kernels, `[vocab, 1]` for an embedding table.
-  """
-  values: jax.Array
-  scale: jax.Array
-
-  def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
-    """`values * scale` (computed in float32) as `dtype`, the kernel's shape."""
-    return (self.values.astype(jnp.float32) * self.scale).astype(dtype)
-
-
-def _is_quantized(x: Any) -> bool:
-  return isinstance(x, QuantizedArray)
 
 
 def _dict_keys(path: tuple) -> list[str]:
@@ -109,7 +89,7 @@ def quantize_array(w: jax.Array, reduced_axes: tuple[int, ...]) -> QuantizedArra
 
 
 def quantize_params(params: Mapping[str, Any], min_size: int = 4096) -> Any:
-  """Int8 weight-only quantization of a Flax params tree (the unboxed `params` collection).
+  """Int8 quantization of the kernels of a Flax params tree (the unboxed `params` collection).
 
   Every float kernel with at least two axes per layer and `min_size` elements or more becomes a
   `QuantizedArray` (scales per output channel, per layer for the stacked `[num_layers, ...]`
@@ -126,7 +106,7 @@ def quantize_params(params: Mapping[str, Any], min_size: int = 4096) -> Any:
   Raises:
     ValueError: the tree is already quantized, or holds no float kernel of `min_size` elements.
   """
-  if any(_is_quantized(x) for x in jax.tree.leaves(params, is_leaf=_is_quantized)):
+  if any(is_quantized(x) for x in jax.tree.leaves(params, is_leaf=is_quantized)):
     raise ValueError("quantize_params: the params are already quantized; pass the float params")
   depths = _stack_depths(params)
   count = 0
@@ -152,14 +132,49 @@ def quantize_params(params: Mapping[str, Any], min_size: int = 4096) -> Any:
 def dequantize_params(qparams: Mapping[str, Any], dtype: Any = jnp.float32) -> Any:
   """The float params back from `quantize_params`' output: every `QuantizedArray` becomes
   `values * scale` in `dtype`; other leaves are returned unchanged, so with float32 the
-  tree has exactly the original structure, shapes and dtypes. Call it inside the jitted
-  decode function so that only the int8 tree is held between calls (module docstring).
+  tree has exactly the original structure, shapes and dtypes. Call it inside a jitted
+  function so that only the int8 tree is held between calls (decoding: `decoding_params`).
 
   Args:
     qparams: a tree from `quantize_params`.
     dtype: dtype of the dequantised kernels (e.g. the compute dtype, bfloat16).
   """
-  return jax.tree.map(lambda x: x.dequantize(dtype) if _is_quantized(x) else x, qparams, is_leaf=_is_quantized)
+  return jax.tree.map(lambda x: x.dequantize(dtype) if is_quantized(x) else x, qparams, is_leaf=is_quantized)
+
+
+def int8_products() -> bool:
+  """Whether decoding multiplies int8 kernels in int8 (`decoding_params`): everywhere but on an
+  XLA:CPU whose YNNPACK dots are off (`XLA_FLAGS` sets `--xla_cpu_experimental_ynn_fusion_type`
+  without `individual_dot`, as `runtime.deterministic` does). Eigen then runs the int8 dot
+  1.3-2.8x slower than the float32 one, so the kernels are dequantized instead."""
+  if jax.default_backend() != "cpu":
+    return True
+  ynn = [f.split("=", 1)[1] for f in os.environ.get("XLA_FLAGS", "").split()
+         if f.startswith("--xla_cpu_experimental_ynn_fusion_type=")]
+  return not ynn or "individual_dot" in ynn[-1].split(",")
+
+
+def decoding_params(qparams: Mapping[str, Any], dtype: Any = jnp.float32) -> Any:
+  """The params a decode function passes to the model: `qparams` with the kernels the layers
+  multiply in int8 left quantized (every `KERNELS` name at one layer's shape, or stacked per
+  layer) where `int8_products()`, and the other `QuantizedArray`s (a mixture of experts'
+  `[experts, ...]` kernels, kernels of other names; all of them where not `int8_products()`)
+  dequantized to `dtype`. Call it inside the jitted decode function.
+
+  Args:
+    qparams: a tree from `quantize_params` (a float tree comes back unchanged).
+    dtype: dtype of the dequantized kernels.
+  """
+  depths, keep = _stack_depths(qparams), int8_products()
+
+  def convert(path, x):
+    if not is_quantized(x):
+      return x
+    keys = _dict_keys(path)
+    if keep and keys[-1] in KERNELS and x.values.ndim == KERNELS[keys[-1]][0] + depths.get(keys[0], 0):
+      return x
+    return x.dequantize(dtype)
+  return jax.tree_util.tree_map_with_path(convert, qparams, is_leaf=is_quantized)
 
 
 def weight_bytes(tree: Any) -> int:

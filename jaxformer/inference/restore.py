@@ -13,17 +13,16 @@ from typing import Any
 
 import jax
 
-from jaxformer import average
-from jaxformer import checkpoint as ckpt
 from jaxformer import sharding as sh
+from jaxformer.checkpoint import average
+from jaxformer.checkpoint import manager as ckpt
 from jaxformer.config import Config, ConfigError, config_from_dict, load_config, to_dict
 from jaxformer.data import Tokenizer
 from jaxformer.inference.quantize import quantize_params
 from jaxformer.models import layout
-from jaxformer.runtime import build_mesh
+from jaxformer.models.abstract import param_shardings
+from jaxformer.runtime.startup import build_mesh
 from jaxformer.tasks import get_task
-from jaxformer.train.optim import make_optimizer
-from jaxformer.train.state import state_shardings
 
 RUNTIME_SECTIONS = ("runtime.", "mesh.", "train.batch_size", "data.data_dir")
 
@@ -76,8 +75,8 @@ def restore(workdir: str | Path, config: Config, step: int | None = None, averag
   mesh the checkpoint was written from; or, with `average_last` N, the mean of the params of
   the newest N checkpoints (paper section 6.1; `Restored.step` is then the newest, and
   `Restored.averaged` lists the steps). With `quantize="int8"` the params are then stored as
-  int8 with per-channel scales (`inference.quantize`; decoding dequantizes inside its jitted
-  functions). Writes nothing to the workdir.
+  int8 with per-channel scales (`inference.quantize`; decoding multiplies them in int8, or
+  dequantizes them inside its jitted functions, `decoding_params`). Writes nothing to the workdir.
 
   Raises:
     CheckpointError: the workdir has no (such) checkpoint, `step` is damaged, or none is intact.
@@ -90,9 +89,8 @@ def restore(workdir: str | Path, config: Config, step: int | None = None, averag
   rules = sh.rules_for(config.mesh)
   mesh = build_mesh(config)
   model = get_task(config).make_model()
-  tx = make_optimizer(config.optim, config.model.d_model)
-  abstract, shardings = state_shardings(model, tx, mesh, rules)
-  target = ckpt.sharded_target(abstract.params, shardings.params)
+  abstract, shardings = param_shardings(model, mesh, rules)
+  target = ckpt.sharded_target(abstract, shardings)
   if average_last:
     averaged = average.last_steps(checkpointer, average_last)
     restored_step = averaged[-1]

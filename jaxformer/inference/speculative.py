@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jaxformer.inference import cache as kv
 from jaxformer.inference import topk
-from jaxformer.inference.quantize import dequantize_params
+from jaxformer.inference.quantize import decoding_params
 
 
 def _last_valid(logits: jax.Array, tokens: jax.Array, pad_id: int) -> jax.Array:
@@ -62,7 +62,7 @@ def speculative_greedy(target: nn.Module, target_params: Any, draft: nn.Module, 
   k, length = num_draft_tokens, max_decode_len
   if not isinstance(k, int) or k < 1:
     raise ValueError(f"the draft must propose >= 1 token per round, got {num_draft_tokens!r}")
-  target_params, draft_params = dequantize_params(target_params), dequantize_params(draft_params)
+  target_params, draft_params = decoding_params(target_params), decoding_params(draft_params)
   pad = target.config.pad_id
   eos_id = target.config.eos_id if eos_id is None else eos_id
   batch = inputs.shape[0]

@@ -23,6 +23,7 @@ from jaxformer.config import Config, ModelConfig
 from jaxformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from jaxformer.interop import links as L
 from jaxformer.interop.hf_llama import output_links
+from jaxformer.tasks.masked_lm import MaskedLM
 
 MODEL_TYPE = "xlm-roberta-xl"
 ARCHITECTURE = "XLMRobertaXLForMaskedLM"
@@ -32,7 +33,7 @@ EPSILON = 1e-6   # our LayerNorm's
 
 def unsupported(m: ModelConfig) -> list[str]:
   """`key=value` of each option of `m` the BERT-style model has no counterpart for (empty: it maps)."""
-  wanted = {"kind": "encoder_only", "pre_norm": True, "position": "learned", "norm": "layernorm", "ffn": "gelu",
+  wanted = {"kind": MaskedLM.kind, "pre_norm": True, "position": "learned", "norm": "layernorm", "ffn": "gelu",
             "attn_logit_softcap": 0.0, "attention_bias": "none", "mlp_bias": True,
             "embedding_scale": True, "attention_head_dim": 0, "pad_id": 0, "embedding_norm": False,
             "type_vocab_size": 0, "position_offset": 0, "mlm_head": False}
@@ -69,7 +70,7 @@ def model_config(hf) -> dict:
       ("position_embedding_type", getattr(hf, "position_embedding_type", "absolute") == "absolute")) if not ok]
   if bad:
     raise ValueError(f"this XLM-RoBERTa-XL model has options jaxformer has no counterpart for: {', '.join(bad)}")
-  return dict(kind="encoder_only", vocab_size=hf.vocab_size, d_model=hf.hidden_size, num_heads=hf.num_attention_heads,
+  return dict(kind=MaskedLM.kind, vocab_size=hf.vocab_size, d_model=hf.hidden_size, num_heads=hf.num_attention_heads,
               d_ff=hf.intermediate_size, num_encoder_layers=hf.num_hidden_layers, dropout_rate=hf.hidden_dropout_prob,
               attention_dropout_rate=hf.attention_probs_dropout_prob, pre_norm=True, tie_embeddings=False,
               max_length=hf.max_position_embeddings - hf.pad_token_id - 1, position="learned", norm="layernorm",

@@ -32,6 +32,7 @@ from __future__ import annotations
 from jaxformer.config import Config, ModelConfig
 from jaxformer.interop import links as L
 from jaxformer.interop.hf_llama import output_links, pad_token, tied_in_hf
+from jaxformer.tasks.masked_lm import MaskedLM
 
 MODEL_TYPE = "bert"
 ARCHITECTURE = "BertForMaskedLM"
@@ -46,7 +47,7 @@ HF_ACTIVATION = {ours: hf for hf, ours in reversed(ACTIVATIONS.items())}
 def unsupported(m: ModelConfig, offset: int = 0, activations: tuple[str, ...] = tuple(HF_ACTIVATION)) -> list[str]:
   """`key=value` of each option of `m` BERT has no counterpart for (empty: it maps). RoBERTa
   passes its position `offset` (`model.pad_id + 1`) and its one activation."""
-  wanted = {"kind": "encoder_only", "pre_norm": False, "position": "learned", "position_offset": offset,
+  wanted = {"kind": MaskedLM.kind, "pre_norm": False, "position": "learned", "position_offset": offset,
             "norm": "layernorm", "attention_bias": "all", "mlp_bias": True, "embedding_norm": True,
             "mlm_head": True, "attn_logit_softcap": 0.0}
   return L.mismatches(m, wanted, {
@@ -88,7 +89,7 @@ def model_config(hf, family: str = "BERT", offset: int = 0, activations: tuple[s
       if not ok]
   if bad:
     raise ValueError(f"this {family} model has options jaxformer has no counterpart for: {', '.join(bad)}")
-  return dict(kind="encoder_only", vocab_size=hf.vocab_size, d_model=hf.hidden_size, num_heads=hf.num_attention_heads,
+  return dict(kind=MaskedLM.kind, vocab_size=hf.vocab_size, d_model=hf.hidden_size, num_heads=hf.num_attention_heads,
               d_ff=hf.intermediate_size, num_encoder_layers=hf.num_hidden_layers, dropout_rate=hf.hidden_dropout_prob,
               attention_dropout_rate=hf.attention_probs_dropout_prob, pre_norm=False,
               tie_embeddings=bool(hf.tie_word_embeddings), embedding_scale=False, embedding_norm=True, mlm_head=True,

@@ -15,6 +15,7 @@ import numpy as np
 from jaxformer.config import Config, ModelConfig
 from jaxformer.interop import links as L
 from jaxformer.interop.hf_llama import generation, output_links, pad_token, tied_in_hf  # noqa: F401  (generation: the same)
+from jaxformer.tasks.causal_lm import CausalLM
 
 MODEL_TYPE = "gpt2"
 ARCHITECTURE = "GPT2LMHeadModel"
@@ -27,7 +28,7 @@ ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "ge
 
 def unsupported(m: ModelConfig) -> list[str]:
   """`key=value` of each option of `m` GPT-2 has no counterpart for (empty: it maps)."""
-  wanted = {"kind": "decoder_only", "pre_norm": True, "position": "learned", "norm": "layernorm",
+  wanted = {"kind": CausalLM.kind, "pre_norm": True, "position": "learned", "norm": "layernorm",
             "attn_logit_softcap": 0.0, "sliding_window": 0, "mlp_bias": True, "embedding_norm": False,
             "type_vocab_size": 0, "position_offset": 0}
   return L.mismatches(m, wanted, {
@@ -60,7 +61,7 @@ def model_config(hf) -> dict:
       ("add_cross_attention", not hf.add_cross_attention)) if not ok]
   if bad:
     raise ValueError(f"this GPT-2 model has options jaxformer has no counterpart for: {', '.join(bad)}")
-  return dict(kind="decoder_only", vocab_size=hf.vocab_size, d_model=hf.n_embd, num_heads=hf.n_head,
+  return dict(kind=CausalLM.kind, vocab_size=hf.vocab_size, d_model=hf.n_embd, num_heads=hf.n_head,
               d_ff=hf.n_inner or 4 * hf.n_embd, num_decoder_layers=hf.n_layer, dropout_rate=hf.resid_pdrop,
               attention_dropout_rate=hf.attn_pdrop, pre_norm=True, tie_embeddings=bool(hf.tie_word_embeddings),
               embedding_scale=False, max_length=hf.n_positions, position="learned", norm="layernorm",

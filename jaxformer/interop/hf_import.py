@@ -12,7 +12,9 @@ from) and one checkpoint at step 0: the imported params alone (training adds a f
 `jaxformer train --config NEW/config.yaml --workdir NEW` continues from them. Every imported
 tensor is checked by mapping the params back: a checkpoint holding anything our model has no
 counterpart for (a nonzero attention bias, another LM-head transform) is refused in one line.
-Nothing downloads.
+Nothing downloads. Memory stays near one float32 copy of the params: each tensor is read,
+converted and checked before the next (`links.from_hf_checked`), and the checkpoint is written
+without Orbax's copies (`checkpoint.manager.save_host_params`).
 """
 
 from __future__ import annotations
@@ -39,12 +41,11 @@ TOKENIZER_SIGNS = ("tokenizer.json", *SPM_FILES, "source.spm")   # one of them: 
 OWN_TOKENIZERS = ("hf", "marian")   # data.tokenizer values naming a published model's own tokenizer files
 
 
-def read_hf(hf_dir: str | Path) -> tuple[Config, dict[str, np.ndarray]]:
-  """Our config and the float32 state dict (`{name: numpy array}`) of a Hugging Face directory.
-
-  The tensors are read from its safetensors files one at a time (`hf_weights.HFWeights`), named
-  as the architecture's `state_dict()` names them; no torch model is built. They are what the
-  files hold: a tied checkpoint written by transformers has no `lm_head.weight`.
+def open_hf(hf_dir: str | Path) -> tuple[Config, Any]:
+  """Our config and the tensors of a Hugging Face directory, unread: an `hf_weights.HFWeights`
+  (close it, or use it in a `with` block) that reads each as float32 on request, named as the
+  architecture's `state_dict()` names them; no torch model is built. They are what the files
+  hold: a tied checkpoint written by transformers has no `lm_head.weight`.
 
   Raises:
     ConfigError: not a directory with `config.json`, an architecture with no mapping, or weight
@@ -68,7 +69,18 @@ def read_hf(hf_dir: str | Path) -> tuple[Config, dict[str, np.ndarray]]:
   prefix = getattr(mapping, "BASE_MODEL_PREFIX", None)   # T5's names are not under its base_model_prefix
   if prefix is None:
     prefix = getattr(transformers, mapping.ARCHITECTURE).base_model_prefix   # a class attribute: no model built
-  with HFWeights(hf_dir, prefix) as weights:
+  return config, HFWeights(hf_dir, prefix)
+
+
+def read_hf(hf_dir: str | Path) -> tuple[Config, dict[str, np.ndarray]]:
+  """Our config and the float32 state dict (`{name: numpy array}`) of a Hugging Face directory:
+  `open_hf`'s tensors, all read (import itself reads them one at a time instead).
+
+  Raises:
+    ConfigError, ValueError: as `open_hf`.
+  """
+  config, weights = open_hf(hf_dir)
+  with weights:
     return config, dict(weights.items())
 
 
@@ -142,30 +154,82 @@ def published_config(hf_dir: str | Path, mapping, hf_config) -> Config:
   return config_from_dict({"name": hf_dir.name, "model": model, "data": data})
 
 
-def params_from_hf(config: Config, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
-  """Our params (nested dict of float32 numpy arrays, the config's layer layout) from a
-  Hugging Face state dict, checked by mapping them back (see the module docstring).
+def params_from_hf(config: Config, tensors: Any) -> dict[str, Any]:
+  """Our params (nested dict of float32 numpy arrays, the config's layer layout) from a Hugging
+  Face state dict, checked by mapping them back (see the module docstring). `tensors`: a dict
+  (`read_hf`'s) or `open_hf`'s `HFWeights`, read one tensor at a time, so memory stays near one
+  float32 copy of the params (`links.from_hf_checked`; a scanned layout's stacks are filled as
+  each layer's tensor is read).
 
   Raises:
     ValueError: a tensor is missing or holds what our model cannot express (one line).
   """
   from jaxformer.interop.hf_export import select_mapping  # noqa: PLC0415
   links, consts = select_mapping(config).links(config.model)
-  flat = L.from_hf(links, consts, tensors)
-  fallbacks = {link.hf: link.fallback for link in links if link.fallback}
-  for name, again in L.to_hf_items(links, consts, flat):   # one tensor at a time: no second model copy
-    if name not in tensors and any(link.hf == name and link.from_hf is None for link in links):
-      continue   # a derived tensor the checkpoint leaves out (a tied head)
-    expected = tensors[name] if name in tensors else tensors.get(fallbacks.get(name), np.zeros_like(again))
-    if not np.allclose(again, expected, rtol=1e-5, atol=1e-6):
-      raise ValueError(f"{name} has values jaxformer's {config.model.kind} model cannot express exactly; "
-                       "this checkpoint cannot be imported")
-  params = L.unflatten(flat)
+  out = None
   if config.model.scan_layers:
-    from jaxformer.models import layout  # noqa: PLC0415
     from jaxformer.tasks import get_task  # noqa: PLC0415
-    params = layout.stack_layers(params, layout.layer_stacks(get_task(config).make_model()))
-  return params
+    paths = {p for link in links if link.from_hf is not None for p in link.ours}
+    out = _ScannedParams(get_task(config).make_model(), paths)
+  return L.unflatten(L.from_hf_checked(links, consts, tensors, config.model.kind, out))
+
+
+class _Slot:
+  """A param's place in the scanned layout: its path there, and its layer when it is one layer's
+  slice of a stack (`models.layout.unstack_layers` indexes each stacked leaf per layer)."""
+
+  def __init__(self, path: str, layer: int | None = None):
+    self.path, self.layer = path, layer
+
+  def __getitem__(self, layer: int) -> _Slot:
+    return _Slot(self.path, layer)
+
+
+class _ScannedParams:
+  """Flat params stored in `model`'s scanned layout (`models.layout.stack_layers`'s, numpy arrays):
+  a layer's leaf, set by its unrolled path (`paths`: all of them), is copied into its stack at
+  once and read back as a view of it, so no unrolled copy is held (stacking after converting
+  held both, and left the freed layers as holes in the heap). `items()` gives the scanned paths
+  and arrays."""
+
+  def __init__(self, model, paths: set[str]):
+    import jax  # noqa: PLC0415
+
+    from jaxformer.models import layout  # noqa: PLC0415
+    stacks = layout.layer_stacks(model)
+    shapes = _leaves(layout.stack_layers(L.unflatten({p: jax.ShapeDtypeStruct((), np.float32) for p in paths}),
+                                         stacks))   # a stack's leaf: ([layers],)
+    self._layers = {path: sds.shape[0] if sds.shape else None for path, sds in shapes.items()}
+    self._slots = _leaves(layout.unstack_layers(L.unflatten({p: _Slot(p) for p in shapes}), stacks))
+    self._arrays: dict[str, np.ndarray] = {}
+
+  def __setitem__(self, path: str, value: np.ndarray) -> None:
+    slot = self._slots[path]
+    if slot.layer is None:
+      self._arrays[slot.path] = value
+      return
+    if slot.path not in self._arrays:   # pages are taken as layers are copied in
+      self._arrays[slot.path] = np.empty((self._layers[slot.path], *np.shape(value)), np.float32)
+    self._arrays[slot.path][slot.layer] = value
+
+  def __getitem__(self, path: str) -> np.ndarray:
+    slot = self._slots[path]
+    return self._arrays[slot.path] if slot.layer is None else self._arrays[slot.path][slot.layer]
+
+  def items(self):
+    """`(scanned path, array)` pairs."""
+    return self._arrays.items()
+
+
+def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+  """`{"a/b/c": leaf}` of a nested dict, leaves as they are (`links.flatten` makes them arrays)."""
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_leaves(value, f"{prefix}{key}/"))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
 
 
 def write_workdir(config: Config, params: Any, tokenizer, workdir: str | Path, origin: dict,
@@ -177,7 +241,7 @@ def write_workdir(config: Config, params: Any, tokenizer, workdir: str | Path, o
   Raises:
     ConfigError: `workdir` exists.
   """
-  from jaxformer import checkpoint as ckpt  # noqa: PLC0415
+  from jaxformer.checkpoint import manager as ckpt  # noqa: PLC0415
   workdir = Path(workdir)
   if workdir.exists():
     raise ConfigError(f"--workdir {workdir} already exists; import writes a new workdir")
@@ -194,10 +258,8 @@ def write_workdir(config: Config, params: Any, tokenizer, workdir: str | Path, o
       if config.data.tokenizer == "hf" and not (tokenizer_files / "tokenizer.json").is_file():
         tokenizer.save(tmp / TOKENIZER_DIR)   # converted from the directory's SentencePiece model
     (tmp / IMPORT_FILE).write_text(json.dumps(origin) + "\n")
-    # Params alone (no optimizer state, which training creates): memory stays near one model copy.
-    saver = ckpt.Checkpointer(tmp, async_save=False)
-    saver.save_params(0, params)
-    saver.close()
+    # Params alone (no optimizer state, which training creates), written without Orbax's copies.
+    ckpt.save_host_params(tmp, 0, params)
     tmp.rename(workdir)
   except BaseException:   # a failed or interrupted write leaves no .incomplete directory behind
     shutil.rmtree(tmp, ignore_errors=True)
@@ -219,9 +281,9 @@ def import_hf(hf_dir: str | Path, workdir: str | Path) -> dict[str, Any]:
   if (Path(hf_dir) / "config.json").is_file() and not any((Path(hf_dir) / f).is_file() for f in TOKENIZER_SIGNS):
     raise ConfigError(f"{hf_dir} has no tokenizer ({', '.join(TOKENIZER_SIGNS)}); save the model's tokenizer "
                       "beside it (AutoTokenizer's save_pretrained)")
-  config, tensors = read_hf(hf_dir)
-  params = params_from_hf(config, tensors)
-  del tensors   # the state dict's arrays go before the checkpoint is written
+  config, weights = open_hf(hf_dir)
+  with weights:   # one tensor read at a time (a pytorch_model.bin's temporary safetensors go at the end)
+    params = params_from_hf(config, weights)
   own = config.data.tokenizer in OWN_TOKENIZERS   # a published model's tokenizer (else our SentencePiece model)
   if own:
     tokenizer = own_tokenizer(config.data.tokenizer, hf_dir)

@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxformer.config import Config, ModelConfig
 from jaxformer.interop import links as L
+from jaxformer.tasks.causal_lm import CausalLM
 
 MODEL_TYPE = "llama"
 ARCHITECTURE = "LlamaForCausalLM"
@@ -26,7 +27,7 @@ YARN_DEFAULTS = {"beta_fast": 32, "beta_slow": 1, "truncate": True}   # ours (la
 def unsupported(m: ModelConfig, attention_bias=("none", "all"), sliding_window: bool = False) -> list[str]:
   """`key=value` of each option of `m` Llama has no counterpart for (empty: it maps). The variants
   pass which `attention_bias` values and whether a sliding window they express."""
-  wanted = {"kind": "decoder_only", "pre_norm": True, "position": "rope", "norm": "rmsnorm", "ffn": "swiglu",
+  wanted = {"kind": CausalLM.kind, "pre_norm": True, "position": "rope", "norm": "rmsnorm", "ffn": "swiglu",
             "attn_logit_softcap": 0.0, "global_tokens": 0, "embedding_norm": False, "type_vocab_size": 0}
   return L.mismatches(m, wanted, {"attention_bias": m.attention_bias in attention_bias,
                                   "rope_scaling": m.rope_scaling != "ntk",
@@ -118,7 +119,7 @@ def model_config(hf, attention_bias: str | None = None, sliding_window: int = 0)
   if attention_bias is None:
     attention_bias = "all" if hf.attention_bias else "none"
   head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-  return dict(kind="decoder_only", vocab_size=hf.vocab_size, d_model=hf.hidden_size, num_heads=hf.num_attention_heads,
+  return dict(kind=CausalLM.kind, vocab_size=hf.vocab_size, d_model=hf.hidden_size, num_heads=hf.num_attention_heads,
               attention_head_dim=0 if head_dim * hf.num_attention_heads == hf.hidden_size else head_dim,
               num_kv_heads=hf.num_key_value_heads, d_ff=hf.intermediate_size, num_decoder_layers=hf.num_hidden_layers,
               attention_dropout_rate=hf.attention_dropout, dropout_rate=0.0, pre_norm=True,

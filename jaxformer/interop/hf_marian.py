@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxformer.config import Config, ModelConfig
 from jaxformer.interop import links as L
+from jaxformer.tasks.translation import Translation
 
 MODEL_TYPE = "marian"
 ARCHITECTURE = "MarianMTModel"
@@ -47,7 +48,7 @@ LEGACY = {"normalize_before": False, "normalize_embedding": False, "add_final_la
 
 def unsupported(m: ModelConfig) -> list[str]:
   """`key=value` of each option of `m` Marian has no counterpart for (empty: it maps)."""
-  wanted = {"kind": "encoder_decoder", "pre_norm": False, "position": "sinusoidal", "norm": "layernorm",
+  wanted = {"kind": Translation.kind, "pre_norm": False, "position": "sinusoidal", "norm": "layernorm",
             "attn_logit_softcap": 0.0, "sliding_window": 0, "mlp_bias": True, "attention_head_dim": 0}
   return L.mismatches(m, wanted, {"ffn": m.ffn in HF_ACTIVATION, "num_kv_heads": m.kv_heads == m.num_heads,
                                   "attention_bias": m.attention_bias != "qkv"})
@@ -111,7 +112,7 @@ def model_config(hf) -> dict:
     raise ValueError(f"this Marian model has options jaxformer has no counterpart for: {', '.join(bad)}")
   eos = hf.eos_token_id[0] if isinstance(hf.eos_token_id, list) else hf.eos_token_id
   start = hf.decoder_start_token_id
-  return dict(kind="encoder_decoder", vocab_size=hf.vocab_size, d_model=hf.d_model,
+  return dict(kind=Translation.kind, vocab_size=hf.vocab_size, d_model=hf.d_model,
               num_heads=hf.encoder_attention_heads, d_ff=hf.encoder_ffn_dim, num_encoder_layers=hf.encoder_layers,
               num_decoder_layers=hf.decoder_layers, dropout_rate=hf.dropout,
               attention_dropout_rate=hf.attention_dropout, pre_norm=False,

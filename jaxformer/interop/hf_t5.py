@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxformer.config import Config, ModelConfig
 from jaxformer.interop import links as L
+from jaxformer.tasks.translation import Translation
 
 MODEL_TYPE = "t5"
 ARCHITECTURE = "T5ForConditionalGeneration"
@@ -41,7 +42,7 @@ PROJ = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_new", "silu": "silu",
 
 def unsupported(m: ModelConfig) -> list[str]:
   """`key=value` of each option of `m` T5 has no counterpart for (empty: it maps)."""
-  wanted = {"kind": "encoder_decoder", "pre_norm": True, "position": "t5", "norm": "rmsnorm", "mlp_bias": False,
+  wanted = {"kind": Translation.kind, "pre_norm": True, "position": "t5", "norm": "rmsnorm", "mlp_bias": False,
             "attention_bias": "none", "embedding_scale": False, "attn_logit_softcap": 0.0, "sliding_window": 0,
             "global_tokens": 0, "embedding_norm": False, "type_vocab_size": 0}
   return L.mismatches(m, wanted, {"ffn": m.ffn in PROJ, "num_kv_heads": m.kv_heads == m.num_heads})
@@ -92,7 +93,7 @@ def model_config(hf) -> dict:
   if bad:
     raise ValueError(f"this T5 model has options jaxformer has no counterpart for: {', '.join(bad)}")
   per_head = hf.d_model // hf.num_heads
-  return dict(kind="encoder_decoder", vocab_size=hf.vocab_size, d_model=hf.d_model, num_heads=hf.num_heads,
+  return dict(kind=Translation.kind, vocab_size=hf.vocab_size, d_model=hf.d_model, num_heads=hf.num_heads,
               attention_head_dim=0 if hf.d_kv == per_head and hf.d_model % hf.num_heads == 0 else hf.d_kv,
               d_ff=hf.d_ff, num_encoder_layers=hf.num_layers, num_decoder_layers=hf.num_decoder_layers,
               dropout_rate=hf.dropout_rate, attention_dropout_rate=hf.dropout_rate, pre_norm=True,

@@ -2,10 +2,10 @@
 
 `HFWeights(hf_dir, prefix)` lists the tensors of `model.safetensors`, or of the shards a
 `model.safetensors.index.json` names, and reads each on request as a float32 numpy array
-(`get`), so a converter holds one tensor at a time rather than a whole torch model. F32, F16
-and BF16 files are read (BF16 widened exactly: its bits are a float32's upper half); each
-tensor is read from disk in chunks straight into its float32 array, so reading needs about one
-float32 tensor of memory beyond what the caller keeps. The files are checked with the
+(`get`, or `weights[name]`), so a converter holds one tensor at a time rather than a whole
+torch model. F32, F16 and BF16 files are read (BF16 widened exactly: its bits are a float32's
+upper half); each tensor is read from disk in chunks straight into its float32 array, so
+reading needs about one float32 tensor of memory beyond what the caller keeps. The files are checked with the
 `safetensors` library when opened: a truncated or corrupt file is refused in one line.
 
 Names are those of the architecture's `state_dict()`: files saved from a base model (GPT-2's
@@ -141,6 +141,9 @@ class HFWeights:
         else:
           out[i:i + part.size] = part
     return out.reshape(entry.shape)
+
+  def __getitem__(self, name: str) -> np.ndarray:
+    return self.get(name)   # read on each call: a new array
 
   def items(self) -> Iterator[tuple[str, np.ndarray]]:
     """`(name, float32 array)` for every tensor, read one at a time."""

@@ -17,6 +17,7 @@ FFN, LayerNorm and the logits are equivariant under it, so the model's function 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -198,4 +199,96 @@ def from_hf(links: Sequence[Link], consts: Sequence[Const], tensors: dict[str, A
     if value is None:
       raise ValueError(f"the checkpoint has no tensor {link.hf}")
     out.update(zip(link.ours, link.from_hf(value)))
+  return out
+
+
+def allclose(a: Array, b: Array, rtol: float = 1e-5, atol: float = 1e-6, block: int = 1 << 22) -> bool:
+  """`np.allclose(a, b, rtol, atol)`, over about `block` elements at a time when `a` and `b` have one
+  shape, so its temporaries stay small (on a whole `[128256, 2048]` table they are several copies of it)."""
+  a, b = np.asarray(a), np.asarray(b)
+  if a.shape != b.shape or a.ndim == 0:
+    return bool(np.allclose(a, b, rtol=rtol, atol=atol))
+  rows = max(1, block // max(1, math.prod(a.shape[1:])))
+  return all(np.allclose(a[i:i + rows], b[i:i + rows], rtol=rtol, atol=atol) for i in range(0, a.shape[0], rows))
+
+
+def from_hf_checked(links: Sequence[Link], consts: Sequence[Const], tensors: Any, kind: str,
+                    out: Any = None) -> Any:
+  """`from_hf`, each param checked by mapping it back (`to_hf`) against the checkpoint, holding
+  the params and about one tensor at a time.
+
+  `tensors` maps names to float32 arrays: a dict, or an `hf_weights.HFWeights`, which reads
+  each tensor from disk on request. Each link's tensor is read, converted, mapped back,
+  compared with what it was read from and dropped (the params it becomes may be views of it);
+  the largest go first, while few params are held, so the temporaries of converting and
+  comparing a large table cost least. A tensor a link leaves out is compared with its fallback
+  or zeros, as it was read. Derived tensors (a tied head, when the file holds one), the
+  `Const`s, and a link's tensor when a later link overwrites one of its params are compared
+  once all are converted, each read again. Comparisons use `allclose` (relative 1e-5, absolute
+  1e-6), a derived tensor the file leaves out is not compared.
+
+  Returns:
+    `out` (by default a new dict) with our flat params set in it: another mapping may store
+    them elsewhere (the scanned layout), giving each back when asked for its path.
+
+  Raises:
+    ValueError: as `from_hf`; or a tensor our `kind` model cannot express exactly (one line).
+  """
+  for c in consts:
+    if c.hf in tensors:
+      value = tensors[c.hf]
+      if not np.array_equal(value, np.broadcast_to(c.value, value.shape)):
+        raise ValueError(f"{c.hf} holds values jaxformer's model has no counterpart for (it expects "
+                         f"{'zeros' if not np.any(c.value) else 'a fixed value'}); "
+                         "this checkpoint cannot be imported exactly")
+      del value
+
+  def source(link: Link) -> str | None:   # the tensor a link reads: its own, else its fallback
+    if link.hf in tensors:
+      return link.hf
+    return link.fallback if link.fallback is not None and link.fallback in tensors else None
+
+  for link in links:
+    if link.from_hf is not None and source(link) is None and link.absent is None:
+      raise ValueError(f"the checkpoint has no tensor {link.hf}")
+  derived = {link.hf for link in links if link.from_hf is None}
+  fallbacks = {link.hf: link.fallback for link in links if link.fallback}
+  shape = getattr(tensors, "shape", None)   # HFWeights: a tensor's shape without reading it
+
+  def size(link: Link) -> int:
+    name = source(link)
+    if name is None:
+      return math.prod(link.absent)
+    return math.prod(shape(name) if callable(shape) else tensors[name].shape)
+
+  def check(name: str, again: Array, expected: Array | None = None) -> None:
+    if expected is None:   # read it: the tensor, else its fallback, else zeros
+      fallback = fallbacks.get(name)
+      expected = (tensors[name] if name in tensors else tensors[fallback] if fallback is not None and
+                  fallback in tensors else np.zeros(again.shape, np.float32))
+    if not allclose(again, expected):
+      raise ValueError(f"{name} has values jaxformer's {kind} model cannot express exactly; "
+                       "this checkpoint cannot be imported")
+
+  last = {p: k for k, link in enumerate(links) if link.from_hf is not None for p in link.ours}   # a path's writer
+  out = {} if out is None else out
+  later = set()   # links checked once every param is converted
+  order = sorted((k for k, link in enumerate(links) if link.from_hf is not None), key=lambda k: -size(links[k]))
+  for k in order:
+    link = links[k]
+    name = source(link)
+    value = tensors[name] if name is not None else np.zeros(link.absent, np.float32)
+    for p, v in zip(link.ours, link.from_hf(value)):
+      if last[p] == k:
+        out[p] = v
+    if any(last[p] != k for p in link.ours):
+      later.add(k)
+    elif link.hf in tensors or link.hf not in derived:   # (a derived tensor the file leaves out is not checked)
+      check(link.hf, np.asarray(link.to_hf(*[out[p] for p in link.ours]), np.float32), value)
+    del value
+  for k, link in enumerate(links):
+    if (link.from_hf is None or k in later) and not (link.hf not in tensors and link.hf in derived):
+      check(link.hf, np.asarray(link.to_hf(*[out[p] for p in link.ours]), np.float32))
+  for c in consts:
+    check(c.hf, np.asarray(c.value, np.float32))
   return out

@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxformer import remat
 from jaxformer import sharding as sh
+from jaxformer.errors import ConfigError
+from jaxformer.layers import int8, remat
 from jaxformer.layers import kv_cache as kvc
 from jaxformer.layers.blockwise import blockwise_attention
 from jaxformer.layers.context_parallel import context_axes, gather_length, over_length
@@ -28,7 +29,6 @@ from jaxformer.layers.lora import LoraSpec, add_adapter
 from jaxformer.layers.positions import RopeScaling, T5Bias, alibi_bias, alibi_slopes, apply_rope
 from jaxformer.layers.scores import attention_mask, attention_scores, repeat_kv
 from jaxformer.layers.splash import splash_attention
-from jaxformer.schema import ConfigError
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
@@ -129,8 +129,10 @@ def _attention(opts: _Options, arrays, bias_params, gather_axes: tuple[str, ...]
 def _project(x: jax.Array, w: jax.Array) -> jax.Array:
   """`[batch, length, d_model]` x `[d_model, num_heads, head_dim]` -> `[batch, length, num_heads, head_dim]`
   as one matmul over the flattened tokens: XLA:CPU runs the 2-D form's weight gradient
-  without a transposed copy of the activations."""
+  without a transposed copy of the activations. `w` may be an int8 `QuantizedArray` (`layers.int8`)."""
   b, t, d = x.shape
+  if int8.is_quantized(w):
+    return int8.matmul(x.reshape(b * t, d), w, 1, x.dtype).reshape(b, t, *w.shape[1:])
   return jnp.einsum("md,dnh->mnh", x.reshape(b * t, d), w).reshape(b, t, *w.shape[1:])  # [B, T, N, H]
 
 
@@ -217,7 +219,8 @@ class MultiHeadAttention(nn.Module):
   lora: LoraSpec | None = None  # LoRA adapters beside the query/key/value/out kernels (layers/lora.py)
 
   def _kernel(self, name: str, shape, axes, in_axis, out_axis):
-    return self.param(name, sh.param_with_axes(_proj_init(in_axis, out_axis), axes), shape).astype(self.dtype)
+    w = self.param(name, sh.param_with_axes(_proj_init(in_axis, out_axis), axes), shape)
+    return w if int8.is_quantized(w) else w.astype(self.dtype)   # int8 kernels: decoding (`layers.int8`)
 
   def _heads(self, x: jax.Array, w: jax.Array, name: str) -> jax.Array:
     """`_project(x, w)` `[batch, length, heads, head_dim]` plus the `name` projection's LoRA update
@@ -272,7 +275,10 @@ class MultiHeadAttention(nn.Module):
     b, t = out.shape[:2]  # out: [B, T, N, H]
     # One contracting axis (heads x head_dim): with two, XLA:CPU transposed the cached decode
     # step's attention output and the weight to head_dim-major every step.
-    y = jnp.dot(out.reshape(b * t, n * h), wo.reshape(n * h, d_model)).reshape(b, t, d_model)
+    if int8.is_quantized(wo):
+      y = int8.matmul(out.reshape(b * t, n * h), wo, 2, self.dtype).reshape(b, t, d_model)
+    else:
+      y = jnp.dot(out.reshape(b * t, n * h), wo.reshape(n * h, d_model)).reshape(b, t, d_model)
     y = add_adapter(self, self.lora, "out", "out", out, y, (sh.HEADS, sh.KV), (sh.EMBED,), self.dtype)
     if self.bias == "all":
       y = y + self.param("out_bias", sh.param_with_axes(nn.initializers.zeros, (sh.EMBED,)), (d_model,)).astype(

@@ -70,7 +70,7 @@ def context_axes(*lengths: int) -> tuple[str, ...]:
   """The mesh axes that split the length of activations (`act_length`) by the mesh and rules of the
   enclosing `sharding.bind`, if every one of `lengths` divides by their size c; else () (no mesh, c = 1,
   or a length that cannot split, e.g. a source being translated: left to jit's automatic partitioning;
-  training lengths are checked before compiling, `runtime.check_model_fits_mesh`)."""
+  training lengths are checked before compiling, `runtime.startup.check_model_fits_mesh`)."""
   axes = sh.split_axes(sh.ACT_LENGTH)
   ways = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
   return axes if all(n % ways == 0 for n in lengths) else ()

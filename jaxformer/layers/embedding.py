@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer import sharding as sh
+from jaxformer.layers import int8
 
 
 def sinusoid_table(max_length: int, d_model: int) -> jax.Array:
@@ -61,18 +62,26 @@ class Embed(nn.Module):
     """int `[batch, length]` ids -> `[batch, length, d_model]` vectors (times sqrt(d_model) if `scale`), in `dtype`."""
     # Gather the table over the vocab (tensor) axis first: a lookup into a vocab-sharded
     # table would make XLA replicate it anyway, with a warning and extra copies.
-    table = sh.constrain(self.embedding, (None, sh.EMBED))
-    x = jnp.take(table, ids, axis=0, mode="clip")   # clip: a model without a pad token pads with -1
+    table = self.embedding
+    if int8.is_quantized(table):   # decoding with int8 weights (`layers.int8`): rows scaled per row
+      table = table.replace(values=sh.constrain(table.values, (None, sh.EMBED)))
+    else:
+      table = sh.constrain(table, (None, sh.EMBED))
+    x = int8.take_rows(table, ids, mode="clip")   # clip: a model without a pad token pads with -1
     return (x * np.sqrt(self.d_model) if self.scale else x).astype(self.dtype)
 
   def attend(self, x: jax.Array, vocab_major: bool = False) -> jax.Array:
     """`[batch, length, d_model]` -> float32 logits `[batch, length, vocab_size]` (the tied
     output layer). `vocab_major`: compute them as `[vocab, tokens]` and transpose, for the few
-    tokens of a decode step (the values are the same up to float rounding)."""
+    tokens of a decode step (the values are the same up to float rounding). An int8 table
+    (`layers.int8.QuantizedArray`, decoding) gives the int8 product's logits."""
     # One 2-D matmul over the flattened tokens: from the 3-D form XLA:CPU computes the
     # weight gradient through a transposed copy of the whole [batch, length, vocab]
     # logits gradient, which doubles the logits' share of the train step.
     flat = x.reshape(-1, x.shape[-1]).astype(self.dtype)                       # [B*T, D]
+    if int8.is_quantized(self.embedding):   # int8 x int8, tokens first (`layers.int8`)
+      logits = int8.matmul_rows(flat, self.embedding)
+      return logits.reshape(*x.shape[:-1], self.vocab_size)
     table = self.embedding.astype(self.dtype)
     if vocab_major:
       # The table as the left operand, read in its stored [vocab, d_model] order: XLA:CPU

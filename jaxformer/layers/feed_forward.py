@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer import sharding as sh
+from jaxformer.layers import int8
 from jaxformer.layers.lora import LoraSpec, add_adapter
 
 xavier_uniform = nn.initializers.xavier_uniform
@@ -21,6 +22,14 @@ ACTIVATIONS = {
     "geglu": (lambda h: nn.gelu(h, approximate=False), True),
     "geglu_tanh": (lambda h: nn.gelu(h, approximate=True), True),
 }
+
+
+def _dense(x: jax.Array, w: jax.Array | int8.QuantizedArray, spec: str, dtype) -> jax.Array:
+  """`[tokens, in]` x kernel `[in, out]` -> `[tokens, out]` in `dtype`: the einsum `spec`, or the
+  int8 product for a quantized kernel (decoding; `layers.int8`)."""
+  if int8.is_quantized(w):
+    return int8.matmul(x, w, 1, dtype)
+  return jnp.einsum(spec, x, w.astype(dtype))
 
 
 class FeedForward(nn.Module):
@@ -46,7 +55,7 @@ class FeedForward(nn.Module):
     w = self.param(name, sh.param_with_axes(xavier_uniform(), (sh.EMBED, sh.MLP)), (d_model, self.d_ff))
     # Matmuls over the flattened tokens `[batch*length, ...]`: XLA:CPU runs the 2-D form's
     # weight gradients without transposed copies of the activations (a third faster there).
-    h = jnp.einsum("nd,df->nf", x.reshape(-1, d_model), w.astype(self.dtype))
+    h = _dense(x.reshape(-1, d_model), w, "nd,df->nf", self.dtype)
     h = add_adapter(self, self.lora, "mlp_in", name, x, h, (sh.EMBED,), (sh.MLP,), self.dtype)
     if self.use_bias:
       b = self.param(name.replace("wi", "bi"), sh.param_with_axes(nn.initializers.zeros, (sh.MLP,)), (self.d_ff,))
@@ -65,7 +74,7 @@ class FeedForward(nn.Module):
     h = act(self._dense_in("wi_gate", x)) * h if gated else act(h)
     h = sh.constrain(h, (sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_MLP))
     w2 = self.param("wo", sh.param_with_axes(xavier_uniform(), (sh.MLP, sh.EMBED)), (self.d_ff, d_model))
-    y = jnp.einsum("nf,fd->nd", h.reshape(-1, self.d_ff), w2.astype(self.dtype))
+    y = _dense(h.reshape(-1, self.d_ff), w2, "nf,fd->nd", self.dtype)
     y = add_adapter(self, self.lora, "mlp_out", "wo", h, y, (sh.MLP,), (sh.EMBED,), self.dtype)
     if self.use_bias:
       y = y + self.param("bo", sh.param_with_axes(nn.initializers.zeros, (sh.EMBED,)), (d_model,)).astype(self.dtype)

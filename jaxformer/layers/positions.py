@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer import sharding as sh
+from jaxformer.layers import int8
 
 
 class LearnedPositions(nn.Module):
@@ -35,7 +36,7 @@ class LearnedPositions(nn.Module):
     """int `[batch, length]` positions -> `[batch, length, d_model]` table rows in `dtype`."""
     table = self.param("embedding", sh.param_with_axes(nn.initializers.normal(0.02), (None, sh.EMBED)),
                        (self.offset + self.max_length, self.d_model))
-    return jnp.take(table, positions + self.offset, axis=0).astype(self.dtype)
+    return int8.take_rows(table, positions + self.offset).astype(self.dtype)   # float or int8 (decoding)
 
 
 # A score bias and its params: (alibi_bias, slopes `[heads]`) or (a T5Bias, its table

@@ -156,7 +156,7 @@ class PipelinedStack(nn.Module):
 
 
 def check_pipeline(config: Config, stages: int, data_parallel: int) -> None:
-  """Fails before compiling for a pipeline the model or batch cannot take (`runtime.build_mesh` calls it).
+  """Fails before compiling for a pipeline the model or batch cannot take (`runtime.startup.build_mesh` calls it).
 
   Raises:
     ConfigError (one line): stages without `model.scan_layers`,

@@ -26,15 +26,16 @@ import jax.numpy as jnp
 from jaxformer import sharding as sh
 from jaxformer.config import ModelConfig
 from jaxformer.data.special_ids import SpecialIds
+from jaxformer.layers import int8
 from jaxformer.layers.dropout import Dropout
 from jaxformer.layers.embedding import Embed, sinusoidal_positions
 from jaxformer.layers.kv_cache import CacheState
 from jaxformer.layers.moe import AUX
 from jaxformer.layers.norm import make_norm
 from jaxformer.layers.positions import LearnedPositions, t5_table
+from jaxformer.layers.remat import remat_block
 from jaxformer.models.blocks import BLOCK_AXES, DecoderBlock, EncoderBlock
 from jaxformer.models.layout import StackedInit, layer_rngs
-from jaxformer.remat import remat_block
 
 PAD_ID, BOS_ID = SpecialIds().pad, SpecialIds().bos   # our tokenizers' (the defaults of functions below)
 
@@ -176,7 +177,10 @@ def output_logits(config: ModelConfig, embed: Embed, output_proj: jax.Array | No
   else:
     dtype = jnp.dtype(config.dtype)
     b, t, d = y.shape  # one 2-D matmul over the tokens (see layers/attention.py `_project`)
-    logits = jnp.einsum("md,dv->mv", y.reshape(b * t, d).astype(dtype), output_proj.astype(dtype))
+    if int8.is_quantized(output_proj):   # decoding with int8 weights (`layers.int8`)
+      logits = int8.matmul(y.reshape(b * t, d).astype(dtype), output_proj)
+    else:
+      logits = jnp.einsum("md,dv->mv", y.reshape(b * t, d).astype(dtype), output_proj.astype(dtype))
     logits = logits.reshape(b, t, -1).astype(jnp.float32)
   if bias is not None:
     logits = logits + bias.astype(jnp.float32)

@@ -228,8 +228,8 @@ def serve(restored, *, host: str = "127.0.0.1", port: int = 8000, max_batch: int
   a non-loopback `host` without a key prints a one-line warning."""
   import uvicorn  # noqa: PLC0415  (only the serve command needs it)
 
-  from jaxformer import evaluate  # noqa: PLC0415
   from jaxformer.inference.decode import SearchOptions  # noqa: PLC0415
+  from jaxformer.tasks import evaluate  # noqa: PLC0415
   cfg = restored.config
   engine = Engine(restored.model, restored.params, max_batch=max_batch, page_size=page_size, num_pages=num_pages,
                   max_input_len=min(cfg.data.max_length, cfg.model.max_length), batching=batching)

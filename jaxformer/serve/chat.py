@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxformer.data.sft import render_chat
-from jaxformer.data.sources.base import DataError
+from jaxformer.errors import DataError
 from jaxformer.serve.errors import BadRequest
 
 ROLES = ("system", "user", "assistant")

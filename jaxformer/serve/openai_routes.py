@@ -40,7 +40,7 @@ class OpenAIRoutes:
 
   def __init__(self, server):
     self.server = server
-    self.translation = not server.task.generates
+    self.translation = server.task.translates
     self.tokenizer = server.restored.tokenizer
 
   def routes(self) -> list[Route]:

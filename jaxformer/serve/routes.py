@@ -59,7 +59,7 @@ class OwnRoutes:
     return await self.server.answer(http, self._generate, own_route=True)
 
   def _check_kind(self, wants_translation: bool) -> None:
-    if self.server.task.generates == wants_translation:
+    if self.server.task.translates != wants_translation:
       other = "/v1/generate" if wants_translation else "/v1/translate"
       raise BadRequest(f"this server holds a model of kind {self.restored.config.model.kind}; use {other}")
 

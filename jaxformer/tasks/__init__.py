@@ -14,10 +14,15 @@ TASKS = {
 }
 
 
+def task_class(kind: str):
+  """The `Task` subclass of model kind `kind` (its class attributes answer questions about the kind)."""
+  module, cls = TASKS[kind].split(":")
+  return getattr(importlib.import_module(module), cls)
+
+
 def get_task(config):
   """The task of `config.model.kind`, bound to `config`."""
-  module, cls = TASKS[config.model.kind].split(":")
-  return getattr(importlib.import_module(module), cls)(config)
+  return task_class(config.model.kind)(config)
 
 
-__all__ = ["TASKS", "get_task"]
+__all__ = ["TASKS", "get_task", "task_class"]

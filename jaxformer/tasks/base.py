@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer import data as D
+from jaxformer.errors import ConfigError
 from jaxformer.layers.moe import AUX
 from jaxformer.models import layout
 
@@ -56,6 +57,15 @@ class Task(abc.ABC):
     reserved_ids: ids the model has after the tokenizer's (the masked LM's [MASK]).
     needs_rng: whether the train step needs a key even without dropout (MLM masking).
     generates: whether `jaxformer generate` can sample text from the model.
+    translates: whether the model translates (`jaxformer translate`, BLEU, teacher-forced logits
+      from a source and decoder inputs).
+    benchable: whether `jaxformer bench` times its train step on synthetic batches.
+    attention_maps: (intermediates stack, attention module, panel title) of each kind of
+      attention `jaxformer attention` draws, encoder side first.
+    bert_embeddings: whether the model has the BERT-style embedding options
+      (`model.embedding_norm`, `type_vocab_size`, `position_offset`).
+    logits_bias: whether `model.logits_bias` (Marian's final_logits_bias) exists in the model.
+    mlm_head: whether `model.mlm_head` (the masked LM's output transform) exists in the model.
     default_split: what `eval` scores without `--split` (`val` or `test`).
     validation_scores: metrics `score_validation` adds to the validation loss (`train.keep_best`
       may name them with a `val_` prefix).
@@ -65,19 +75,52 @@ class Task(abc.ABC):
   reserved_ids = 0
   needs_rng = False
   generates = False
+  translates = False
+  benchable = False
+  attention_maps: tuple[tuple[str, str, str], ...] = ()
+  bert_embeddings = False
+  logits_bias = False
+  mlm_head = False
   default_split = "test"
   validation_scores: tuple[str, ...] = ()
 
   def __init__(self, config):
     self.config = config
 
-  # A hook, not abstract: by default a task accepts every setting.
-  def validate(self) -> None:  # noqa: B027
-    """Raises ConfigError (one line) for settings this task cannot use; `Config.validate` calls it."""
+  def validate(self) -> None:
+    """Raises ConfigError (one line) for settings this task cannot use; `Config.validate` calls it
+    (subclasses extend it). Here: the model options only some kinds have.
+    """
+    m = self.config.model
+    used = [f"model.{k}={getattr(m, k)}" for k in ("embedding_norm", "type_vocab_size", "position_offset")
+            if getattr(m, k)]
+    if used and not self.bert_embeddings:
+      raise ConfigError(f"{used[0]} acts in the decoder_only and encoder_only models; "
+                        f"turn it off (false / 0) for model.kind={m.kind}")
+    if m.logits_bias and not self.logits_bias:
+      raise ConfigError(f"model.logits_bias=true is the encoder-decoder's output bias (Marian's final_logits_bias); "
+                        f"set model.kind=encoder_decoder or model.logits_bias=false (model.kind={m.kind})")
+    if m.mlm_head and not self.mlm_head:
+      raise ConfigError(f"model.mlm_head=true is the masked LM's output transform; set model.kind=encoder_only "
+                        f"or model.mlm_head=false (model.kind={m.kind})")
+
+  def batch_lengths(self) -> tuple[int, ...]:
+    """The sequence lengths this task's batches can have (`data.max_length`; translation adds its buckets)."""
+    return (self.config.data.max_length,)
 
   @abc.abstractmethod
   def make_model(self) -> nn.Module:
     """The Flax module of this kind for `config.model`."""
+
+  def fit_vocab_size(self, vocab=None):
+    """`(config, vocab)`: this task's config with `model.vocab_size` taken from a character vocabulary
+    built from the data when left unset (`data.fit_vocab_size`), and that vocabulary (`vocab`, the
+    run's saved one, if given).
+
+    Raises:
+      ConfigError: an explicit `model.vocab_size` too small for the character vocabulary.
+    """
+    return D.fit_vocab_size(self.config, D.make_source(self.config.data, self.data_kind), self.reserved_ids, vocab)
 
   def load_data(self, vocab=None, only: tuple[str, ...] | None = None) -> tuple[Any, dict[str, Any]]:
     """(`data.Vocabulary`, prepared splits); see `data.load_data`."""
@@ -100,7 +143,7 @@ class Task(abc.ABC):
     Raises:
       ValueError: the dataset has no such split.
     """
-    from jaxformer.checkpoint import load_vocabulary  # noqa: PLC0415  (Orbax: only when evaluating)
+    from jaxformer.checkpoint.manager import load_vocabulary  # noqa: PLC0415  (Orbax: only when evaluating)
     split = {"val": "validation", "test": "test"}[options.split or self.default_split]
     vocab = load_vocabulary(options.workdir) if options.workdir else None
     splits = self.load_data(vocab, only=(split,))[1]

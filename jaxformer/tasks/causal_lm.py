@@ -30,6 +30,9 @@ class CausalLM(Task):
   kind = "decoder_only"
   data_kind = D.TEXT
   generates = True
+  benchable = True
+  attention_maps = (("layer", "self_attention", "decoder self-attention"),)
+  bert_embeddings = True
   default_split = "val"
   shift = True
 
@@ -39,6 +42,7 @@ class CausalLM(Task):
     Raises:
       ConfigError: Linformer attention, which is non-causal.
     """
+    super().validate()
     if self.config.model.attention == "linformer" and self.make_model().CAUSAL:   # (the masked LM is not)
       raise ConfigError("model.attention=linformer is non-causal (keys are mixed along the sequence); use it with "
                         "model.kind=encoder_only or encoder_decoder (its encoder), or model.attention=dense|blockwise")
@@ -62,7 +66,7 @@ class CausalLM(Task):
     `accuracy` (argmax hits; for the masked LM over the masked tokens only) and `num_tokens`."""
     import jax  # noqa: PLC0415
 
-    from jaxformer.evaluate import batches_loss  # noqa: PLC0415
+    from jaxformer.tasks.evaluate import batches_loss  # noqa: PLC0415
     if options.src or options.ref:
       raise ValueError("--src/--ref score translations; a language model's eval scores --split val|test")
     data = self.eval_split(options)

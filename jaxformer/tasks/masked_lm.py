@@ -67,6 +67,9 @@ class MaskedLM(CausalLM):
   data_kind = D.TEXT
   needs_rng = True
   generates = False
+  benchable = False
+  attention_maps = (("layer", "self_attention", "encoder self-attention"),)
+  mlm_head = True
   shift = False
 
   def make_model(self) -> EncoderOnly:

@@ -47,6 +47,12 @@ class Translation(Task):
   """Sentence pairs -> `EncoderDecoder`; see the module docstring."""
   kind = "encoder_decoder"
   data_kind = D.PAIRS
+  translates = True
+  benchable = True
+  attention_maps = (("encoder", "self_attention", "encoder self-attention"),
+                    ("decoder", "self_attention", "decoder self-attention"),
+                    ("decoder", "cross_attention", "encoder-decoder attention"))
+  logits_bias = True
   validation_scores = ("bleu",)
 
   def validate(self) -> None:
@@ -55,6 +61,7 @@ class Translation(Task):
     Raises:
       ConfigError: a setting a translation model cannot use.
     """
+    super().validate()
     data = self.config.data
     if not data.packing:   # packed rows are data.max_length long: no buckets
       data.validate_buckets()
@@ -65,6 +72,10 @@ class Translation(Task):
                         "model.tie_embeddings=false (tied embeddings need one shared vocabulary)")
     if not data.shared_vocab and data.tokenizer_model:
       raise ConfigError("data.tokenizer_model is one model for both sides; drop it or set data.shared_vocab=true")
+
+  def batch_lengths(self) -> tuple[int, ...]:
+    """`Task.batch_lengths`: `data.max_length` and the buckets."""
+    return (self.config.data.max_length, *self.config.data.buckets)
 
   def make_model(self) -> EncoderDecoder:
     """`Task.make_model`: an `EncoderDecoder` model."""
@@ -99,8 +110,8 @@ class Translation(Task):
 
   def score_validation(self, restored, split) -> dict[str, float]:
     """Greedy-decoding BLEU (sacrebleu) of the validation split against its references."""
-    from jaxformer import evaluate  # noqa: PLC0415  (evaluate imports the task registry)
     from jaxformer.inference.decode import SearchOptions  # noqa: PLC0415
+    from jaxformer.tasks import evaluate  # noqa: PLC0415  (evaluate imports the task registry)
     sources, references = split.texts(range(len(split)))
     hyps, _ = evaluate.translate(restored, sources, self.config.train.batch_size, SearchOptions())
     return {"bleu": evaluate.score(hyps, references)["bleu"]}
@@ -108,7 +119,7 @@ class Translation(Task):
   def evaluate(self, restore, options: EvalOptions) -> dict[str, Any]:
     """Decodes and scores; writes the hypotheses to `options.output` (a file, or a folder
     that gets `hypotheses_name`), atomically, unless it is None."""
-    from jaxformer import evaluate  # noqa: PLC0415  (evaluate imports the task registry)
+    from jaxformer.tasks import evaluate  # noqa: PLC0415  (evaluate imports the task registry)
     name, sources, references = self.eval_texts(options)
     restored = restore()
     draft = options.draft() if options.draft else None

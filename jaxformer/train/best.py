@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from jaxformer import checkpoint as ckpt
+from jaxformer.checkpoint import manager as ckpt
 
 BEST_DIR = "best"
 BEST_FILE = "best.json"

@@ -20,23 +20,25 @@ import jax
 import numpy as np
 import tqdm
 
-from jaxformer import checkpoint as ckpt
-from jaxformer import interrupt, workdir_lock
 from jaxformer import sharding as sh
-from jaxformer.average import AVERAGE_FILE
+from jaxformer.checkpoint import manager as ckpt
+from jaxformer.checkpoint.average import AVERAGE_FILE
 from jaxformer.config import Config, ConfigError, TrainConfig, check_directory, dump_config, load_config
 from jaxformer.data import PAIRS, absolute_paths, global_batch, padding_fraction, stack_batches
-from jaxformer.distributed import main_process_first, max_over_processes
 from jaxformer.errors import NonFiniteError
-from jaxformer.runtime import build_mesh
-from jaxformer.summary import format_summary
+from jaxformer.runtime import interrupt, workdir_lock
+from jaxformer.runtime.distributed import main_process_first, max_over_processes
+from jaxformer.runtime.host_memory import release_free_memory
+from jaxformer.runtime.startup import build_mesh
 from jaxformer.tasks import get_task
+from jaxformer.tasks.objective import evaluate_loss, make_eval_step
+from jaxformer.tasks.router import summarise_router
 from jaxformer.train import lora
 from jaxformer.train.best import BEST_FILE, BestCheckpoint, task_scores
 from jaxformer.train.optim import make_optimizer
-from jaxformer.train.router import summarise_router
 from jaxformer.train.state import abstract_state, create_state
-from jaxformer.train.step import make_eval_step, make_train_call
+from jaxformer.train.step import make_train_call
+from jaxformer.train.summary import format_summary
 
 # Data settings that choose the tokenizer: a workdir's checkpoints only work with the one it saved.
 TOKENIZER_KEYS = ("tokenizer", "tokenizer_model", "shared_vocab", "input_sentence_size")
@@ -103,19 +105,6 @@ def call_length(step: int, train: TrainConfig) -> int:
   ends = [step + every - step % every for every in
           (train.steps_per_call, train.log_every, train.eval_every, train.checkpoint_every)]
   return min(*ends, train.num_steps) - step
-
-
-def evaluate_loss(eval_step, params, batches, mesh, rules: sh.Rules = sh.LOGICAL_RULES) -> dict[str, float]:
-  """Token-averaged validation loss, NLL and accuracy over `batches` (dropout off), placed on
-  `mesh` by `rules` (those `eval_step` was built with)."""
-  totals: dict[str, float] = {}
-  for batch in batches:
-    sums = jax.device_get(eval_step(params, global_batch(batch, mesh, rules)))
-    for k, v in sums.items():
-      totals[k] = totals.get(k, 0.0) + np.asarray(v, np.float64)   # (the router's load is per layer)
-  n = max(totals["num_tokens"], 1.0)
-  return {"loss": float(totals["loss"] / n), "nll": float(totals["nll"] / n), "accuracy": float(totals["correct"] / n),
-          "num_tokens": float(totals["num_tokens"])}
 
 
 def _summary_writer(folder: Path):
@@ -210,6 +199,9 @@ def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[
     if (workdir / marker).is_file():
       raise ConfigError(f"{workdir} holds params written by `{made_by}` for evaluation, not a training run; "
                         "train in the run's own --workdir")
+  # A workdir keeps its tokenizers: a resumed run reads its data with the ids it trained on.
+  saved_vocab = ckpt.load_vocabulary(workdir)
+  config, vocab = get_task(config).fit_vocab_size(saved_vocab)   # a char vocabulary sizes an unset model.vocab_size
   if _check_resume_config(workdir, config) and not dry_run:
     return {}   # a complete run: nothing is trained or rewritten
   mesh = build_mesh(config)
@@ -227,11 +219,9 @@ def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[
   if dry_run:
     return {}
   # Process 0 builds the dataset and tokenizer cache in data_dir; the others wait, then read them.
-  # A workdir keeps its tokenizers: a resumed run reads its data with the ids it trained on.
-  saved_vocab = ckpt.load_vocabulary(workdir)
   if saved_vocab is not None and jax.process_index() == 0:
     print(f"using the tokenizer saved in {workdir}", file=sys.stderr, flush=True)
-  vocab, splits = main_process_first(lambda: task.load_data(saved_vocab), "prepare_data")
+  vocab, splits = main_process_first(lambda: task.load_data(vocab), "prepare_data")
   if jax.process_index() == 0:
     ckpt.save_run_files(workdir, dump_config(absolute_paths(config)), vocab.target.serialized,
                         None if vocab.shared else vocab.source.serialized)
@@ -266,6 +256,7 @@ def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[
   guard = _NonFiniteGuard(config.train)
   best = BestCheckpoint(workdir, config.train.keep_best, config.train.early_stop_patience, start)
   early_stop = best.should_stop()   # a resumed run that had stopped early stays stopped
+  compiled: set[tuple[int, ...]] = set()   # batch shapes the train step has been compiled for
   try:
     while step < config.train.num_steps and not early_stop:
       n = call_length(step, config.train)
@@ -273,6 +264,9 @@ def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[
       local = stack_batches(local) if stacked else local[0]
       padding += [padding_fraction(local, config.model.pad_id)] * n
       state, metrics = train_step(state, global_batch(local, mesh, rules), rng)
+      if local["inputs"].shape not in compiled:   # this call compiled: give back what the compiler freed
+        compiled.add(local["inputs"].shape)
+        release_free_memory()
       interrupt.loop_active.set()   # from the first call on (compiled): Ctrl-C stops at a step boundary
       pending.append(metrics)
       guard.add(step, metrics["nonfinite"])
@@ -293,6 +287,7 @@ def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[
         if jax.process_index() == 0:
           print(json.dumps({"step": step, **{k: v for k, v in scores.items() if k != "val_num_tokens"}}), flush=True)
         early_stop = best.update(step, scores, state.params)
+        release_free_memory()   # the evaluation's temporaries (and its compiles' on the first one)
         last_time = time.perf_counter()
       if stop or early_stop or step % config.train.log_every == 0 or step == config.train.num_steps:
         guard.check()

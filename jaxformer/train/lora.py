@@ -19,7 +19,7 @@ from pathlib import Path
 
 import jax
 
-from jaxformer import checkpoint as ckpt
+from jaxformer.checkpoint import manager as ckpt
 from jaxformer.layers import lora
 from jaxformer.models import layout
 from jaxformer.train.state import TrainState

@@ -13,7 +13,8 @@ from jax.sharding import Mesh
 
 from jaxformer import sharding as sh
 from jaxformer.layers import lora
-from jaxformer.precision import LossScale, initial_loss_scale
+from jaxformer.models.abstract import abstract_params, init_params
+from jaxformer.train.loss_scale import LossScale, initial_loss_scale
 
 
 @flax.struct.dataclass
@@ -38,24 +39,15 @@ class TrainState:
   loss_scale: LossScale
 
 
-def _dummy_batch(batch_size: int, length: int) -> tuple[jax.Array, jax.Array]:
-  ids = jnp.ones((batch_size, length), jnp.int32)
-  return ids, ids
-
-
 def abstract_state(model: nn.Module, tx: optax.GradientTransformation) -> tuple[TrainState, TrainState]:
   """Shapes and logical PartitionSpecs of the train state, without allocating it.
 
   Returns:
     (abstract TrainState of ShapeDtypeStructs, TrainState of logical PartitionSpecs).
   """
-  def init(rng):
-    boxed = model.init(rng, *_dummy_batch(1, 8))["params"]
-    params = lora.hold_frozen(nn.meta.unbox(boxed), model.config.frozen_dtype)
-    return TrainState(jnp.array(0, jnp.int32), params, tx.init(lora.trainable(params)), initial_loss_scale(1.0)), boxed
-
-  abstract, boxed = jax.eval_shape(init, jax.random.key(0))
-  param_specs = nn.get_partition_spec(boxed)
+  params, param_specs = abstract_params(model)
+  abstract = jax.eval_shape(lambda p: TrainState(jnp.array(0, jnp.int32), p, tx.init(lora.trainable(p)),
+                                                 initial_loss_scale(1.0)), params)
   # Optimizer moments mirror the trained params; scalars (counts) are replicated.
   opt_specs = optax.tree_map_params(tx, lambda _, spec: spec, abstract.opt_state, lora.trainable(param_specs),
                                     transform_non_params=lambda _: jax.sharding.PartitionSpec())
@@ -87,8 +79,7 @@ def create_state(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,
   as a base checkpoint's params under new LoRA adapters; their initialisation is never
   computed); the state starts at `step` with a fresh optimizer state."""
   def init(rng, known):
-    params = nn.meta.unbox(model.init(rng, *_dummy_batch(1, 8))["params"])
-    params = lora.hold_frozen(params if known is None else lora.replace(params, known), model.config.frozen_dtype)
+    params = init_params(model, rng, known)
     return TrainState(jnp.array(step, jnp.int32), params, tx.init(lora.trainable(params)),
                       initial_loss_scale(loss_scale))
 

@@ -20,34 +20,13 @@ from jaxformer import sharding as sh
 from jaxformer.config import Config, ConfigError
 from jaxformer.layers import lora
 from jaxformer.models.pipeline import pipelined
-from jaxformer.precision import all_finite, next_loss_scale, select_tree
 from jaxformer.tasks import get_task
-from jaxformer.tasks.base import Task
-from jaxformer.train.losses import cross_entropy_sums
+from jaxformer.tasks.objective import loss_fn
+from jaxformer.train.loss_scale import all_finite, next_loss_scale, select_tree
 from jaxformer.train.optim import make_schedule
-from jaxformer.train.router import add_router_sums
 from jaxformer.train.state import TrainState
 
 Batch = dict[str, jax.Array]
-
-
-def loss_fn(task: Task, model: nn.Module, params, batch: Batch, rng: jax.Array | None, label_smoothing: float,
-            z_loss: float = 0.0):
-  """(float32 loss per real target token, metric sums) of `task`'s `model` on `batch`.
-
-  `batch` holds int32 `inputs` and `targets` `[batch, length]` (0 is padding; what they
-  mean depends on the task, see `jaxformer/tasks/`) and, when packed, segment ids and
-  positions; `rng` is the step's key (dropout,
-  MLM masks), None for evaluation. The sums are those of `cross_entropy_sums` (with
-  `z_loss`) plus, for a mixture of experts, the router's (`router.add_router_sums`: its
-  weighted auxiliary losses are part of `loss`); the loss is computed in float32 whatever the
-  compute dtype.
-  """
-  out = task.outputs(model, params, batch, rng)
-  sums = add_router_sums(cross_entropy_sums(out.logits, out.targets, out.weights, label_smoothing, z_loss), out.aux,
-                         model.config)
-  # Normalise by the global count of real target tokens (section 5.4 loss per token).
-  return sums["loss"] / jnp.maximum(sums["num_tokens"], 1.0), sums
 
 
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh,
@@ -76,7 +55,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, config: 
   loss is multiplied by `state.loss_scale.scale` before differentiation and the float32
   gradients divided by it. A step whose loss, gradients or updated params and optimizer state
   are not all finite is skipped: params and opt_state stay bit-identical, `step` still
-  advances, and the scale is updated by `precision.next_loss_scale` (backoff on a skipped
+  advances, and the scale is updated by `loss_scale.next_loss_scale` (backoff on a skipped
   step, growth after `growth_interval` applied steps). Such a step is flagged `nonfinite` for
   `train.nan_policy` unless it is a loss-scale overflow: a finite loss whose scaled gradients
   overflowed, the normal way dynamic scaling finds its scale.
@@ -224,19 +203,3 @@ def _microbatches(batch: Batch, k: int, mesh: Mesh, rules: sh.Rules) -> Batch:
     return jax.lax.with_sharding_constraint(x, sharding)
 
   return jax.tree.map(split, batch)
-
-
-def make_eval_step(model: nn.Module, config: Config, mesh: Mesh,
-                   param_shardings) -> Callable[[object, Batch], dict]:
-  """Returns jitted `(params, batch) -> metric sums` with dropout off (validation loss)."""
-  label_smoothing, z_loss = config.optim.label_smoothing, config.train.z_loss
-  task = get_task(config)
-  model = pipelined(model, config, mesh)
-
-  def step(params, batch: Batch):
-    return loss_fn(task, model, params, batch, None, label_smoothing, z_loss)[1]
-
-  rules = sh.rules_for(config.mesh)
-  jitted = jax.jit(step, in_shardings=(param_shardings, sh.batch_sharding(mesh, rules=rules)),
-                   out_shardings=sh.replicated(mesh))
-  return sh.with_mesh(jitted, mesh, rules)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import importlib
 
-from jaxformer.data.sources.base import PAIRS, SPLITS, TEXT, DataError, Source
+from jaxformer.data.sources.base import PAIRS, SPLITS, TEXT, Source
+from jaxformer.errors import DataError
 
 SOURCES = {
     "multi30k": "jaxformer.data.sources.multi30k:Multi30k",
@@ -37,9 +38,18 @@ def source_key(dataset: str) -> str:
   return key
 
 
+def validate_settings(data) -> None:
+  """Checks `data` (a `DataConfig`) as its `data.dataset`'s source requires (`Source.validate_settings`).
+
+  Raises:
+    DataError: an unknown dataset, or a setting that source refuses or lacks (one line).
+  """
+  _source_class(source_key(data.dataset)).validate_settings(data)
+
+
 def make_source(data, kind: str) -> Source:
   """The source of `data.dataset` (a `DataConfig`), yielding `kind` (`PAIRS` or `TEXT`) examples."""
   return _source_class(source_key(data.dataset))(data, kind)
 
 
-__all__ = ["PAIRS", "SOURCES", "SPLITS", "TEXT", "DataError", "Source", "make_source", "source_key"]
+__all__ = ["PAIRS", "SOURCES", "SPLITS", "TEXT", "Source", "make_source", "source_key", "validate_settings"]

@@ -22,12 +22,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from jaxformer.errors import DataError
+
 PAIRS, TEXT = "pairs", "text"
 SPLITS = ("train", "validation", "test")
-
-
-class DataError(ValueError):
-  """A problem with the user's data or data settings; the message is one line naming the fix."""
 
 
 class Source(abc.ABC):
@@ -43,6 +41,22 @@ class Source(abc.ABC):
 
   def __init__(self, data: Any, kind: str):
     self.data, self.kind = data, kind
+
+  @classmethod
+  def validate_settings(cls, data: Any) -> None:
+    """Checks the `DataConfig` settings that belong to sources; this one reads no files of the user's,
+    so it refuses `data.*_files` and the JSONL field names (`Files` takes them).
+
+    Raises:
+      DataError: one line naming the setting and the fix.
+    """
+    given = [k for k in ("train_files", "validation_files", "test_files") if getattr(data, k)]
+    if given:
+      raise DataError(f"data.{given[0]} is set but data.dataset={data.dataset}; add data.dataset=files to train "
+                      "on your files, or drop data.*_files")
+    if data.messages_field or data.prompt_field or data.completion_field:
+      raise DataError("data.prompt_field/completion_field/messages_field read your JSONL files: "
+                      "set data.dataset=files and data.train_files=FILE.jsonl")
 
   @abc.abstractmethod
   def splits(self) -> tuple[str, ...]:

@@ -15,10 +15,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from jaxformer.data.sources.base import (
   PAIRS,
-  DataError,
   Source,
   chat_messages,
   expand_paths,
@@ -27,6 +27,7 @@ from jaxformer.data.sources.base import (
   read_jsonl,
   read_lines,
 )
+from jaxformer.errors import DataError
 
 _SPLIT_KEYS = {"train": "train_files", "validation": "validation_files", "test": "test_files"}
 
@@ -41,14 +42,23 @@ class Files(Source):
   """Sentence pairs or documents from local files; see the module docstring."""
   name = "files"
 
+  @classmethod
+  def validate_settings(cls, data: Any) -> None:
+    """`Source.validate_settings`: `data.train_files` is required.
+
+    Raises:
+      DataError: `data.train_files` is empty.
+    """
+    if not data.train_files:
+      raise DataError("data.dataset=files needs data.train_files, e.g. data.train_files=train.fr,train.en")
+
   def splits(self) -> tuple[str, ...]:
     """`Source.splits`: train plus each split whose `data.*_files` is set.
 
     Raises:
       DataError: `data.train_files` is empty.
     """
-    if not self.data.train_files:
-      raise DataError("data.dataset=files needs data.train_files, e.g. data.train_files=train.fr,train.en")
+    self.validate_settings(self.data)
     return tuple(s for s, key in _SPLIT_KEYS.items() if getattr(self.data, key))
 
   def _paths(self, split: str) -> list[Path]:

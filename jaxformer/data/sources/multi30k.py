@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from jaxformer.data.sources.base import PAIRS, DataError, Source, file_fingerprint, read_lines
+from jaxformer.data.sources.base import PAIRS, Source, file_fingerprint, read_lines
+from jaxformer.errors import DataError
 
 RAW_DIR = Path(__file__).resolve().parent.parent / "raw" / "multi30k"
 SPLIT_FILES = {"train": "train", "validation": "val", "test": "test_2016_flickr"}

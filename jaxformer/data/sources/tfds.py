@@ -15,7 +15,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from jaxformer.data.sources.base import PAIRS, DataError, Source, field
+from jaxformer.data.sources.base import PAIRS, Source, field
+from jaxformer.errors import DataError
 
 _READ_CHUNK = 1024  # records per batched read
 _SPLIT_ALIASES = {"train": ("train",), "validation": ("validation", "dev", "valid"), "test": ("test",)}

@@ -11,7 +11,8 @@ import gzip
 from collections.abc import Iterator
 from pathlib import Path
 
-from jaxformer.data.sources.base import PAIRS, DataError, Source, file_fingerprint
+from jaxformer.data.sources.base import PAIRS, Source, file_fingerprint
+from jaxformer.errors import DataError
 
 RAW_FILE = Path(__file__).resolve().parent.parent / "raw" / "tinyshakespeare" / "input.txt.gz"
 TRAIN_FRACTION = 0.9

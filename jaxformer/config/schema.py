@@ -1,4 +1,4 @@
-"""Trees of frozen dataclasses from nested dicts, and back: the machinery under `config.py`.
+"""Trees of frozen dataclasses from nested dicts, and back: the machinery under `config/loader.py`.
 
 `build(cls, tree)` checks every key against the dataclass fields (an unknown key gets the
 nearest valid one as a hint) and every value against its annotation (int, float, str, bool,
@@ -16,9 +16,7 @@ from typing import Any
 
 import yaml
 
-
-class ConfigError(ValueError):
-  """A user mistake in a config file or override; the message is one line."""
+from jaxformer.errors import ConfigError
 
 
 def _type_name(tp: Any) -> str:

@@ -1,15 +1,15 @@
 """The model section of a run's config (`model.*`): the Transformer's shape and architecture
 options, checked on their own (`ModelConfig.validate`; the checks that need other sections are
-in `model_options.validate_with_data`). `jaxformer.config` re-exports `ModelConfig`.
+in `config/options.validate_with_data`). `jaxformer.config` re-exports `ModelConfig`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from jaxformer.model_options import ROPE_SCALINGS, validate_architecture
-from jaxformer.remat import POLICY_NAMES as REMAT_POLICIES
-from jaxformer.schema import ConfigError
+from jaxformer.config.options import ROPE_SCALINGS, validate_architecture
+from jaxformer.errors import ConfigError
+from jaxformer.layers.remat import POLICY_NAMES as REMAT_POLICIES
 from jaxformer.tasks import TASKS
 
 # Valid names of the string-valued model options.
@@ -33,7 +33,11 @@ class ModelConfig:
   `num_decoder_layers` blocks) or encoder_only (BERT-style masked LM, `num_encoder_layers`).
   """
   kind: str = "encoder_decoder"  # encoder_decoder (translation) | decoder_only (causal LM) | encoder_only (masked LM)
-  vocab_size: int = 8000        # shared source/target vocabulary, tokens
+  vocab_size: int = 8000        # shared source/target vocabulary, tokens (data.tokenizer=char: unset = from the data)
+  # Not a user key: the loader sets it when data.tokenizer=char leaves model.vocab_size unset, and
+  # training sizes the vocabulary from the data (`data.fit_vocab_size`).
+  vocab_from_data: bool = dataclasses.field(default=False, metadata={
+      "set_by": "data.tokenizer=char with model.vocab_size unset", "example": "model.vocab_size=67, or leave it unset"})
   d_model: int = 256           # width of the residual stream and embeddings
   num_heads: int = 4            # attention heads (d_model / num_heads = head_dim)
   attention_head_dim: int = 0   # width of each head; 0 = d_model / num_heads (Llama 3.2 3B-style models set it)
@@ -81,7 +85,7 @@ class ModelConfig:
   attention: str = "dense"      # dense | blockwise (memory-linear) | linformer (encoder) | fused (jax.nn) | splash
   linformer_k: int = 64         # linformer: keys/values projected along the sequence to this many rows
   attention_block_size: int = 128  # blockwise: keys/values per block; splash: queries and keys per block, tokens
-  remat: str = "none"           # per-block rematerialisation: none | full | save_dots | minimal (remat.py)
+  remat: str = "none"           # per-block rematerialisation: none | full | save_dots | minimal (layers/remat.py)
   scan_layers: bool = False     # nn.scan over each layer stack (shorter compile; params get a leading layers axis)
   num_experts: int = 0          # >0: every FFN becomes a mixture of this many experts (layers/moe.py); 0 = dense
   experts_per_token: int = 2    # experts each token is routed to (top-k)

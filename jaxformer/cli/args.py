@@ -1,4 +1,4 @@
-"""The command line's shared argument types and flag groups (`cli.py` and its `cli_*` modules).
+"""The command line's shared argument types and flag groups (`jaxformer.cli` and its command groups).
 
 Each `add_*` function adds one group of flags to a subcommand's parser; `search_options` and
 `config_path` turn parsed flags into library values.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-CONFIGS_DIR = Path(__file__).resolve().parent / "configs"   # the top-level configs/, shipped in the package
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"   # the top-level configs/, shipped in the package
 CONFIG_HINT = ("configs: `jaxformer config --list` lists the shipped configs; `jaxformer config --show CONFIG "
                "[key=value ...]` prints every key with its value, type, default and description")
 
@@ -33,7 +33,7 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
   which.add_argument("--average-last", type=positive_int, default=None, metavar="N",
                      help="the mean params of the newest N checkpoints (paper section 6.1: 5 for base, 20 for big)")
   p.add_argument("--quantize", choices=("int8",), default=None,
-                 help="int8 weight-only quantization for decoding (per-channel scales; about 4x smaller weights)")
+                 help="int8 weights for decoding (per-channel scales, about 4x smaller; int8 x int8 products)")
 
 
 def add_draft_args(p: argparse.ArgumentParser) -> None:
@@ -46,7 +46,7 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_distributed_args(p: argparse.ArgumentParser) -> None:
-  """Multi-process flags; without them JAXFORMER_* or SLURM variables are used (see jaxformer/distributed.py)."""
+  """Multi-process flags; without them JAXFORMER_* or SLURM variables are used (see runtime/distributed.py)."""
   g = p.add_argument_group("multi-process", "give all three to run as one of several processes (one per host); "
                            "default: JAXFORMER_COORDINATOR/_NUM_PROCESSES/_PROCESS_ID or SLURM, else one process")
   g.add_argument("--coordinator", default=None, help="HOST:PORT of process 0's coordinator service")
@@ -80,7 +80,7 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
                      help="simulated CPU devices, e.g. 256 (sets runtime.num_cpu_devices)")
   where.add_argument("--topology", help="a TPU topology, e.g. v5e:4x4, v5p:4x4x8 or v6e:16x16, compiled by the TPU "
                      "compiler on this machine (needs the aot extra: pip install -e '.[aot]'); or GPUs, h100:8 "
-                     "or h200:4x8 (needs the CUDA plugin, see jaxformer/aot_gpu.py)")
+                     "or h200:4x8 (needs the CUDA plugin, see jaxformer/aot/gpu.py)")
   p.add_argument("--hbm", help="device memory to check against, e.g. 80GiB or 16GB (default on GPUs: their rated "
                  "memory; on TPU the compiler checks its own)")
   p.add_argument("--decode", action="store_true", help="compile the KV-cache decode step and the prefill for "

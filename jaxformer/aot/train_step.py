@@ -6,7 +6,7 @@ The train step (the one `jaxformer train` runs, with the config's remat, scan, p
 gradient accumulation and mesh) is lowered and compiled for abstract inputs: the train state
 comes from `jax.eval_shape` of the initialiser and the batch from its shape, each a
 `jax.ShapeDtypeStruct` carrying its `NamedSharding`, so no parameter is ever materialised.
-`aot_decode` does the same for decoding. The devices are N simulated CPU devices
+`aot.decode` does the same for decoding. The devices are N simulated CPU devices
 (`runtime.num_cpu_devices`, set before JAX starts its backend), or, with libtpu installed (the
 `aot` extra), a TPU topology from `jax.experimental.topologies` (`--topology v5e:16x16`): the
 same program compiled by the TPU compiler for devices this machine does not have.
@@ -35,11 +35,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxformer import aot_gpu
 from jaxformer import sharding as sh
+from jaxformer.aot import gpu as aot_gpu
 from jaxformer.config import Config, ConfigError
 from jaxformer.errors import CompileError
-from jaxformer.runtime import build_mesh, quiet_libtpu
+from jaxformer.runtime.startup import build_mesh, quiet_libtpu
 from jaxformer.tasks import get_task
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import state_shardings
@@ -71,8 +71,8 @@ def parse_size(text: str) -> int:
 
 def topology_devices(name: str) -> list[Any]:
   """The devices of TPU topology `name` (e.g. "v5e:16x16", "v5p:4x4x8"), from
-  `jax.experimental.topologies` (after `runtime.quiet_libtpu`), or of GPU topology `name` ("h100:8",
-  `aot_gpu.gpu_devices`).
+  `jax.experimental.topologies` (after `runtime.startup.quiet_libtpu`), or of GPU topology `name` ("h100:8",
+  `aot.gpu.gpu_devices`).
 
   Raises:
     ConfigError: libtpu (or the CUDA plugin) is not installed, or does not know `name` (one line each).
@@ -98,7 +98,7 @@ def device_memory(topology: str | None) -> int | None:
 
 
 def topology_mesh(config: Config, devices: list[Any] | None) -> Any:
-  """`runtime.build_mesh(config, devices)`; a mesh that a topology's physical axes cannot form (each
+  """`runtime.startup.build_mesh(config, devices)`; a mesh that a topology's physical axes cannot form (each
   mesh size must be a product of some of them: 4x4 makes 4 or 16, not 8) is a one-line ConfigError."""
   try:
     return build_mesh(config, devices)
@@ -118,7 +118,7 @@ def abstract_batch(config: Config, mesh, rules: sh.Rules) -> dict[str, jax.Shape
   keys = ["inputs", "targets"]
   if config.data.packing:
     keys += ["inputs_segment_ids", "inputs_positions"]
-    keys += ["targets_segment_ids", "targets_positions"] if config.model.kind == "encoder_decoder" else []
+    keys += ["targets_segment_ids", "targets_positions"] if get_task(config).translates else []
   return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in keys}
 
 

@@ -1,4 +1,4 @@
-"""`jaxformer plot | attention`: pictures of a run (the parsers and handlers `cli.py` registers).
+"""`jaxformer plot | attention`: pictures of a run (the parsers and handlers `jaxformer.cli` registers).
 
 Each prints one JSON line last, naming the PNG it wrote.
 """
@@ -38,7 +38,7 @@ def cmd_attention(args: argparse.Namespace) -> None:
   """`jaxformer attention`: draws the attention maps of one sentence (pair) to `--out` (PNG)."""
   from jaxformer import plots
   from jaxformer.config import runtime_from_overrides
-  from jaxformer.runtime import init_runtime
+  from jaxformer.runtime.startup import init_runtime
   plots.check_out(args.out)   # before the minute a restore and a decode may take
   init_runtime(runtime_from_overrides(args.overrides))
   from jaxformer.inference import restore as inference_restore

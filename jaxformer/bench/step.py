@@ -7,7 +7,7 @@ peak (CPU: a matmul micro-benchmark in the same run; GPU/TPU: `PUBLISHED_PEAKS`)
 own FLOP count, the pipeline's bubble fraction (`mesh.stage` > 1), the compiled program's
 memory (`temp_memory_bytes`: XLA's temporary buffers, the part remat shrinks) and, where the
 backend has them, device memory stats.
-With PyTorch installed, `jaxformer.bench_torch` times `torch.nn.Transformer` at the same
+With PyTorch installed, `jaxformer.bench.torch_peer` times `torch.nn.Transformer` at the same
 shape, batch and optimizer, in rounds interleaved with ours so that load from other
 processes hits both alike.
 """
@@ -29,13 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer import sharding as sh
-from jaxformer.aot import memory_parts
+from jaxformer.aot.train_step import memory_parts
 from jaxformer.config import Config, ConfigError, ModelConfig
 from jaxformer.data import global_batch
 from jaxformer.models.pipeline import pipeline_for
-from jaxformer.runtime import build_mesh
-from jaxformer.tasks import get_task
-from jaxformer.tasks.translation import Translation
+from jaxformer.runtime.startup import build_mesh
+from jaxformer.tasks import TASKS, get_task, task_class
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import create_state, state_shardings
 from jaxformer.train.step import make_train_call
@@ -74,10 +73,12 @@ class BenchOptions:
     """These options for `model`: a decoder-only model reads `tgt_length` tokens per row (its
     `src_length` is set to that). Raises ConfigError (one line) for sizes that cannot run, or
     a model kind other than the encoder-decoder and the decoder-only LM."""
-    if model.kind not in (Translation.kind, "decoder_only"):
-      raise ConfigError(f"jaxformer bench times encoder_decoder and decoder_only train steps, not "
+    task = task_class(model.kind)
+    if not task.benchable:
+      timed = " and ".join(kind for kind in TASKS if task_class(kind).benchable)
+      raise ConfigError(f"jaxformer bench times {timed} train steps, not "
                         f"model.kind={model.kind}; use e.g. configs/multi30k_small.yaml or configs/decoder_1b.yaml")
-    if model.kind == "decoder_only" and self.src_length != self.tgt_length:
+    if not task.translates and self.src_length != self.tgt_length:
       return dataclasses.replace(self, src_length=self.tgt_length).validate(model)
     for name in ("batch_size", "src_length", "tgt_length", "steps"):
       if getattr(self, name) < 1:
@@ -116,7 +117,7 @@ def forward_flops_per_pair(m: ModelConfig, src_length: int, tgt_length: int) -> 
   q, c, g = m.num_heads * m.head_dim, m.kv_heads * m.head_dim, 3 if m.ffn in ("swiglu", "geglu", "geglu_tanh") else 2
   ffn = 2 * g * d * f * m.experts_per_token + 2 * d * m.num_experts if m.num_experts else 2 * g * d * f
   block = 4 * d * q + 4 * d * c + ffn
-  if m.kind != Translation.kind:
+  if not task_class(m.kind).translates:
     return m.num_decoder_layers * t * (block + 4 * t * q) + t * 2 * d * m.vocab_size
   encoder = s * m.num_encoder_layers * (block + 4 * s * q)
   decoder = m.num_decoder_layers * (t * (block + 4 * t * q + 4 * d * q + 4 * s * q) + s * 4 * d * c)
@@ -327,14 +328,14 @@ def _make_peer(config: Config, host_batch: dict[str, np.ndarray]):
   """The torch peer when PyTorch is installed, the backend is CPU (it runs on the host) and
   the model is one `torch.nn.Transformer` can express (the paper's options)."""
   if (importlib.util.find_spec("torch") is None or jax.default_backend() != "cpu"
-      or config.model.kind != Translation.kind):
+      or not task_class(config.model.kind).translates):
     return None
   m = config.model
   if (m.position, m.norm, m.ffn, m.attention, m.kv_heads, m.attn_logit_softcap, m.sliding_window) != (
       "sinusoidal", "layernorm", "relu", "dense", m.num_heads, 0.0, 0):
     print("torch peer skipped: torch.nn.Transformer has only the paper's architecture options", file=sys.stderr)
     return None
-  from jaxformer.bench_torch import TorchTrainer
+  from jaxformer.bench.torch_peer import TorchTrainer
   return TorchTrainer(config, host_batch["inputs"], host_batch["targets"])
 
 

@@ -30,8 +30,7 @@ from jaxformer.inference.quantize import dequantize_params
 from jaxformer.inference.restore import Restored
 from jaxformer.inference.search import LENGTH_PENALTY, length_penalty
 from jaxformer.models.pipeline import pipeline_for
-from jaxformer.train.loop import evaluate_loss
-from jaxformer.train.step import make_eval_step
+from jaxformer.tasks.objective import evaluate_loss, make_eval_step
 
 
 def _round_batch(restored: Restored, batch_size: int) -> int:

@@ -1,6 +1,6 @@
 """`jaxformer compile --decode`: ahead-of-time compilation of decoding, the KV-cache decode step
 and the prefill, for a batch and context on a mesh (simulated CPU devices or a TPU topology, as
-`aot`), with the memory the KV cache and the weights take per device.
+`aot.train_step`), with the memory the KV cache and the weights take per device.
 
 Everything is abstract (`jax.eval_shape`), as for the train step. The cache is the one decoding
 runs on (`inference.cache`): contiguous rows of `context` tokens (`decode`, `generate`), or with
@@ -21,14 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxformer import aot
 from jaxformer import sharding as sh
+from jaxformer.aot import train_step as aot
 from jaxformer.config import Config, ConfigError
 from jaxformer.inference import cache as kv
-from jaxformer.summary import per_device_bytes, total_bytes
 from jaxformer.tasks import get_task
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import state_shardings
+from jaxformer.train.summary import per_device_bytes, total_bytes
 
 
 def _split(size: int, axes: Any, mesh) -> Any:

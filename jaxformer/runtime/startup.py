@@ -1,5 +1,5 @@
 """Process start-up: simulated CPU devices, reproducible CPU numerics, and the mesh
-(multi-host start-up: distributed.py)."""
+(multi-host start-up: runtime/distributed.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from jax.sharding import Mesh
 from jaxformer import sharding as sh
 from jaxformer.config import PLATFORMS, Config, ConfigError, RuntimeConfig
 from jaxformer.models.pipeline import check_pipeline
+from jaxformer.runtime.host_memory import limit_malloc_arenas
+from jaxformer.tasks import get_task
 
 # XLA:CPU results are bitwise stable run to run on one machine, under any load, but change
 # with the machine: with the size of the intra-op thread pool (one thread per usable CPU;
@@ -69,6 +71,7 @@ def init_runtime(runtime: RuntimeConfig) -> None:
     ConfigError: the machine has no devices of `runtime.platform` (naming the platforms it
       has), or the CPU device count cannot be applied.
   """
+  limit_malloc_arenas()   # before the backend's thread pools start: see host_memory.py
   if not _tpu_chips_attached():
     quiet_libtpu()
   if runtime.deterministic:
@@ -152,7 +155,7 @@ def check_model_fits_mesh(config: Config, fsdp: int, tensor: int, context: int =
   if context > 1 and m.attention_dropout_rate > 0:
     raise ConfigError(f"model.attention_dropout_rate={m.attention_dropout_rate} does not run with context "
                       f"parallelism (mesh.context={context}); set model.attention_dropout_rate=0 or mesh.context=1")
-  lengths = (config.data.max_length, *(config.data.buckets if m.kind == "encoder_decoder" else ()))
+  lengths = get_task(config).batch_lengths()
   if any(length % context for length in lengths):
     raise ConfigError(f"mesh.context={context} does not divide the sequence lengths {sorted(set(lengths))} "
                       f"(data.max_length, data.buckets); use mesh.context in "

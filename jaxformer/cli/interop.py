@@ -1,4 +1,4 @@
-"""`jaxformer export | import`: Hugging Face interop (the parsers and handlers `cli.py` registers).
+"""`jaxformer export | import`: Hugging Face interop (the parsers and handlers `jaxformer.cli` registers).
 
 Each prints one JSON line last, naming the directory it wrote.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from jaxformer.cli_args import positive_int
+from jaxformer.cli.args import positive_int
 
 
 def add_parsers(sub) -> None:
@@ -38,7 +38,7 @@ def add_parsers(sub) -> None:
 def cmd_export(args: argparse.Namespace) -> None:
   """`jaxformer export --format hf`: writes a workdir's model as a Hugging Face directory."""
   from jaxformer.config import runtime_from_overrides
-  from jaxformer.runtime import init_runtime
+  from jaxformer.runtime.startup import init_runtime
   init_runtime(runtime_from_overrides(args.overrides))
   from jaxformer.interop.hf_export import export_workdir
   print(json.dumps(export_workdir(args.workdir, args.out, args.step, args.average_last, args.overrides,
@@ -48,7 +48,7 @@ def cmd_export(args: argparse.Namespace) -> None:
 def cmd_import(args: argparse.Namespace) -> None:
   """`jaxformer import --from-hf`: builds a workdir from a local Hugging Face directory."""
   from jaxformer.config import runtime_from_overrides
-  from jaxformer.runtime import init_runtime
+  from jaxformer.runtime.startup import init_runtime
   init_runtime(runtime_from_overrides([]))
   from jaxformer.interop.hf_import import import_hf
   print(json.dumps(import_hf(args.from_hf, args.workdir)), flush=True)

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxformer import checkpoint as ckpt
+from jaxformer.checkpoint import manager as ckpt
 from jaxformer.errors import CheckpointError
 
 AVERAGE_FILE = "average.json"   # marks a workdir written by `write_averaged`: which run, which steps

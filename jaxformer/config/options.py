@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from jaxformer.schema import ConfigError
+from jaxformer.errors import ConfigError
 
 # values of model.rope_scaling (layers.positions.RopeScaling)
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
@@ -113,25 +113,13 @@ def _validate_linformer(m: Any) -> None:
 
 
 def _validate_embeddings(m: Any) -> None:
-  """The BERT-style options (an embedding norm, token types, a position offset, the MLM head) and
-  Marian's logits bias."""
+  """The BERT-style options' values (which kinds have them at all is the task's question: `Task.validate`)."""
   for name in ("type_vocab_size", "position_offset"):
     if getattr(m, name) < 0:
       raise ConfigError(f"model.{name} must be >= 0 (0 turns it off), got {getattr(m, name)}")
   if m.position_offset and m.position != "learned":
     raise ConfigError(f"model.position_offset={m.position_offset} shifts the rows of the learned position table; "
                       "set model.position=learned or model.position_offset=0")
-  used = [f"model.{k}={getattr(m, k)}" for k in ("embedding_norm", "type_vocab_size", "position_offset")
-          if getattr(m, k)]
-  if used and m.kind == "encoder_decoder":
-    raise ConfigError(f"{used[0]} acts in the decoder_only and encoder_only models; "
-                      "turn it off (false / 0) for model.kind=encoder_decoder")
-  if m.logits_bias and m.kind != "encoder_decoder":
-    raise ConfigError(f"model.logits_bias=true is the encoder-decoder's output bias (Marian's final_logits_bias); "
-                      f"set model.kind=encoder_decoder or model.logits_bias=false (model.kind={m.kind})")
-  if m.mlm_head and m.kind != "encoder_only":
-    raise ConfigError(f"model.mlm_head=true is the masked LM's output transform; set model.kind=encoder_only "
-                      f"or model.mlm_head=false (model.kind={m.kind})")
 
 
 # values of model.lora_targets: the projections LoRA adapters can sit beside (layers/lora.py)

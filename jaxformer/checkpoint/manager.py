@@ -35,15 +35,18 @@ import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxformer.distributed import any_process
 from jaxformer.errors import CheckpointError
-from jaxformer.train.state import TrainState
+from jaxformer.runtime.distributed import any_process
+
+if TYPE_CHECKING:   # the train package imports this one
+  from jaxformer.train.state import TrainState
 
 DAMAGED_DIR = "damaged_checkpoints"   # next to `checkpoints/`: the damaged steps a training run set aside
 COMMIT_MARKER = "commit_success.txt"
@@ -248,6 +251,34 @@ class Checkpointer:
           self._manager.close()
       else:
         self._manager.close()
+
+
+HOST_DATA_FILE_BYTES = 64 << 20   # the OCDBT data files `save_host_params` writes
+
+
+def save_host_params(workdir: str | Path, step: int, params: Any, data_file_bytes: int = HOST_DATA_FILE_BYTES) -> None:
+  """Writes what `Checkpointer(workdir, async_save=False).save_params(step, params)` writes (read by
+  `restore_params`) for params held as host numpy arrays (an import), in less memory. Orbax's
+  numpy handler copies every host array before writing it (a guard against the caller changing
+  them during an asynchronous save; this one is synchronous), and TensorStore holds each OCDBT
+  data file in memory until it is written, 2 GiB by default: here `data_file_bytes`. Together
+  those held 1.3 times a 1.2B-parameter model's float32 params on top of them; here about 0.1
+  (benchmarks/results/2026-12-03-import-memory.md)."""
+  _mute_orbax_noise()
+  types = ocp.type_handlers.create_type_handler_registry(
+      (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
+      (jax.Array, ocp.type_handlers.get_type_handler(jax.Array)))
+  handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
+  handlers.add("default", ocp.args.PyTreeSave, ocp.PyTreeCheckpointHandler(type_handler_registry=types))
+  options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True,
+                                         async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
+  manager = ocp.CheckpointManager(Path(workdir).absolute() / "checkpoints", options=options, handler_registry=handlers)
+  try:
+    tree = {"step": jnp.asarray(step, jnp.int32), "params": params}
+    manager.save(step, args=ocp.args.PyTreeSave(tree, ocdbt_target_data_file_size=data_file_bytes), force=True)
+    manager.wait_until_finished()
+  finally:
+    manager.close()
 
 
 def _structure_damage(step_dir: Path) -> str | None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxformer.schema import ConfigError
+from jaxformer.errors import ConfigError
 
 MESH_AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
 

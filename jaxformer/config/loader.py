@@ -16,18 +16,19 @@ from typing import Any
 
 import yaml
 
-from jaxformer.mesh_config import MeshConfig
-from jaxformer.model_config import ModelConfig
-from jaxformer.model_options import validate_with_data
-from jaxformer.policy import Policy, parse_policy
-from jaxformer.schema import ConfigError, apply_overrides, build, parse_override, to_plain
+from jaxformer.config.mesh import MeshConfig
+from jaxformer.config.model import ModelConfig
+from jaxformer.config.options import validate_with_data
+from jaxformer.config.policy import Policy, parse_policy
+from jaxformer.config.schema import apply_overrides, build, parse_override, to_plain
+from jaxformer.errors import ConfigError, DataError
 
 PLATFORMS = ("cpu", "gpu", "tpu")   # values of runtime.platform (JAX platform names)
 
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
-  """Mixed-precision policy and dynamic loss scaling (see jaxformer/precision.py)."""
+  """Mixed-precision policy and dynamic loss scaling (see jaxformer/train/loss_scale.py)."""
   policy: str = "params=float32,compute=float32,output=float32"  # compute: float32 | bfloat16 | float16
   loss_scale: str = "auto"      # auto (dynamic iff compute=float16) | dynamic | none
   initial_scale: float = 32768.0  # 2**15
@@ -172,17 +173,11 @@ class DataConfig:
 
   def validate(self) -> None:
     """Raises ConfigError (one line) for an unknown dataset or a bad data setting."""
-    from jaxformer.data.sources import DataError, source_key  # noqa: PLC0415  (no JAX import)
+    from jaxformer.data.sources import validate_settings  # noqa: PLC0415  (no JAX import)
     try:
-      key = source_key(self.dataset)
+      validate_settings(self)
     except DataError as e:
       raise ConfigError(str(e)) from None
-    if key == "files" and not self.train_files:
-      raise ConfigError("data.dataset=files needs data.train_files, e.g. data.train_files=train.fr,train.en")
-    given = [k for k in ("train_files", "validation_files", "test_files") if getattr(self, k)]
-    if key != "files" and given:
-      raise ConfigError(f"data.{given[0]} is set but data.dataset={self.dataset}; add data.dataset=files to train "
-                        "on your files, or drop data.*_files")
     if not 0.0 < self.mask_probability < 1.0:
       raise ConfigError(f"data.mask_probability must be in (0, 1), got {self.mask_probability}")
     if not self.source_lang or not self.target_lang:
@@ -207,9 +202,6 @@ class DataConfig:
     if self.messages_field and self.prompt_field:
       raise ConfigError("data.messages_field (chats) and data.prompt_field/completion_field (pairs) are two ways "
                         "to read fine-tuning rows; set one of them")
-    if (self.messages_field or self.prompt_field) and key != "files":
-      raise ConfigError("data.prompt_field/completion_field/messages_field read your JSONL files: "
-                        "set data.dataset=files and data.train_files=FILE.jsonl")
     check_directory("data.data_dir", self.data_dir)
 
   def validate_buckets(self) -> None:
@@ -267,7 +259,7 @@ class RuntimeConfig:
   seed: int = 0                 # initialisation, data order and dropout
   num_cpu_devices: int = 0      # >0: simulate this many CPU devices (multi-device runs on a laptop)
   platform: str = ""            # "" picks JAX's default backend; cpu | gpu | tpu forces one
-  deterministic: bool = True    # the same bits under any load or CPU count (see runtime.py); false = fastest
+  deterministic: bool = True    # the same bits under any load or CPU count (see runtime/startup.py); false = fastest
   cpu_threads: int = 2          # XLA:CPU threads when deterministic (results depend on it); fast mode: all CPUs
 
   def validate(self) -> None:
@@ -329,7 +321,11 @@ class Config:
 
 def config_from_dict(tree: dict[str, Any], overrides: typing.Sequence[str] = ()) -> Config:
   """Builds and validates a Config from a nested dict plus `a.b=c` overrides."""
-  config = build(Config, apply_overrides(tree, overrides))
+  tree = apply_overrides(tree, overrides)
+  config = build(Config, tree)
+  if "vocab_size" not in tree.get("model", {}) and config.data.tokenizer == "char" and not config.data.tokenizer_model:
+    # The character vocabulary is the data's: training sizes the model to it (`data.fit_vocab_size`).
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_from_data=True))
   config.validate()
   return config
 
@@ -362,8 +358,11 @@ def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Confi
 
 def to_dict(config: Config) -> dict[str, Any]:
   """The config's user keys as plain YAML-safe types (tuples become lists; derived fields
-  such as model.dtype are left out)."""
-  return to_plain(config)
+  such as model.dtype are left out, and so is a model.vocab_size still to be sized from the data)."""
+  tree = to_plain(config)
+  if config.model.vocab_from_data:
+    del tree["model"]["vocab_size"]
+  return tree
 
 
 def dump_config(config: Config) -> str:

@@ -1,5 +1,5 @@
 """Mixed precision: dynamic loss scaling for float16 compute (the dtype policy itself is
-parsed by `jaxformer/policy.py`).
+parsed by `jaxformer/config/policy.py`).
 
 float16 has 5 exponent bits, so small gradients underflow to zero in the backward pass.
 Dynamic loss scaling (Micikevicius et al. 2018, "Mixed Precision Training", section 3.2)
