@@ -135,8 +135,9 @@ def _poisoning(monkeypatch, bad_steps: set[int]):
 
 
 def _lm_config(num_steps: int, *overrides: str):
+  # The vocabulary size is given (Tiny Shakespeare's 66 character ids), so `_params` builds the saved shapes.
   return load_config("configs/shakespeare_char.yaml", [
-      "model.d_model=16", "model.num_heads=2", "model.d_ff=32", "model.num_decoder_layers=1",
+      "model.vocab_size=66", "model.d_model=16", "model.num_heads=2", "model.d_ff=32", "model.num_decoder_layers=1",
       "model.max_length=16", "data.max_length=16", "train.batch_size=8", f"train.num_steps={num_steps}",
       "train.eval_every=1000", "train.keep_checkpoints=10", "optim.warmup_steps=2", "optim.decay_steps=20",
       "train.async_checkpoint=false", "train.log_every=1000", "train.steps_per_call=1", *overrides])
