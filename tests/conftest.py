@@ -49,6 +49,23 @@ def tiny_config(kind: str | None = None, *overrides: str, **sections: dict):
   return config_from_dict(tree, overrides)
 
 
+def fine_tune_on_pair_files(workdir: Path, tmp_path: Path, source: list[str], target: list[str],
+                            source_lang: str, target_lang: str) -> dict:
+  """Trains an imported translation `workdir` 3 steps on `source`/`target` written as aligned
+  `train.<lang>` files (`data.dataset=files`, 32-token buckets, batch 8); `jaxformer.fit`'s last record."""
+  import jaxformer
+  from jaxformer.config import load_config
+  files = [tmp_path / f"train.{source_lang}", tmp_path / f"train.{target_lang}"]
+  for path, lines in zip(files, (source, target)):
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+  tuned = load_config(workdir / "config.yaml", [
+      "data.dataset=files", f"data.train_files={files[0]},{files[1]}", f"data.source_lang={source_lang}",
+      f"data.target_lang={target_lang}", "data.max_length=32", "data.buckets=[32]", "train.num_steps=3",
+      "train.batch_size=8", "train.checkpoint_every=3", "train.async_checkpoint=false", "train.log_every=1",
+      f"data.data_dir={tmp_path / 'cache'}"])
+  return jaxformer.fit(tuned, workdir)
+
+
 def shakespeare_lines(n: int) -> list[str]:
   """The first `n` non-empty lines of Tiny Shakespeare (of its first 4000), stripped."""
   with gzip.open(SHAKESPEARE, "rt", encoding="utf-8") as f:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import tiny_config
+from conftest import fine_tune_on_pair_files, tiny_config
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -203,7 +203,6 @@ def test_published_model_imports_generates_trains_and_exports(name, tmp_path):
   """import -> restore (ids, logits, greedy decoding = transformers') -> translate -> 3 training steps on
   Multi30k text -> export: transformers' logits of the export are ours, its tokenizer encodes the same."""
   import jaxformer
-  from jaxformer.config import load_config
   from jaxformer.inference.decode import greedy_decode
   from jaxformer.interop.hf_import import import_hf
   hf = _published(tmp_path / "hf", name, seed=1, noise=0.3)
@@ -231,14 +230,7 @@ def test_published_model_imports_generates_trains_and_exports(name, tmp_path):
     assert restored.tokenizer.decode(row_ours) == theirs.decode(row_theirs[:stop], skip_special_tokens=True)
   assert all(isinstance(t, str) for t in jaxformer.translate(restored, de))
 
-  files = [tmp_path / "train.de", tmp_path / "train.en"]
-  for path, lang in zip(files, ("de", "en")):
-    path.write_text("\n".join(_lines("train", lang, 300)) + "\n", encoding="utf-8")
-  tuned = load_config(workdir / "config.yaml", [
-      "data.dataset=files", f"data.train_files={files[0]},{files[1]}", "data.source_lang=de", "data.target_lang=en",
-      "data.max_length=32", "data.buckets=[32]", "train.num_steps=3", "train.batch_size=8", "train.checkpoint_every=3",
-      "train.async_checkpoint=false", "train.log_every=1", f"data.data_dir={tmp_path / 'cache'}"])
-  last = jaxformer.fit(tuned, workdir)
+  last = fine_tune_on_pair_files(workdir, tmp_path, _lines("train", "de", 300), _lines("train", "en", 300), "de", "en")
   assert last["step"] == 3 and np.isfinite(last["loss"])
   out = jaxformer.export(workdir, tmp_path / "back")
   assert out["step"] == 3 and out["architecture"] == "MarianMTModel"

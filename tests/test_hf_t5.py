@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import fine_tune_on_pair_files
 
 pytestmark = pytest.mark.slow   # builds and runs transformers models (CI runs the slow set)
 
@@ -147,7 +148,6 @@ def test_published_t5_with_only_spiece_imports_trains_and_exports(tmp_path):
   import sentencepiece as spm
 
   import jaxformer
-  from jaxformer.config import load_config
   from jaxformer.inference.decode import greedy_decode
   from jaxformer.interop.hf_import import import_hf
   hf_dir = tmp_path / "hf"
@@ -193,14 +193,8 @@ def test_published_t5_with_only_spiece_imports_trains_and_exports(tmp_path):
     np.testing.assert_array_equal(row_ours[:stop], row_theirs[:stop])
     assert restored.tokenizer.decode(row_ours) == theirs.decode(row_theirs[:stop], skip_special_tokens=True)
 
-  files = [tmp_path / "train.en", tmp_path / "train.de"]
-  for path, lang in zip(files, ("en", "de")):
-    path.write_text("\n".join(_multi30k("train", lang, 300)) + "\n", encoding="utf-8")
-  tuned = load_config(workdir / "config.yaml", [
-      "data.dataset=files", f"data.train_files={files[0]},{files[1]}", "data.source_lang=en", "data.target_lang=de",
-      "data.max_length=32", "data.buckets=[32]", "train.num_steps=3", "train.batch_size=8", "train.checkpoint_every=3",
-      "train.async_checkpoint=false", "train.log_every=1", f"data.data_dir={tmp_path / 'cache'}"])
-  assert jaxformer.fit(tuned, workdir)["step"] == 3
+  source, target = _multi30k("train", "en", 300), _multi30k("train", "de", 300)
+  assert fine_tune_on_pair_files(workdir, tmp_path, source, target, "en", "de")["step"] == 3
   jaxformer.export(workdir, tmp_path / "back")
   back = transformers.T5ForConditionalGeneration.from_pretrained(str(tmp_path / "back")).eval()
   assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "back"))(lines)["input_ids"] == ids
