@@ -42,7 +42,7 @@ def make_corpus(folder: Path, pairs: int, seed: int = 0) -> tuple[Path, Path]:
   folder.mkdir(parents=True, exist_ok=True)
   rng = np.random.default_rng(seed)
   letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
-  vocab = np.array(["".join(rng.choice(letters, n)) for n in rng.integers(2, 10, WORDS)])   # 2-9 letters
+  vocab = np.array(["".join(rng.choice(letters, n)) for n in rng.integers(2, 10, WORDS)])  # 2-9 letters
   with open(src, "w") as fs, open(tgt, "w") as ft:
     for start in range(0, pairs, 100_000):
       n = min(100_000, pairs - start)
@@ -58,19 +58,27 @@ def prepare(args) -> dict:
   """The `prepare` benchmark (see the module docstring): pairs/s and the child's peak RSS."""
   folder = Path(args.dir)
   src, tgt = make_corpus(folder, args.pairs)
-  code = ("import sys, time; from jaxformer.config import config_from_dict; from jaxformer.tasks import get_task\n"
-          f"c = config_from_dict({{'data': {{'dataset': 'files', 'train_files': '{src},{tgt}', "
-          f"'source_lang': 'xx', 'target_lang': 'yy', 'data_dir': '{folder}/cache{args.pairs}', "
-          f"'input_sentence_size': {args.input_sentence_size}}}}})\n"
-          "t = time.perf_counter(); _, s = get_task(c).load_data(); print(time.perf_counter() - t, "
-          "len(s['train']) + len(s['validation']))")
+  code = (
+    "import sys, time; from jaxformer.config import config_from_dict; from jaxformer.tasks import get_task\n"
+    f"c = config_from_dict({{'data': {{'dataset': 'files', 'train_files': '{src},{tgt}', "
+    f"'source_lang': 'xx', 'target_lang': 'yy', 'data_dir': '{folder}/cache{args.pairs}', "
+    f"'input_sentence_size': {args.input_sentence_size}}}}})\n"
+    "t = time.perf_counter(); _, s = get_task(c).load_data(); print(time.perf_counter() - t, "
+    "len(s['train']) + len(s['validation']))"
+  )
   before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
   seconds, kept = out.stdout.split()
-  return {"pairs": args.pairs, "corpus_bytes": src.stat().st_size + tgt.stat().st_size, "kept_pairs": int(kept),
-          "seconds": float(seconds), "pairs_per_sec": args.pairs / float(seconds),
-          "peak_rss_mib": max(peak_kib, before) / 1024, "input_sentence_size": args.input_sentence_size}
+  return {
+    "pairs": args.pairs,
+    "corpus_bytes": src.stat().st_size + tgt.stat().st_size,
+    "kept_pairs": int(kept),
+    "seconds": float(seconds),
+    "pairs_per_sec": args.pairs / float(seconds),
+    "peak_rss_mib": max(peak_kib, before) / 1024,
+    "input_sentence_size": args.input_sentence_size,
+  }
 
 
 def _tokens(batch) -> int:
@@ -93,9 +101,14 @@ def pipeline(args) -> dict:
   from jaxformer.train.step import make_train_call  # noqa: PLC0415
 
   base = load_config(args.config, ["train.steps_per_call=1"])
-  settings = {"bucketed": base, "packed": dataclasses.replace(
-      base, data=dataclasses.replace(base.data, packing=True),
-      train=dataclasses.replace(base.train, batch_size=args.packed_batch_size))}
+  settings = {
+    "bucketed": base,
+    "packed": dataclasses.replace(
+      base,
+      data=dataclasses.replace(base.data, packing=True),
+      train=dataclasses.replace(base.train, batch_size=args.packed_batch_size),
+    ),
+  }
   task = get_task(base)
   _, splits = task.load_data()
   mesh = build_mesh(base)
@@ -112,15 +125,17 @@ def pipeline(args) -> dict:
     produce = time.perf_counter() - start
     step = make_train_call(model, tx, config, mesh, shardings)
     state = create_state(model, tx, mesh, 0, shardings, 1.0)
-    for shape in {tuple(b["inputs"].shape): b for b in host}.values():   # compile every shape first
+    for shape in {tuple(b["inputs"].shape): b for b in host}.values():  # compile every shape first
       state, _ = step(state, D.global_batch(shape, mesh), jax.random.key(0))
     jax.block_until_ready(state)
     runs[name] = [step, state, host, []]
-    out[name] = {"pipeline_tokens_per_sec": sum(map(_tokens, host)) / produce,
-                 "padding_fraction": float(np.mean([D.padding_fraction(b) for b in host])),
-                 "batch_size": config.train.batch_size,
-                 "tokens_per_step": float(np.mean([_tokens(b) for b in host]))}
-  for i in range(args.steps):   # interleaved, so background load hits both alike
+    out[name] = {
+      "pipeline_tokens_per_sec": sum(map(_tokens, host)) / produce,
+      "padding_fraction": float(np.mean([D.padding_fraction(b) for b in host])),
+      "batch_size": config.train.batch_size,
+      "tokens_per_step": float(np.mean([_tokens(b) for b in host])),
+    }
+  for i in range(args.steps):  # interleaved, so background load hits both alike
     for run in runs.values():
       step, state, host, times = run
       batch = D.global_batch(host[i], mesh)
@@ -132,10 +147,14 @@ def pipeline(args) -> dict:
   for name, (_, _, _, times) in runs.items():
     step_time = statistics.median(times)
     consumed = out[name]["tokens_per_step"] / step_time
-    out[name].update(step_time_s=step_time, train_tokens_per_sec=consumed,
-                     pipeline_over_train=out[name]["pipeline_tokens_per_sec"] / consumed)
-  out["packed_over_bucketed_train_tokens_per_sec"] = (out["packed"]["train_tokens_per_sec"]
-                                                      / out["bucketed"]["train_tokens_per_sec"])
+    out[name].update(
+      step_time_s=step_time,
+      train_tokens_per_sec=consumed,
+      pipeline_over_train=out[name]["pipeline_tokens_per_sec"] / consumed,
+    )
+  out["packed_over_bucketed_train_tokens_per_sec"] = (
+    out["packed"]["train_tokens_per_sec"] / out["bucketed"]["train_tokens_per_sec"]
+  )
   return out
 
 

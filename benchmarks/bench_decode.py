@@ -64,11 +64,11 @@ def recompute_greedy(model: nn.Module, params: Any, inputs: jax.Array, out_len: 
 
   def step(i, carry):
     prefix, out = carry
-    logits = model.apply({"params": params}, encoded, inputs, prefix, method="decode")   # [B, out_len, V]
+    logits = model.apply({"params": params}, encoded, inputs, prefix, method="decode")  # [B, out_len, V]
     token = jnp.argmax(jax.lax.dynamic_index_in_dim(logits, i, axis=1, keepdims=False), axis=-1)
     token = token.astype(jnp.int32)
     out = out.at[:, i].set(token)
-    prefix = prefix.at[:, i + 1].set(token, mode="drop")   # the last step has no next slot
+    prefix = prefix.at[:, i + 1].set(token, mode="drop")  # the last step has no next slot
     return prefix, out
 
   return jax.lax.fori_loop(0, out_len, step, (prefix, jnp.zeros((batch, out_len), jnp.int32)))[1]
@@ -101,21 +101,32 @@ def speed(model: nn.Module, params: Any, args) -> dict[str, Any]:
   cached_s, cached_cpu_s, cached_out = median_seconds(lambda: cached(params, inputs), args.repeats)
   recompute_s, recompute_cpu_s, recompute_out = median_seconds(lambda: recompute(params, inputs), args.repeats)
   tokens = args.batch_size * args.out_len
-  return {"batch_size": args.batch_size, "src_len": args.src_len, "out_len": args.out_len, "repeats": args.repeats,
-          "cached_s": cached_s, "recompute_s": recompute_s, "speedup": recompute_s / cached_s,
-          "cached_cpu_s": cached_cpu_s, "recompute_cpu_s": recompute_cpu_s,
-          "speedup_cpu": recompute_cpu_s / cached_cpu_s,
-          "cached_tokens_per_s": tokens / cached_s, "recompute_tokens_per_s": tokens / recompute_s,
-          # Same argmax path in both: tokens agree up to float rounding on near-ties.
-          "same_tokens_fraction": float(np.mean(np.asarray(cached_out) == np.asarray(recompute_out)))}
+  return {
+    "batch_size": args.batch_size,
+    "src_len": args.src_len,
+    "out_len": args.out_len,
+    "repeats": args.repeats,
+    "cached_s": cached_s,
+    "recompute_s": recompute_s,
+    "speedup": recompute_s / cached_s,
+    "cached_cpu_s": cached_cpu_s,
+    "recompute_cpu_s": recompute_cpu_s,
+    "speedup_cpu": recompute_cpu_s / cached_cpu_s,
+    "cached_tokens_per_s": tokens / cached_s,
+    "recompute_tokens_per_s": tokens / recompute_s,
+    # Same argmax path in both: tokens agree up to float rounding on near-ties.
+    "same_tokens_fraction": float(np.mean(np.asarray(cached_out) == np.asarray(recompute_out))),
+  }
 
 
 def compare_on_split(restored: inference_restore.Restored, sources: list[str], args) -> dict[str, Any]:
   """Greedy and beam search over `sources`: speed, and beam vs greedy on beam's objective."""
   out: dict[str, Any] = {"num_sentences": len(sources), "batch_size": args.eval_batch_size}
   runs = {}
-  for name, options in (("greedy", SearchOptions()),
-                        (f"beam{args.beam_size}", SearchOptions(beam_size=args.beam_size, length_penalty=args.alpha))):
+  for name, options in (
+    ("greedy", SearchOptions()),
+    (f"beam{args.beam_size}", SearchOptions(beam_size=args.beam_size, length_penalty=args.alpha)),
+  ):
     batches, stats = evaluate.decode_sources(restored, sources, args.eval_batch_size, options, warmup=True)
     runs[name] = batches
     out[name] = {k: round(v, 3) for k, v in stats.items()}
@@ -129,19 +140,23 @@ def compare_on_split(restored: inference_restore.Restored, sources: list[str], a
         s = np.asarray(score(restored.params, jax.device_put(b["inputs"], rows), jax.device_put(b["tokens"], rows)))
         scores[name].append(s[b["index"] >= 0])
   greedy, beam = (np.concatenate(v) for v in scores.values())
-  same = np.concatenate([np.all(g["tokens"] == k["tokens"], axis=1)[g["index"] >= 0]
-                         for g, k in zip(*runs.values())])
-  out.update(alpha=args.alpha, tolerance=args.tolerance,
-             beam_ge_greedy_fraction=float(np.mean(beam >= greedy - args.tolerance)),
-             beam_gt_greedy_fraction=float(np.mean(beam > greedy + args.tolerance)),
-             same_output_fraction=float(np.mean(same)),
-             mean_score_greedy=float(greedy.mean()), mean_score_beam=float(beam.mean()))
+  same = np.concatenate([np.all(g["tokens"] == k["tokens"], axis=1)[g["index"] >= 0] for g, k in zip(*runs.values())])
+  out.update(
+    alpha=args.alpha,
+    tolerance=args.tolerance,
+    beam_ge_greedy_fraction=float(np.mean(beam >= greedy - args.tolerance)),
+    beam_gt_greedy_fraction=float(np.mean(beam > greedy + args.tolerance)),
+    same_output_fraction=float(np.mean(same)),
+    mean_score_greedy=float(greedy.mean()),
+    mean_score_beam=float(beam.mean()),
+  )
   return out
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   p.add_argument("--config", default="configs/multi30k_small.yaml", help="model shape when --workdir is not given")
   p.add_argument("--workdir", help="trained run: its params for the speed part, and the test2016 part")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
@@ -182,10 +197,13 @@ def main(argv: list[str] | None = None) -> int:
   print("|---|---|---|---|")
   for name, key in (("KV cache", "cached"), ("recompute prefix", "recompute")):
     print(f"| {name} | {result[key + '_s']:.3f} | {result[key + '_cpu_s']:.3f} | {result[key + '_tokens_per_s']:.0f} |")
-  print(f"speedup {result['speedup']:.1f}x wall, {result['speedup_cpu']:.1f}x CPU; "
-        f"same tokens {result['same_tokens_fraction']:.3f}", flush=True)
+  print(
+    f"speedup {result['speedup']:.1f}x wall, {result['speedup_cpu']:.1f}x CPU; "
+    f"same tokens {result['same_tokens_fraction']:.3f}",
+    flush=True,
+  )
   if args.workdir and not args.skip_test_split:
-    sources = get_task(config).load_data()[1]["test"].source_texts[:args.num_sentences]
+    sources = get_task(config).load_data()[1]["test"].source_texts[: args.num_sentences]
     test = compare_on_split(restored, sources, args)
     result["test2016"] = test
     print(f"\n| test2016 ({test['num_sentences']} sentences) | sentences/s | tokens/s | mean score |")
@@ -193,8 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("greedy", f"beam{args.beam_size}"):
       mean = test["mean_score_greedy" if name == "greedy" else "mean_score_beam"]
       print(f"| {name} | {test[name]['sentences_per_sec']:.1f} | {test[name]['tokens_per_sec']:.0f} | {mean:.4f} |")
-    print(f"beam{args.beam_size} score >= greedy on {test['beam_ge_greedy_fraction']:.3f} of sentences "
-          f"(> on {test['beam_gt_greedy_fraction']:.3f}; same output on {test['same_output_fraction']:.3f})")
+    print(
+      f"beam{args.beam_size} score >= greedy on {test['beam_ge_greedy_fraction']:.3f} of sentences "
+      f"(> on {test['beam_gt_greedy_fraction']:.3f}; same output on {test['same_output_fraction']:.3f})"
+    )
   print(json.dumps(result), flush=True)
   return 0
 

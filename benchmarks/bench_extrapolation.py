@@ -31,15 +31,25 @@ SCALINGS = ("none", "linear", "ntk", "yarn")
 
 
 def _train(workdir: Path, overrides: list[str]) -> None:
-  cmd = [sys.executable, "-m", "jaxformer", "train", "--config", "configs/shakespeare_char.yaml",
-         "--workdir", str(workdir), *overrides]
+  cmd = [
+    sys.executable,
+    "-m",
+    "jaxformer",
+    "train",
+    "--config",
+    "configs/shakespeare_char.yaml",
+    "--workdir",
+    str(workdir),
+    *overrides,
+  ]
   print("+", " ".join(cmd), file=sys.stderr, flush=True)
   subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
 
 def _scaled(model: dict, scaling: str, factor: float, trained: int) -> dict:
-  return dict(model, rope_scaling=scaling, rope_scaling_factor=factor if scaling != "none" else 1.0,
-              rope_trained_length=trained)
+  return dict(
+    model, rope_scaling=scaling, rope_scaling_factor=factor if scaling != "none" else 1.0, rope_trained_length=trained
+  )
 
 
 def _perplexity(workdir: Path, scaling: str, factor: float, trained: int, length: int) -> float:
@@ -65,8 +75,9 @@ def main() -> None:
   args = parser.parse_args()
   root, longest = Path(args.root), max(args.lengths)
   base = root / "base"
-  _train(base, ["model.position=rope", f"model.max_length={longest}", f"data.max_length={args.trained}",
-                *args.overrides])
+  _train(
+    base, ["model.position=rope", f"model.max_length={longest}", f"data.max_length={args.trained}", *args.overrides]
+  )
   base_steps = load_config(ckpt.run_file(base, ckpt.CONFIG_FILE)).train.num_steps
   rows = []
   for scaling in SCALINGS:
@@ -76,7 +87,7 @@ def main() -> None:
   factor = args.finetune_length / args.trained
   for scaling in SCALINGS:
     tuned = root / f"finetune_{scaling}"
-    if not tuned.exists():   # start from the base run's checkpoint, the scaling recorded in its config
+    if not tuned.exists():  # start from the base run's checkpoint, the scaling recorded in its config
       shutil.copytree(base, tuned)
       config = load_config(tuned / ckpt.CONFIG_FILE)
       tree = to_dict(config)
@@ -84,13 +95,23 @@ def main() -> None:
       text = dump_config(config_from_dict(tree))
       (tuned / "config.yaml.tmp").write_text(text)
       (tuned / "config.yaml.tmp").rename(tuned / ckpt.CONFIG_FILE)
-    _train(tuned, ["model.position=rope", f"model.max_length={longest}", f"data.max_length={args.finetune_length}",
-                   f"model.rope_scaling={scaling}", f"model.rope_scaling_factor={factor if scaling != 'none' else 1.0}",
-                   f"model.rope_trained_length={args.trained}", f"train.num_steps={base_steps + args.finetune_steps}",
-                   *args.overrides])
+    _train(
+      tuned,
+      [
+        "model.position=rope",
+        f"model.max_length={longest}",
+        f"data.max_length={args.finetune_length}",
+        f"model.rope_scaling={scaling}",
+        f"model.rope_scaling_factor={factor if scaling != 'none' else 1.0}",
+        f"model.rope_trained_length={args.trained}",
+        f"train.num_steps={base_steps + args.finetune_steps}",
+        *args.overrides,
+      ],
+    )
     ppl = {n: _perplexity(tuned, scaling, factor, args.trained, n) for n in args.lengths}
-    rows.append({"model": f"+{args.finetune_steps} steps at {args.finetune_length}", "scaling": scaling,
-                 "perplexity": ppl})
+    rows.append(
+      {"model": f"+{args.finetune_steps} steps at {args.finetune_length}", "scaling": scaling, "perplexity": ppl}
+    )
     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
   print("| model | rope_scaling | " + " | ".join(f"ppl @ {n}" for n in args.lengths) + " |")
   print("|---|---|" + "---|" * len(args.lengths))

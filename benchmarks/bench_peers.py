@@ -67,9 +67,9 @@ from jaxformer.interop.hf_export import hf_model, select_mapping
 from jaxformer.runtime.startup import build_mesh
 from jaxformer.tasks import get_task
 
-Decoder = Callable[[np.ndarray], np.ndarray]   # int32 sources [batch, src_len] -> ids [batch, new_tokens]
+Decoder = Callable[[np.ndarray], np.ndarray]  # int32 sources [batch, src_len] -> ids [batch, new_tokens]
 ENGINES = ("jaxformer", "transformers", "ctranslate2")
-PAUSE_S = 0.1   # between timed calls: lets one engine's OpenMP threads stop spinning before the next runs
+PAUSE_S = 0.1  # between timed calls: lets one engine's OpenMP threads stop spinning before the next runs
 
 
 def random_sources(batch: int, src_len: int, vocab: int, seed: int) -> np.ndarray:
@@ -94,15 +94,20 @@ def jaxformer_decoder(cfg: Config, params: Any, beam_size: int, src_len: int, ne
   """
   # Imported here, so a change of decoding API touches one function.
   from jaxformer.inference.decode import SearchOptions, make_decode_fn
+
   if not src_len <= new_tokens <= cfg.model.max_length:
-    raise ConfigError(f"jaxformer decodes src_len + extra tokens: --new-tokens must be in [--src-len={src_len}, "
-                      f"model.max_length={cfg.model.max_length}], got {new_tokens}")
+    raise ConfigError(
+      f"jaxformer decodes src_len + extra tokens: --new-tokens must be in [--src-len={src_len}, "
+      f"model.max_length={cfg.model.max_length}], got {new_tokens}"
+    )
   options = SearchOptions(beam_size=beam_size, extra_tokens=new_tokens - src_len, eos_id=-1)  # -1: never argmax
-  decode = make_decode_fn(get_task(cfg).make_model(), build_mesh(cfg), cfg.model.max_length, options,
-                          rules=sh.rules_for(cfg.mesh))
+  decode = make_decode_fn(
+    get_task(cfg).make_model(), build_mesh(cfg), cfg.model.max_length, options, rules=sh.rules_for(cfg.mesh)
+  )
 
   def run(inputs: np.ndarray) -> np.ndarray:
     return np.asarray(decode(params, jnp.asarray(inputs)))
+
   return run
 
 
@@ -121,12 +126,20 @@ def transformers_decoder(model: transformers.MarianMTModel, beam_size: int, new_
   """`model.generate` (KV cache, do_sample False) of exactly `new_tokens` tokens per row; the
   export's generation config suppresses both pads (ours, id 0, and Marian's extra last id), so
   all engines choose among the same ids."""
+
   def run(inputs: np.ndarray) -> np.ndarray:
     ids = torch.from_numpy(inputs.astype(np.int64))
     with torch.inference_mode():
-      out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), num_beams=beam_size, do_sample=False,
-                           max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-    return out[:, 1:].numpy()   # column 0 is the decoder-start token (BOS)
+      out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        num_beams=beam_size,
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+      )
+    return out[:, 1:].numpy()  # column 0 is the decoder-start token (BOS)
+
   return run
 
 
@@ -137,40 +150,52 @@ def token_names(vocab_size: int) -> list[str]:
   return [special.get(i, f"w{i}") for i in range(vocab_size)] + ["<pad>"]
 
 
-def ctranslate2_translator(model: transformers.MarianMTModel, directory: str | Path, threads: int,
-                           compute_type: str = "float32") -> ctranslate2.Translator:
+def ctranslate2_translator(
+  model: transformers.MarianMTModel, directory: str | Path, threads: int, compute_type: str = "float32"
+) -> ctranslate2.Translator:
   """`model` saved with `save_pretrained` (plus a word-level tokenizer over `token_names`: random
   weights have no SentencePiece model) under `directory`/hf, converted to float32 CTranslate2 in
   `directory`/ct2 (`interop.ctranslate2.convert`), loaded on the CPU to run in `compute_type`
   (float32, or int8: quantized at load)."""
   names = token_names(model.config.vocab_size - 1)
   tokenizer = transformers.PreTrainedTokenizerFast(
-      tokenizer_object=Tokenizer(models.WordLevel({n: i for i, n in enumerate(names)}, unk_token="<unk>")),
-      unk_token="<unk>", eos_token="</s>", pad_token="<pad>")
+    tokenizer_object=Tokenizer(models.WordLevel({n: i for i, n in enumerate(names)}, unk_token="<unk>")),
+    unk_token="<unk>",
+    eos_token="</s>",
+    pad_token="<pad>",
+  )
   hf_dir, ct2_dir = Path(directory) / "hf", Path(directory) / "ct2"
   model.save_pretrained(hf_dir)
   tokenizer.save_pretrained(hf_dir)
   convert(hf_dir, ct2_dir)
-  return ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type=compute_type, inter_threads=1,
-                                intra_threads=threads)
+  return ctranslate2.Translator(
+    str(ct2_dir), device="cpu", compute_type=compute_type, inter_threads=1, intra_threads=threads
+  )
 
 
-def ctranslate2_decoder(translator: ctranslate2.Translator, vocab_size: int, beam_size: int,
-                        new_tokens: int) -> Decoder:
+def ctranslate2_decoder(
+  translator: ctranslate2.Translator, vocab_size: int, beam_size: int, new_tokens: int
+) -> Decoder:
   """`translator.translate_batch` of exactly `new_tokens` tokens per row (ids in and out)."""
   names = token_names(vocab_size)
   ids = {n: i for i, n in enumerate(names)}
 
   def run(inputs: np.ndarray) -> np.ndarray:
-    results = translator.translate_batch([[names[i] for i in row] for row in inputs.tolist()], beam_size=beam_size,
-                                         min_decoding_length=new_tokens, max_decoding_length=new_tokens,
-                                         return_scores=False)
+    results = translator.translate_batch(
+      [[names[i] for i in row] for row in inputs.tolist()],
+      beam_size=beam_size,
+      min_decoding_length=new_tokens,
+      max_decoding_length=new_tokens,
+      return_scores=False,
+    )
     return np.array([[ids[t] for t in r.hypotheses[0]] for r in results])
+
   return run
 
 
-def interleaved_seconds(decoders: dict[Any, Decoder], inputs: np.ndarray,
-                        rounds: int) -> tuple[dict[Any, list[float]], dict[Any, np.ndarray]]:
+def interleaved_seconds(
+  decoders: dict[Any, Decoder], inputs: np.ndarray, rounds: int
+) -> tuple[dict[Any, list[float]], dict[Any, np.ndarray]]:
   """Wall seconds of each decoder's call on `inputs` per round, and each one's output: one
   untimed call each (compiles, warm-up; its output is returned), then `rounds` rounds calling
   every decoder once, in order."""
@@ -186,8 +211,9 @@ def interleaved_seconds(decoders: dict[Any, Decoder], inputs: np.ndarray,
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   p.add_argument("--config", default="configs/multi30k_small.yaml", help="model shape (random weights)")
   p.add_argument("--batch-size", type=int, default=32, help="source rows decoded per call")
   p.add_argument("--src-len", type=int, default=20, help="tokens per source row")
@@ -196,8 +222,12 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--rounds", type=int, default=5, help="timed interleaved rounds (median reported)")
   p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads of every engine")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--quantize", choices=("int8",), default=None,
-                 help="jaxformer with int8 weights and products, CTranslate2 with compute_type=int8")
+  p.add_argument(
+    "--quantize",
+    choices=("int8",),
+    default=None,
+    help="jaxformer with int8 weights and products, CTranslate2 with compute_type=int8",
+  )
   p.add_argument("overrides", nargs="*", help="config overrides, e.g. model.d_model=512")
   return p
 
@@ -205,7 +235,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
   """Runs the benchmark (see the module docstring); returns the exit status."""
   args = _parser().parse_args(argv)
-  os.environ["NPROC"] = str(args.threads)   # XLA:CPU sizes its thread pool from it when the backend starts
+  os.environ["NPROC"] = str(args.threads)  # XLA:CPU sizes its thread pool from it when the backend starts
   torch.set_num_threads(args.threads)
   transformers.logging.disable_progress_bar()
   try:
@@ -222,41 +252,62 @@ def main(argv: list[str] | None = None) -> int:
       inputs = random_sources(args.batch_size, args.src_len, m.vocab_size, args.seed)
       decoders = {}
       for search, k in searches.items():
-        engines = (jaxformer_decoder(cfg, ours, k, args.src_len, args.new_tokens),
-                   transformers_decoder(hf, k, args.new_tokens),
-                   ctranslate2_decoder(translator, m.vocab_size, k, args.new_tokens))
+        engines = (
+          jaxformer_decoder(cfg, ours, k, args.src_len, args.new_tokens),
+          transformers_decoder(hf, k, args.new_tokens),
+          ctranslate2_decoder(translator, m.vocab_size, k, args.new_tokens),
+        )
         decoders.update({(search, e): d for e, d in zip(ENGINES, engines)})
       seconds, outputs = interleaved_seconds(decoders, inputs, args.rounds)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  for (search, engine), out in outputs.items():   # tokens/s below assumes every row got all its tokens
+  for (search, engine), out in outputs.items():  # tokens/s below assumes every row got all its tokens
     if out.shape != (args.batch_size, args.new_tokens):
-      print(f"error: {engine} {search} returned ids of shape {out.shape}, not "
-            f"{(args.batch_size, args.new_tokens)}", file=sys.stderr)
+      print(
+        f"error: {engine} {search} returned ids of shape {out.shape}, not {(args.batch_size, args.new_tokens)}",
+        file=sys.stderr,
+      )
       return 1
   tokens = args.batch_size * args.new_tokens
   result: dict[str, Any] = {
-      "model": cfg.name, "batch_size": args.batch_size, "src_len": args.src_len, "new_tokens": args.new_tokens,
-      "rounds": args.rounds, "threads": args.threads, "quantize": args.quantize,
-      "xla_flags": os.environ.get("XLA_FLAGS", ""),
-      "versions": {"jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
-                   "ctranslate2": ctranslate2.__version__}}
-  print(f"{cfg.name}, {args.batch_size} rows x {args.new_tokens} new tokens, {args.threads} threads, "
-        f"{args.quantize or 'float32'} (transformers float32), "
-        f"median of {args.rounds} rounds: target tokens/s")
+    "model": cfg.name,
+    "batch_size": args.batch_size,
+    "src_len": args.src_len,
+    "new_tokens": args.new_tokens,
+    "rounds": args.rounds,
+    "threads": args.threads,
+    "quantize": args.quantize,
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    "versions": {
+      "jax": jax.__version__,
+      "torch": torch.__version__,
+      "transformers": transformers.__version__,
+      "ctranslate2": ctranslate2.__version__,
+    },
+  }
+  print(
+    f"{cfg.name}, {args.batch_size} rows x {args.new_tokens} new tokens, {args.threads} threads, "
+    f"{args.quantize or 'float32'} (transformers float32), "
+    f"median of {args.rounds} rounds: target tokens/s"
+  )
   print("| search | jaxformer | transformers | ctranslate2 | jaxformer/transformers | jaxformer/ctranslate2 |")
   print("|---|---|---|---|---|---|")
   for search in searches:
     median = {e: statistics.median(seconds[(search, e)]) for e in ENGINES}
     rate = {e: tokens / median[e] for e in ENGINES}
-    row = {**{f"{e}_s": median[e] for e in ENGINES}, **{f"{e}_rounds_s": seconds[(search, e)] for e in ENGINES},
-           **{f"{e}_tokens_per_s": rate[e] for e in ENGINES},
-           "jaxformer_over_transformers": rate["jaxformer"] / rate["transformers"],
-           "jaxformer_over_ctranslate2": rate["jaxformer"] / rate["ctranslate2"]}
+    row = {
+      **{f"{e}_s": median[e] for e in ENGINES},
+      **{f"{e}_rounds_s": seconds[(search, e)] for e in ENGINES},
+      **{f"{e}_tokens_per_s": rate[e] for e in ENGINES},
+      "jaxformer_over_transformers": rate["jaxformer"] / rate["transformers"],
+      "jaxformer_over_ctranslate2": rate["jaxformer"] / rate["ctranslate2"],
+    }
     result[search] = row
-    print(f"| {search} | {rate['jaxformer']:.0f} | {rate['transformers']:.0f} | {rate['ctranslate2']:.0f} | "
-          f"{row['jaxformer_over_transformers']:.2f} | {row['jaxformer_over_ctranslate2']:.2f} |")
+    print(
+      f"| {search} | {rate['jaxformer']:.0f} | {rate['transformers']:.0f} | {rate['ctranslate2']:.0f} | "
+      f"{row['jaxformer_over_transformers']:.2f} | {row['jaxformer_over_ctranslate2']:.2f} |"
+    )
   print(json.dumps(result), flush=True)
   return 0
 

@@ -81,7 +81,7 @@ from jaxformer.tasks import get_task
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def source_sentences(workdir: str, max_chars: int = 10 ** 9) -> list[str]:
+def source_sentences(workdir: str, max_chars: int = 10**9) -> list[str]:
   """The source side of the run's test split (non-empty lines); for a model that generates
   (decoder-only), the non-empty lines of at most `max_chars` characters of its test text
   (validation where the source has no test split)."""
@@ -120,9 +120,25 @@ class ServerProcess:
       s.bind(("127.0.0.1", 0))
       self.port = s.getsockname()[1]
     self.log = Path(tempfile.mkdtemp(prefix="bench_serve_")) / f"{mode}.log"
-    command = [sys.executable, "-m", "jaxformer", "serve", "--workdir", args.workdir, "--port", str(self.port),
-               "--batching", mode, "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue),
-               "--request-timeout", str(args.timeout), *args.overrides]
+    command = [
+      sys.executable,
+      "-m",
+      "jaxformer",
+      "serve",
+      "--workdir",
+      args.workdir,
+      "--port",
+      str(self.port),
+      "--batching",
+      mode,
+      "--max-batch",
+      str(args.max_batch),
+      "--max-queue",
+      str(args.max_queue),
+      "--request-timeout",
+      str(args.timeout),
+      *args.overrides,
+    ]
     with open(self.log, "w") as out:
       self.proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
 
@@ -168,8 +184,12 @@ class Api:
   def __init__(self, route: str, generates: bool, max_new_tokens: int, model: str | None = None):
     self.route, self.generates, self.max_new, self.model = route, generates, max_new_tokens, model
     self.openai = route == "openai"
-    self.path = {(False, False): "/v1/translate", (False, True): "/v1/chat/completions",
-                 (True, False): "/v1/generate", (True, True): "/v1/completions"}[generates, self.openai]
+    self.path = {
+      (False, False): "/v1/translate",
+      (False, True): "/v1/chat/completions",
+      (True, False): "/v1/generate",
+      (True, True): "/v1/completions",
+    }[generates, self.openai]
 
   def body(self, text: str, stream: bool) -> dict:
     """The JSON body asking for `text`'s translation or greedy continuation."""
@@ -231,7 +251,7 @@ def post(port: int, api: Api, text: str, arrival: float, timeout: float, stream:
       line = line.decode().strip()
       if not line.startswith("data: "):
         continue
-      payload = line[len("data: "):]
+      payload = line[len("data: ") :]
       if payload == "[DONE]":
         result.update(ok="error" not in result, latency=time.monotonic() - arrival)
         return result
@@ -260,6 +280,7 @@ def drive(server: ServerProcess, api: Api, schedule: list[tuple[float, str]], cl
         polled.append(server.get("/health")[1])
       except OSError:
         pass
+
   poller = threading.Thread(target=poll, daemon=True)
   start = time.monotonic() + 0.5
   poller.start()
@@ -280,17 +301,30 @@ def drive(server: ServerProcess, api: Api, schedule: list[tuple[float, str]], cl
 
   def pct(key, q):
     return float(np.percentile([r[key] for r in done], q)) if done else float("nan")
-  return {"completed": len(done), "failed": len(results) - len(done), "errors": errors, "wall_s": wall,
-          "sentences_per_s": len(done) / wall, "tokens_per_s": sum(r["tokens"] for r in done) / wall,
-          "latency_p50_s": pct("latency", 50), "latency_p99_s": pct("latency", 99),
-          "ttft_p50_s": pct("ttft", 50), "ttft_p99_s": pct("ttft", 99),
-          "peak_waiting": max((h["waiting"] for h in polled), default=0),
-          "mean_running": float(np.mean([h["running"] for h in polled])) if polled else 0.0,
-          "translations": [r["text"] if r["ok"] else None for r in results]}
+
+  return {
+    "completed": len(done),
+    "failed": len(results) - len(done),
+    "errors": errors,
+    "wall_s": wall,
+    "sentences_per_s": len(done) / wall,
+    "tokens_per_s": sum(r["tokens"] for r in done) / wall,
+    "latency_p50_s": pct("latency", 50),
+    "latency_p99_s": pct("latency", 99),
+    "ttft_p50_s": pct("ttft", 50),
+    "ttft_p99_s": pct("ttft", 99),
+    "peak_waiting": max((h["waiting"] for h in polled), default=0),
+    "mean_running": float(np.mean([h["running"] for h in polled])) if polled else 0.0,
+    "translations": [r["text"] if r["ok"] else None for r in results],
+  }
 
 
-RATIO_ROWS = [("sentences/s", "sentences_per_s"), ("latency p50", "latency_p50_s"), ("latency p99", "latency_p99_s"),
-              ("TTFT p50", "ttft_p50_s")]
+RATIO_ROWS = [
+  ("sentences/s", "sentences_per_s"),
+  ("latency p50", "latency_p50_s"),
+  ("latency p99", "latency_p99_s"),
+  ("TTFT p50", "ttft_p50_s"),
+]
 
 
 def round_ratios(by_mode: dict[str, list[dict]], key: str) -> list[float]:
@@ -299,11 +333,18 @@ def round_ratios(by_mode: dict[str, list[dict]], key: str) -> list[float]:
   return [a[key] / b[key] if b[key] else float("nan") for a, b in zip(first, second)]
 
 
-ROWS = [("completed", "completed", "{:d}"), ("failed", "failed", "{:d}"), ("sentences/s", "sentences_per_s", "{:.2f}"),
-        ("generated tokens/s", "tokens_per_s", "{:.1f}"), ("latency p50 (s)", "latency_p50_s", "{:.2f}"),
-        ("latency p99 (s)", "latency_p99_s", "{:.2f}"), ("TTFT p50 (s)", "ttft_p50_s", "{:.3f}"),
-        ("TTFT p99 (s)", "ttft_p99_s", "{:.3f}"), ("peak queue (waiting)", "peak_waiting", "{:d}"),
-        ("mean busy slots", "mean_running", "{:.1f}")]
+ROWS = [
+  ("completed", "completed", "{:d}"),
+  ("failed", "failed", "{:d}"),
+  ("sentences/s", "sentences_per_s", "{:.2f}"),
+  ("generated tokens/s", "tokens_per_s", "{:.1f}"),
+  ("latency p50 (s)", "latency_p50_s", "{:.2f}"),
+  ("latency p99 (s)", "latency_p99_s", "{:.2f}"),
+  ("TTFT p50 (s)", "ttft_p50_s", "{:.3f}"),
+  ("TTFT p99 (s)", "ttft_p99_s", "{:.3f}"),
+  ("peak queue (waiting)", "peak_waiting", "{:d}"),
+  ("mean busy slots", "mean_running", "{:.1f}"),
+]
 
 
 def table(figures: dict[str, dict]) -> str:
@@ -325,7 +366,7 @@ def overhead(port: int, apis: dict[str, Api], texts: list[str], rounds: int, tim
   """Times `texts` one request at a time through `apis["own"]` and `apis["openai"]`, plain and
   streamed, for `rounds` rounds (the route order alternating by round); per kind the medians,
   their ratio, and the medians of the paired openai/own ratios and differences."""
-  for text in texts[:2]:   # untimed: every path once
+  for text in texts[:2]:  # untimed: every path once
     for api in apis.values():
       for stream in (False, True):
         post(port, api, text, time.monotonic(), timeout, stream)
@@ -347,27 +388,36 @@ def overhead(port: int, apis: dict[str, Api], texts: list[str], rounds: int, tim
       continue
     k, own, openai = (np.array(c) for c in zip(*found))
     out["streamed" if stream else "plain"] = {
-        "pairs": len(found), "own_median_ms": float(np.median(own)) * 1e3,
-        "openai_median_ms": float(np.median(openai)) * 1e3,
-        "ratio_of_medians": float(np.median(openai) / np.median(own)),
-        "paired_ratio_median": float(np.median(openai / own)),
-        "paired_diff_median_ms": float(np.median(openai - own)) * 1e3,
-        "round_ratios": [float(np.median(openai[k == r]) / np.median(own[k == r])) for r in range(rounds)
-                         if (k == r).any()]}
+      "pairs": len(found),
+      "own_median_ms": float(np.median(own)) * 1e3,
+      "openai_median_ms": float(np.median(openai)) * 1e3,
+      "ratio_of_medians": float(np.median(openai) / np.median(own)),
+      "paired_ratio_median": float(np.median(openai / own)),
+      "paired_diff_median_ms": float(np.median(openai - own)) * 1e3,
+      "round_ratios": [
+        float(np.median(openai[k == r]) / np.median(own[k == r])) for r in range(rounds) if (k == r).any()
+      ],
+    }
   return out
 
 
 def overhead_table(figures: dict, apis: dict[str, Api]) -> str:
   """A Markdown table of `overhead`'s figures."""
   own, openai = apis["own"].path, apis["openai"].path
-  lines = [f"| one request at a time | `{own}` median (ms) | `{openai}` median (ms) | ratio of medians | "
-           "paired ratio, median | paired difference, median (ms) | per-round ratios |", "|---" * 7 + "|"]
+  lines = [
+    f"| one request at a time | `{own}` median (ms) | `{openai}` median (ms) | ratio of medians | "
+    "paired ratio, median | paired difference, median (ms) | per-round ratios |",
+    "|---" * 7 + "|",
+  ]
   for kind in ("plain", "streamed"):
     if kind in figures:
       f = figures[kind]
-      lines.append(f"| {kind} ({f['pairs']} pairs) | {f['own_median_ms']:.1f} | {f['openai_median_ms']:.1f} | "
-                   f"{f['ratio_of_medians']:.3f} | {f['paired_ratio_median']:.3f} | {f['paired_diff_median_ms']:.2f} | "
-                   + " ".join(f"{r:.2f}" for r in f["round_ratios"]) + " |")
+      lines.append(
+        f"| {kind} ({f['pairs']} pairs) | {f['own_median_ms']:.1f} | {f['openai_median_ms']:.1f} | "
+        f"{f['ratio_of_medians']:.3f} | {f['paired_ratio_median']:.3f} | {f['paired_diff_median_ms']:.2f} | "
+        + " ".join(f"{r:.2f}" for r in f["round_ratios"])
+        + " |"
+      )
   return "\n".join(lines)
 
 
@@ -408,8 +458,9 @@ def merge(runs: list[dict]) -> dict:
       out[key] = {e: sum(v.get(e, 0) for v in values) for e in dict.fromkeys(e for v in values for e in v)}
     elif key == "translations":
       out[key] = value
-      out["same_across_rounds"] = all(a == b for r in runs[1:] for a, b in zip(value, r[key])
-                                      if a is not None and b is not None)
+      out["same_across_rounds"] = all(
+        a == b for r in runs[1:] for a, b in zip(value, r[key]) if a is not None and b is not None
+      )
     else:
       out[key] = float(np.median(values))
   return out
@@ -424,11 +475,18 @@ def same_texts(figures: dict[str, dict]) -> bool | None:
 def main() -> None:
   """Runs the benchmark (see the module docstring)."""
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--workdir", required=True, help="a trained run (its newest checkpoint is served): a translation "
-                 "model, or a decoder-only one")
+  p.add_argument(
+    "--workdir",
+    required=True,
+    help="a trained run (its newest checkpoint is served): a translation model, or a decoder-only one",
+  )
   p.add_argument("--modes", default="continuous,static", help="batching modes, run in this order")
-  p.add_argument("--routes", default="own", help="routes to load, in this order: own (/v1/translate or /v1/generate) "
-                 "and/or openai (/v1/chat/completions or /v1/completions)")
+  p.add_argument(
+    "--routes",
+    default="own",
+    help="routes to load, in this order: own (/v1/translate or /v1/generate) "
+    "and/or openai (/v1/chat/completions or /v1/completions)",
+  )
   p.add_argument("--rate", type=float, default=15.0, help="mean arrivals per second (Poisson)")
   p.add_argument("--requests", type=int, default=200, help="arrivals at most")
   p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals at most")
@@ -438,11 +496,20 @@ def main() -> None:
   p.add_argument("--timeout", type=float, default=60.0, help="seconds a request may take from its arrival")
   p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for /health")
   p.add_argument("--seed", type=int, default=0, help="seed of the arrival times and sentences")
-  p.add_argument("--rounds", type=int, default=1, help="loads per mode and route; above 1 every mode's server runs "
-                 "at once and the loads alternate, the order reversed by round, and the tables give medians")
+  p.add_argument(
+    "--rounds",
+    type=int,
+    default=1,
+    help="loads per mode and route; above 1 every mode's server runs "
+    "at once and the loads alternate, the order reversed by round, and the tables give medians",
+  )
   p.add_argument("--max-new-tokens", type=int, default=32, help="decoder-only models: tokens generated per prompt")
-  p.add_argument("--overhead-rounds", type=int, default=0,
-                 help="rounds of one-at-a-time requests through own and openai on the first mode's server (0: none)")
+  p.add_argument(
+    "--overhead-rounds",
+    type=int,
+    default=0,
+    help="rounds of one-at-a-time requests through own and openai on the first mode's server (0: none)",
+  )
   p.add_argument("--overhead-requests", type=int, default=16, help="texts per overhead round: the schedule's first N")
   p.add_argument("overrides", nargs="*", help="passed to `jaxformer serve`, e.g. runtime.num_cpu_devices=1")
   args = p.parse_args()
@@ -456,8 +523,11 @@ def main() -> None:
   used = list(dict.fromkeys(routes + (["own", "openai"] if args.overhead_rounds else [])))
   sentences = source_sentences(args.workdir, config.model.max_length - args.max_new_tokens - 2)
   schedule = arrivals(sentences, args.rate, args.requests, args.duration, args.seed)
-  print(f"{len(schedule)} arrivals over {schedule[-1][0]:.1f} s (rate {args.rate}/s, {len(sentences)} test "
-        f"sentences), {args.clients} clients, max_batch {args.max_batch}", flush=True)
+  print(
+    f"{len(schedule)} arrivals over {schedule[-1][0]:.1f} s (rate {args.rate}/s, {len(sentences)} test "
+    f"sentences), {args.clients} clients, max_batch {args.max_batch}",
+    flush=True,
+  )
   modes = args.modes.split(",")
   apis = {route: Api(route, generates, args.max_new_tokens) for route in used}
   runs: dict[str, dict[str, list[dict]]] = {route: {mode: [] for mode in modes} for route in routes}
@@ -467,16 +537,17 @@ def main() -> None:
     for mode, route in pairs:
       runs[route][mode].append(drive(servers[mode], apis[route], schedule, args.clients, args.timeout))
       label = (mode if routes == ["own"] else f"{mode} {route}") + heading
-      print(f"{label}: " + json.dumps({k: v for k, v in runs[route][mode][-1].items() if k != "translations"}),
-            flush=True)
+      print(
+        f"{label}: " + json.dumps({k: v for k, v in runs[route][mode][-1].items() if k != "translations"}), flush=True
+      )
 
   def measure_overhead(server: ServerProcess, mode: str) -> dict:
-    texts = [text for _, text in schedule[:args.overhead_requests]]
+    texts = [text for _, text in schedule[: args.overhead_requests]]
     figures = overhead(server.port, apis, texts, args.overhead_rounds, args.timeout)
     print(f"overhead ({mode}): " + json.dumps(figures), flush=True)
     return figures
 
-  if args.rounds == 1:   # one server at a time
+  if args.rounds == 1:  # one server at a time
     for mode in modes:
       servers = launch(args, [mode], apis, sentences)
       try:
@@ -485,7 +556,7 @@ def main() -> None:
           over = measure_overhead(servers[mode], mode)
       finally:
         servers[mode].stop()
-  else:   # every server up at once (an idle one waits without using the CPU), the order reversed by round
+  else:  # every server up at once (an idle one waits without using the CPU), the order reversed by round
     servers = launch(args, modes, apis, sentences)
     try:
       pairs = [(mode, route) for mode in modes for route in routes]
@@ -502,19 +573,27 @@ def main() -> None:
       print(f"\n{route}: `{apis[route].path}`\n")
     print(table(figures[route]))
     if args.rounds > 1 and len(modes) == 2:
-      print(f"\nmedians of {args.rounds} rounds; {modes[0]}/{modes[1]} by round: "
-            + "; ".join(f"{label} " + " ".join(f"{r:.2f}" for r in round_ratios(runs[route], key))
-                        for label, key in RATIO_ROWS))
+      print(
+        f"\nmedians of {args.rounds} rounds; {modes[0]}/{modes[1]} by round: "
+        + "; ".join(
+          f"{label} " + " ".join(f"{r:.2f}" for r in round_ratios(runs[route], key)) for label, key in RATIO_ROWS
+        )
+      )
   if over is not None:
     print(f"\nOpenAI layer overhead, {args.modes.split(',')[0]} server\n\n{overhead_table(over, apis)}\n")
 
   def summarise(figs: dict[str, dict]) -> dict:
     modes = list(figs)
-    out = {"same_translations": same_texts(figs),
-           "modes": {m: {k: v for k, v in f.items() if k != "translations"} for m, f in figs.items()}}
+    out = {
+      "same_translations": same_texts(figs),
+      "modes": {m: {k: v for k, v in f.items() if k != "translations"} for m, f in figs.items()},
+    }
     if len(modes) == 2:
-      out["ratio"] = {key: figs[modes[0]][key] / figs[modes[1]][key] if figs[modes[1]][key] else None
-                      for _, key, _ in ROWS if key.endswith(("_s", "_per_s"))}
+      out["ratio"] = {
+        key: figs[modes[0]][key] / figs[modes[1]][key] if figs[modes[1]][key] else None
+        for _, key, _ in ROWS
+        if key.endswith(("_s", "_per_s"))
+      }
     return out
 
   def summarise_route(route: str) -> dict:
@@ -523,8 +602,15 @@ def main() -> None:
       out["round_ratios"] = {key: round_ratios(runs[route], key) for _, key in RATIO_ROWS}
       out["median_round_ratio"] = {key: float(np.median(v)) for key, v in out["round_ratios"].items()}
     return out
-  summary = {"rate": args.rate, "arrivals": len(schedule), "clients": args.clients, "max_batch": args.max_batch,
-             "seed": args.seed, **summarise(figures[routes[0]])}
+
+  summary = {
+    "rate": args.rate,
+    "arrivals": len(schedule),
+    "clients": args.clients,
+    "max_batch": args.max_batch,
+    "seed": args.seed,
+    **summarise(figures[routes[0]]),
+  }
   if args.rounds > 1:
     summary["rounds"] = args.rounds
   if routes != ["own"]:

@@ -32,7 +32,7 @@ def main() -> None:
   config = inference_restore.workdir_config(args.workdir)
   target = inference_restore.restore(args.workdir, config)
   _, sources, _ = get_task(config).eval_texts(EvalOptions(split="test", workdir=args.workdir))
-  sources = sources[:args.sentences]
+  sources = sources[: args.sentences]
   rows = []
   for batch in args.batch_sizes:
     plain, speed = evaluate.decode_sources(target, sources, batch, warmup=True)
@@ -42,14 +42,23 @@ def main() -> None:
       draft = inference_restore.restore_draft(args.draft_workdir, target, num_tokens=k)
       fast, speed = evaluate.decode_sources(target, sources, batch, warmup=True, draft=draft)
       same = all((a["tokens"] == b["tokens"]).all() for a, b in zip(plain, fast))
-      rows.append({"batch_size": batch, "draft_tokens": k, "sentences_per_sec": speed["sentences_per_sec"],
-                   "draft_acceptance": speed["draft_acceptance"], "identical": bool(same),
-                   "speedup": speed["sentences_per_sec"] / base["sentences_per_sec"]})
+      rows.append(
+        {
+          "batch_size": batch,
+          "draft_tokens": k,
+          "sentences_per_sec": speed["sentences_per_sec"],
+          "draft_acceptance": speed["draft_acceptance"],
+          "identical": bool(same),
+          "speedup": speed["sentences_per_sec"] / base["sentences_per_sec"],
+        }
+      )
   print("| batch | draft tokens k | sentences/s | acceptance | speed-up | identical |")
   print("|---|---|---|---|---|---|")
   for r in rows:
-    print(f"| {r['batch_size']} | {r['draft_tokens'] or '- (plain greedy)'} | {r['sentences_per_sec']:.2f} | "
-          f"{r.get('draft_acceptance', float('nan')):.2f} | {r.get('speedup', 1.0):.2f}x | {r.get('identical', '')} |")
+    print(
+      f"| {r['batch_size']} | {r['draft_tokens'] or '- (plain greedy)'} | {r['sentences_per_sec']:.2f} | "
+      f"{r.get('draft_acceptance', float('nan')):.2f} | {r.get('speedup', 1.0):.2f}x | {r.get('identical', '')} |"
+    )
   print(json.dumps({"sentences": len(sources), "rows": rows}))
 
 

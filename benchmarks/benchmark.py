@@ -37,8 +37,11 @@ BASE = ["--config", str(ROOT / "configs" / "multi30k_base.yaml")]
 
 def mesh_shapes(num_devices: int) -> list[tuple[int, int, int]]:
   """Every (data, fsdp, tensor) whose product is `num_devices`."""
-  return [(d, f, num_devices // (d * f)) for d, f in itertools.product(range(1, num_devices + 1), repeat=2)
-          if num_devices % (d * f) == 0]
+  return [
+    (d, f, num_devices // (d * f))
+    for d, f in itertools.product(range(1, num_devices + 1), repeat=2)
+    if num_devices % (d * f) == 0
+  ]
 
 
 def matrix_rows(args) -> list[tuple[str, list[str]]]:
@@ -46,22 +49,34 @@ def matrix_rows(args) -> list[tuple[str, list[str]]]:
   timing = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
   rows: list[tuple[str, list[str]]] = []
   if args.matrix == "targets":
-    rows += [("small vs torch", SMALL + ["--batch-size", "64"] + timing),
-             ("small 4/call vs torch", SMALL + ["--batch-size", "64"] + timing + ["train.steps_per_call=4"]),
-             ("base MFU", BASE + ["--batch-size", str(args.batch_size or 32), "--no-torch"] + timing)]
+    rows += [
+      ("small vs torch", SMALL + ["--batch-size", "64"] + timing),
+      ("small 4/call vs torch", SMALL + ["--batch-size", "64"] + timing + ["train.steps_per_call=4"]),
+      ("base MFU", BASE + ["--batch-size", str(args.batch_size or 32), "--no-torch"] + timing),
+    ]
   elif args.matrix == "remat":
     shape = ["--batch-size", str(args.batch_size or 4), "--src-length", "512", "--tgt-length", "512", "--no-torch"]
     # Layers under nn.scan: XLA:CPU merges an unrolled stack's recomputation back into the
     # forward pass (no memory saved there); the scan loop keeps them apart, as on GPU/TPU.
-    rows += [(f"remat={policy}", BASE + shape + timing + ["model.max_length=512", "model.scan_layers=true",
-                                                          f"model.remat={policy}"])
-             for policy in args.remat]
+    rows += [
+      (
+        f"remat={policy}",
+        BASE + shape + timing + ["model.max_length=512", "model.scan_layers=true", f"model.remat={policy}"],
+      )
+      for policy in args.remat
+    ]
   elif args.matrix == "mesh":
     for n in (1, 2, 4):
       for d, f, t in mesh_shapes(n):
-        rows.append((f"{n} dev {d}x{f}x{t}", SMALL + ["--batch-size", str(args.batch_size or 64), "--no-torch"]
-                     + timing + [f"runtime.num_cpu_devices={n}", f"mesh.data={d}", f"mesh.fsdp={f}",
-                                 f"mesh.tensor={t}"]))
+        rows.append(
+          (
+            f"{n} dev {d}x{f}x{t}",
+            SMALL
+            + ["--batch-size", str(args.batch_size or 64), "--no-torch"]
+            + timing
+            + [f"runtime.num_cpu_devices={n}", f"mesh.data={d}", f"mesh.fsdp={f}", f"mesh.tensor={t}"],
+          )
+        )
   for variant in args.variant:
     name, _, rest = variant.partition(":")
     rows.append((name.strip(), timing + shlex.split(rest)))
@@ -73,8 +88,9 @@ def run_row(name: str, bench_args: list[str]) -> dict:
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
   env.pop("XLA_FLAGS", None)  # the device count comes from runtime.num_cpu_devices
   print(f"[{name}] jaxformer bench {' '.join(bench_args)}", file=sys.stderr, flush=True)
-  proc = subprocess.run([sys.executable, "-m", "jaxformer", "bench", *bench_args], capture_output=True, text=True,
-                        env=env, cwd=ROOT)
+  proc = subprocess.run(
+    [sys.executable, "-m", "jaxformer", "bench", *bench_args], capture_output=True, text=True, env=env, cwd=ROOT
+  )
   lines = proc.stdout.strip().splitlines()
   if proc.returncode != 0 or not lines:
     error = (proc.stderr.strip().splitlines() or ["no output"])[-1].removeprefix("error: ")
@@ -89,8 +105,10 @@ def _fmt(value, spec: str) -> str:
 
 def format_rows(results: list[dict]) -> str:
   """One line per row: speed, MFU, memory, compile time, the torch ratio and the first losses."""
-  header = (f"{'row':<20} {'tokens/s':>9} {'step ms':>8} {'MFU':>6} {'temp MB':>8} {'compile s':>9} "
-            f"{'torch tok/s':>11} {'ratio':>6}  first losses")
+  header = (
+    f"{'row':<20} {'tokens/s':>9} {'step ms':>8} {'MFU':>6} {'temp MB':>8} {'compile s':>9} "
+    f"{'torch tok/s':>11} {'ratio':>6}  first losses"
+  )
   lines = [header]
   for r in results:
     if "error" in r:
@@ -98,10 +116,11 @@ def format_rows(results: list[dict]) -> str:
       continue
     temp = r.get("temp_memory_bytes")
     lines.append(
-        f"{r['name']:<20} {r['tokens_per_sec']:>9.0f} {r['step_time_s'] * 1e3:>8.0f} {_fmt(r['mfu'], '>6.1%')} "
-        f"{_fmt(temp and temp / 2**20, '>8.1f')} {r['compile_time_s']:>9.1f} "
-        f"{_fmt(r.get('torch_tokens_per_sec'), '>11.0f')} {_fmt(r.get('jax_over_torch'), '>6.2f')}  "
-        + " ".join(f"{x:.4f}" for x in r["losses"][:3]))
+      f"{r['name']:<20} {r['tokens_per_sec']:>9.0f} {r['step_time_s'] * 1e3:>8.0f} {_fmt(r['mfu'], '>6.1%')} "
+      f"{_fmt(temp and temp / 2**20, '>8.1f')} {r['compile_time_s']:>9.1f} "
+      f"{_fmt(r.get('torch_tokens_per_sec'), '>11.0f')} {_fmt(r.get('jax_over_torch'), '>6.2f')}  "
+      + " ".join(f"{x:.4f}" for x in r["losses"][:3])
+    )
   return "\n".join(lines)
 
 
@@ -112,8 +131,10 @@ def summarise(matrix: str, results: list[dict]) -> list[str]:
   if matrix == "targets":
     for r in ok:
       if "jax_over_torch" in r:
-        notes.append(f"{r['name']}: {r['jax_over_torch']:.2f}x torch tokens/s (target >= 1.2x): "
-                     f"{'met' if r['jax_over_torch'] >= 1.2 else 'missed'}")
+        notes.append(
+          f"{r['name']}: {r['jax_over_torch']:.2f}x torch tokens/s (target >= 1.2x): "
+          f"{'met' if r['jax_over_torch'] >= 1.2 else 'missed'}"
+        )
       elif r["config"] == "multi30k_base" and r["mfu"] is not None:
         notes.append(f"{r['name']}: MFU {r['mfu']:.1%} (target >= 55%): {'met' if r['mfu'] >= 0.55 else 'missed'}")
   elif matrix == "remat":
@@ -137,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("matrix", choices=("targets", "remat", "mesh", "custom"))
   p.add_argument("--steps", type=int, default=10, help="timed steps per row (median reported)")
   p.add_argument("--warmup", type=int, default=3, help="untimed steps per row after compiling")
-  p.add_argument("--batch-size", type=int, default=None,
-                 help="batch of the base/remat/mesh rows (default: 32, 4 and 64)")
+  p.add_argument(
+    "--batch-size", type=int, default=None, help="batch of the base/remat/mesh rows (default: 32, 4 and 64)"
+  )
   p.add_argument("--remat", nargs="+", default=["none", "full"], help="model.remat policies of the remat matrix")
   p.add_argument("--variant", action="append", default=[], help="extra row 'NAME: bench flags and overrides'")
   p.add_argument("--output", help="write all results to this JSON file")

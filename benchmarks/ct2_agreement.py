@@ -33,6 +33,7 @@ def compare(workdir: str, sources: list[str], batch_size: int = 64, threads: int
   from jaxformer.interop import ctranslate2 as ct2
   from jaxformer.interop.hf_export import export_workdir
   from jaxformer.tasks import evaluate
+
   config = inference_restore.workdir_config(workdir)
   max_length = config.model.max_length
   restored = inference_restore.restore(workdir, config)
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--threads", type=int, default=2, help="CTranslate2 intra threads")
   args = p.parse_args(argv)
   from jaxformer.inference import restore as inference_restore
+
   lang = inference_restore.workdir_config(args.workdir).data.source_lang
   src = Path(args.src) if args.src else ROOT / "jaxformer" / "data" / "raw" / "multi30k" / f"test_2016_flickr.{lang}.gz"
   opener = gzip.open if src.suffix == ".gz" else open

@@ -109,20 +109,39 @@ def main() -> None:
   args = parser.parse_args()
   with tempfile.TemporaryDirectory(prefix="jaxformer-rss-") as tmp:
     out = Path(args.keep or tmp) / "hf"
-    params = subprocess.run([sys.executable, "-c", WRITE, args.config, str(out)], check=True, capture_output=True,
-                            text=True).stdout.split()[-1]
-    line = subprocess.run([sys.executable, "-c", READ, str(out)], check=True, capture_output=True, text=True,
-                          cwd=ROOT).stdout.strip().splitlines()[-1]
-    run = subprocess.run([sys.executable, "-c", IMPORT, str(out), str(Path(tmp) / "run")], check=True,
-                         capture_output=True, text=True, cwd=ROOT)
+    params = subprocess.run(
+      [sys.executable, "-c", WRITE, args.config, str(out)], check=True, capture_output=True, text=True
+    ).stdout.split()[-1]
+    line = (
+      subprocess.run([sys.executable, "-c", READ, str(out)], check=True, capture_output=True, text=True, cwd=ROOT)
+      .stdout.strip()
+      .splitlines()[-1]
+    )
+    run = subprocess.run(
+      [sys.executable, "-c", IMPORT, str(out), str(Path(tmp) / "run")],
+      check=True,
+      capture_output=True,
+      text=True,
+      cwd=ROOT,
+    )
     imported = json.loads(run.stdout.strip().splitlines()[-1])
     if imported["import_status"]:
       imported["import_error"] = run.stderr.strip().splitlines()[-1]
   fp32 = int(params) * 4 / 2**20
   if "import_peak_rss_mib" in imported:
     imported["import_peak_over_float32_params"] = round(imported["import_peak_rss_mib"] / fp32, 2)
-  print(json.dumps({"config": args.config, "parameters": int(params), "float32_params_mib": round(fp32, 1),
-                    "dtype": "bfloat16", **json.loads(line), **imported}))
+  print(
+    json.dumps(
+      {
+        "config": args.config,
+        "parameters": int(params),
+        "float32_params_mib": round(fp32, 1),
+        "dtype": "bfloat16",
+        **json.loads(line),
+        **imported,
+      }
+    )
+  )
 
 
 if __name__ == "__main__":

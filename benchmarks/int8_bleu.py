@@ -35,6 +35,7 @@ def ours(workdir: str, sources: list[str], beams: list[int], batch_size: int) ->
   from jaxformer.inference import restore as inference_restore
   from jaxformer.inference.decode import SearchOptions
   from jaxformer.tasks import evaluate
+
   config = inference_restore.workdir_config(workdir)
   out = {}
   for compute_type, quantize in (("float32", None), ("int8", "int8")):
@@ -45,8 +46,9 @@ def ours(workdir: str, sources: list[str], beams: list[int], batch_size: int) ->
   return out
 
 
-def theirs(workdir: str, sources: list[str], beams: list[int], batch_size: int,
-           threads: int) -> dict[tuple[str, int], list[str]]:
+def theirs(
+  workdir: str, sources: list[str], beams: list[int], batch_size: int, threads: int
+) -> dict[tuple[str, int], list[str]]:
   """CTranslate2's translations of `sources` by the exported, converted model (float32 weights,
   run as float32 and as int8): {(compute type, beam size): hypotheses}."""
   import ctranslate2
@@ -55,6 +57,7 @@ def theirs(workdir: str, sources: list[str], beams: list[int], batch_size: int,
   from jaxformer.inference import restore as inference_restore
   from jaxformer.interop import ctranslate2 as ct2
   from jaxformer.interop.hf_export import export_workdir
+
   max_length = inference_restore.workdir_config(workdir).model.max_length
   out = {}
   with tempfile.TemporaryDirectory(prefix="int8-bleu-") as tmp:
@@ -64,13 +67,14 @@ def theirs(workdir: str, sources: list[str], beams: list[int], batch_size: int,
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
     tokens = [tokenizer.convert_ids_to_tokens(ids) for ids in tokenizer(sources)["input_ids"]]
     for compute_type in ("float32", "int8"):
-      translator = ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type=compute_type,
-                                          intra_threads=threads)
+      translator = ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type=compute_type, intra_threads=threads)
       for k in beams:
-        results = translator.translate_batch(tokens, beam_size=k, max_batch_size=batch_size,
-                                             max_decoding_length=max_length)
-        out[(compute_type, k)] = [tokenizer.decode(tokenizer.convert_tokens_to_ids(r.hypotheses[0]),
-                                                   skip_special_tokens=True) for r in results]
+        results = translator.translate_batch(
+          tokens, beam_size=k, max_batch_size=batch_size, max_decoding_length=max_length
+        )
+        out[(compute_type, k)] = [
+          tokenizer.decode(tokenizer.convert_tokens_to_ids(r.hypotheses[0]), skip_special_tokens=True) for r in results
+        ]
   return out
 
 
@@ -84,13 +88,16 @@ def main(argv: list[str] | None = None) -> int:
   args = p.parse_args(argv)
   from jaxformer.inference import restore as inference_restore
   from jaxformer.tasks.evaluate import score
+
   data = inference_restore.workdir_config(args.workdir).data
   raw = ROOT / "jaxformer" / "data" / "raw" / "multi30k"
   sources = _lines(raw / f"test_2016_flickr.{data.source_lang}.gz")
   references = _lines(raw / f"test_2016_flickr.{data.target_lang}.gz")
   beams = [int(b) for b in args.beams.split(",")]
-  engines = {"jaxformer": ours(args.workdir, sources, beams, args.batch_size),
-             "ctranslate2": theirs(args.workdir, sources, beams, args.batch_size, args.threads)}
+  engines = {
+    "jaxformer": ours(args.workdir, sources, beams, args.batch_size),
+    "ctranslate2": theirs(args.workdir, sources, beams, args.batch_size, args.threads),
+  }
   result: dict = {"workdir": args.workdir, "sentences": len(sources)}
   print("| engine | beam | float32 BLEU | int8 BLEU | int8 - float32 |")
   print("|---|---|---|---|---|")

@@ -94,7 +94,7 @@ def run_measured(command: list[str], interval: float, first_phase: str) -> dict:
       rss = _rss_mib(child.pid)
       if rss is not None:
         steps.append((step, rss))
-  _, status, usage = os.wait4(child.pid, 0)   # this child's own rusage (its peak RSS, KiB on Linux)
+  _, status, usage = os.wait4(child.pid, 0)  # this child's own rusage (its peak RSS, KiB on Linux)
   child.returncode = os.waitstatus_to_exitcode(status)
   done.set()
   sampler.join()
@@ -108,8 +108,9 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--steps", type=int, default=60, help="train.num_steps (the README job: 480)")
   parser.add_argument("--every", type=int, default=30, help="train.eval_every and train.checkpoint_every")
-  parser.add_argument("--root", default="/tmp/jaxformer-main-job-memory", help="workdir and data_dir go here "
-                      "(emptied first)")
+  parser.add_argument(
+    "--root", default="/tmp/jaxformer-main-job-memory", help="workdir and data_dir go here (emptied first)"
+  )
   parser.add_argument("--interval", type=float, default=0.25, help="seconds between RSS samples")
   parser.add_argument("--no-eval", action="store_true", help="measure the train command only")
   parser.add_argument("overrides", nargs="*", help="more KEY=VALUE overrides for the train command")
@@ -119,9 +120,20 @@ def main() -> None:
   root.mkdir(parents=True)
   workdir = root / "workdir"
   jaxformer = [sys.executable, "-m", "jaxformer"]
-  train = [*jaxformer, "train", "--config", "configs/multi30k_small.yaml", "--workdir", str(workdir),
-           f"data.data_dir={root / 'data'}", f"train.num_steps={args.steps}", "train.log_every=1",
-           f"train.eval_every={args.every}", f"train.checkpoint_every={args.every}", *args.overrides]
+  train = [
+    *jaxformer,
+    "train",
+    "--config",
+    "configs/multi30k_small.yaml",
+    "--workdir",
+    str(workdir),
+    f"data.data_dir={root / 'data'}",
+    f"train.num_steps={args.steps}",
+    "train.log_every=1",
+    f"train.eval_every={args.every}",
+    f"train.checkpoint_every={args.every}",
+    *args.overrides,
+  ]
   env_note = {k: os.environ[k] for k in ("MALLOC_ARENA_MAX", "XLA_FLAGS") if k in os.environ}
   results = {"train": run_measured(train, args.interval, "start-up")}
   if not args.no_eval:
@@ -133,9 +145,17 @@ def main() -> None:
     print(f"| {command} | whole process (`ru_maxrss`) | {result['ru_maxrss_mib']:,.0f} |")
   steps = results["train"]["steps"]
   print("\nRSS after logged steps (MiB): " + ", ".join(f"{s}: {r:,.0f}" for s, r in steps))
-  print(json.dumps({"steps": args.steps, "every": args.every, "env": env_note,
-                    **{f"{c}_peak_mib": round(r["ru_maxrss_mib"]) for c, r in results.items()},
-                    "phases": {c: {p: round(v) for p, v in r["peaks"].items()} for c, r in results.items()}}))
+  print(
+    json.dumps(
+      {
+        "steps": args.steps,
+        "every": args.every,
+        "env": env_note,
+        **{f"{c}_peak_mib": round(r["ru_maxrss_mib"]) for c, r in results.items()},
+        "phases": {c: {p: round(v) for p, v in r["peaks"].items()} for c, r in results.items()},
+      }
+    )
+  )
 
 
 if __name__ == "__main__":

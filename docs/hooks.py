@@ -25,8 +25,14 @@ def on_files(files, config):
   """Adds the benchmark notes, each under its repository path."""
   for pattern in EXTRA:
     for path in sorted(ROOT.glob(pattern)):
-      files.append(File(path.relative_to(ROOT).as_posix(), src_dir=str(ROOT), dest_dir=config.site_dir,
-                        use_directory_urls=config.use_directory_urls))
+      files.append(
+        File(
+          path.relative_to(ROOT).as_posix(),
+          src_dir=str(ROOT),
+          dest_dir=config.site_dir,
+          use_directory_urls=config.use_directory_urls,
+        )
+      )
   return files
 
 
@@ -38,7 +44,7 @@ def _repo_path(src_uri: str) -> str:
 def _site_path(repo_path: str) -> str | None:
   """Where a repository file lies in the site (None: not in the site)."""
   if repo_path.startswith("docs/"):
-    return repo_path[len("docs/"):]
+    return repo_path[len("docs/") :]
   if repo_path.startswith("benchmarks/"):
     return repo_path
   return None

@@ -23,14 +23,14 @@ __version__ = "0.1.0"
 
 # Public name -> "module:attribute"; one line per name.
 _PUBLIC = {
-    "load_config": "jaxformer.config:load_config",
-    "fit": "jaxformer.api:fit",
-    "restore": "jaxformer.api:restore",
-    "translate": "jaxformer.api:translate",
-    "generate": "jaxformer.inference.generate:generate",
-    "score": "jaxformer.api:score",
-    "logits": "jaxformer.api:logits",
-    "export": "jaxformer.interop.hf_export:export_workdir",
+  "load_config": "jaxformer.config:load_config",
+  "fit": "jaxformer.api:fit",
+  "restore": "jaxformer.api:restore",
+  "translate": "jaxformer.api:translate",
+  "generate": "jaxformer.inference.generate:generate",
+  "score": "jaxformer.api:score",
+  "logits": "jaxformer.api:logits",
+  "export": "jaxformer.interop.hf_export:export_workdir",
 }
 
 __all__ = list(_PUBLIC)

@@ -39,8 +39,14 @@ def fit(config: Config, workdir: str | Path) -> dict[str, Any]:
   return train(config, workdir)
 
 
-def restore(workdir: str | Path, *, step: int | None = None, average_last: int | None = None,
-            quantize: str | None = None, overrides: Sequence[str] = ()) -> Restored:
+def restore(
+  workdir: str | Path,
+  *,
+  step: int | None = None,
+  average_last: int | None = None,
+  quantize: str | None = None,
+  overrides: Sequence[str] = (),
+) -> Restored:
   """A trained model ready for `translate`, `generate` and `score` (`inference.restore.Restored`:
   config, tokenizers, model, mesh, params and `step`), read from `workdir`.
 
@@ -80,12 +86,15 @@ def logits(model: Restored, inputs: Any, targets: Any = None) -> np.ndarray:
       given (missing) for a model that takes none (needs them).
   """
   import jax  # noqa: PLC0415
+
   kind, vocab = model.config.model.kind, model.config.model.vocab_size
   arrays = [_ids(name, x, vocab) for name, x in (("inputs", inputs), ("targets", targets)) if x is not None]
   translates = get_task(model.config).translates
   if translates != (targets is not None):
-    raise ValueError(f"targets {'are required' if targets is None else 'are only taken'} for an encoder_decoder "
-                     f"model; this one is model.kind={kind}")
+    raise ValueError(
+      f"targets {'are required' if targets is None else 'are only taken'} for an encoder_decoder "
+      f"model; this one is model.kind={kind}"
+    )
   if translates:
     fn = jax.jit(lambda p, x, y: model.model.apply({"params": p}, x, y, method=_teacher_forced))
   else:
@@ -103,8 +112,10 @@ def _ids(name: str, x: Any, vocab_size: int) -> np.ndarray:
   """`x` as an int32 `[batch, length]` array of ids below `vocab_size` (raises ValueError naming `name`)."""
   array = np.asarray(x)
   if array.ndim != 2 or array.size == 0 or not np.issubdtype(array.dtype, np.integer):
-    raise ValueError(f"{name} must be a non-empty 2-D array of integer token ids [batch, length], "
-                     f"got shape {array.shape} and dtype {array.dtype}")
+    raise ValueError(
+      f"{name} must be a non-empty 2-D array of integer token ids [batch, length], "
+      f"got shape {array.shape} and dtype {array.dtype}"
+    )
   if array.min() < 0 or array.max() >= vocab_size:
     raise ValueError(f"{name} holds ids outside [0, {vocab_size}) (the model's vocab_size)")
   return array.astype(np.int32)
@@ -124,8 +135,16 @@ def translate(model: Restored, sentences: Sequence[str], *, batch_size: int = 64
   return evaluate.translate(model, list(sentences), batch_size, SearchOptions(**search).validate())[0]
 
 
-def score(model: Restored, *, split: str | None = None, src: str | None = None, ref: str | None = None,
-          batch_size: int = 64, output: str | None = None, **search: Any) -> dict[str, Any]:
+def score(
+  model: Restored,
+  *,
+  split: str | None = None,
+  src: str | None = None,
+  ref: str | None = None,
+  batch_size: int = 64,
+  output: str | None = None,
+  **search: Any,
+) -> dict[str, Any]:
   """Evaluates a restored `model` (`jaxformer eval`): a translation model's BLEU, chrF and
   reference loss on `split` ("val" or "test"; default "test") or on the line-aligned files
   `src`/`ref`, decoding with `search` (as in `translate`) and writing the hypotheses to the
@@ -141,6 +160,13 @@ def score(model: Restored, *, split: str | None = None, src: str | None = None, 
   """
   if split not in (None, "val", "test"):
     raise ValueError(f"split={split!r}; use 'val' or 'test'")
-  options = EvalOptions(split=split, src=src, ref=ref, batch_size=batch_size, search=SearchOptions(**search).validate(),
-                        output=output, workdir=model.config_workdir)
+  options = EvalOptions(
+    split=split,
+    src=src,
+    ref=ref,
+    batch_size=batch_size,
+    search=SearchOptions(**search).validate(),
+    output=output,
+    workdir=model.config_workdir,
+  )
   return get_task(model.config).evaluate(lambda: model, options)

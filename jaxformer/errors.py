@@ -15,9 +15,11 @@ class VocabularyTooLarge(ValueError):
   ``limit`` is its estimate of the largest size that works."""
 
   def __init__(self, vocab_size: int, limit: int):
-    super().__init__(f"the training text supports at most about {limit} "
-                     f"pieces, fewer than vocab_size={vocab_size}; lower "
-                     "model.vocab_size or add text")
+    super().__init__(
+      f"the training text supports at most about {limit} "
+      f"pieces, fewer than vocab_size={vocab_size}; lower "
+      "model.vocab_size or add text"
+    )
     self.vocab_size, self.limit = vocab_size, limit
 
 

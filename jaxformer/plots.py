@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-if TYPE_CHECKING:   # the loss curves need no JAX
+if TYPE_CHECKING:  # the loss curves need no JAX
   from jaxformer.inference.attention_maps import AttentionMap
 
-METRICS_FILE = "metrics.jsonl"   # JSON lines the training loop appends (`train.loop`)
+METRICS_FILE = "metrics.jsonl"  # JSON lines the training loop appends (`train.loop`)
 CURVES = (("loss", "training loss"), ("val_loss", "validation loss"), ("learning_rate", "learning rate"))
 
 
@@ -62,7 +62,7 @@ def plot_training(workdirs: Sequence[str | Path], out: str | Path) -> Figure:
   Raises:
     ValueError: a workdir without metrics (`read_metrics`), or `out` cannot be written.
   """
-  runs = [read_metrics(w) for w in workdirs]   # every workdir checked before drawing
+  runs = [read_metrics(w) for w in workdirs]  # every workdir checked before drawing
   fig = Figure(figsize=(13, 3.8), layout="constrained")
   axes = fig.subplots(1, len(CURVES))
   for rows, name in zip(runs, run_names(workdirs)):
@@ -90,7 +90,7 @@ def plot_attention(maps: Sequence[AttentionMap], out: str | Path, title: str = "
   """
   num_heads = maps[0].weights.shape[1]
   tokens = max(max(len(m.queries), len(m.keys)) for m in maps)
-  size = max(1.5, 0.11 * tokens)   # inches per panel: room for the token labels
+  size = max(1.5, 0.11 * tokens)  # inches per panel: room for the token labels
   layers = [m.weights.shape[0] for m in maps]
   fig = Figure(figsize=(1.2 + size * num_heads, sum(1.0 + size * n for n in layers)), layout="constrained")
   if title:
@@ -119,8 +119,8 @@ def save_figure(fig: Figure, out: str | Path, dpi: int = 100) -> Path:
     ValueError: the folder is missing or the file cannot be written (one line).
   """
   out = check_out(out)
-  FigureCanvasAgg(fig)   # render with Agg whatever backend matplotlib would pick
-  tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")   # opened normally: the umask sets its mode
+  FigureCanvasAgg(fig)  # render with Agg whatever backend matplotlib would pick
+  tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # opened normally: the umask sets its mode
   try:
     with open(tmp, "wb") as f:
       fig.savefig(f, format="png", dpi=dpi)

@@ -33,12 +33,12 @@ from jaxformer.config.mesh import MESH_AXES, MeshConfig
 VOCAB = "vocab"
 EMBED = "embed"
 HEADS = "heads"
-KV = "kv"          # head_dim
+KV = "kv"  # head_dim
 MLP = "mlp"
 LAYERS = "layers"  # leading axis of params stacked by nn.scan (model.scan_layers)
 STAGES = "stages"  # leading axis of a pipeline's per-stage buffers (models/pipeline.py)
 EXPERTS = "experts"  # the experts of a mixture-of-experts layer (layers/moe.py)
-LORA = "lora"      # the rank axis of LoRA adapters (layers/lora.py): small, replicated
+LORA = "lora"  # the rank axis of LoRA adapters (layers/lora.py): small, replicated
 # Activation axes.
 ACT_BATCH = "act_batch"
 ACT_LENGTH = "act_length"
@@ -47,7 +47,7 @@ ACT_HEADS = "act_heads"
 ACT_KV = "act_kv"
 ACT_MLP = "act_mlp"
 ACT_VOCAB = "act_vocab"
-ACT_EXPERTS = "act_experts"            # the experts of the MoE's expert buffers `[batch, experts, capacity, ...]`
+ACT_EXPERTS = "act_experts"  # the experts of the MoE's expert buffers `[batch, experts, capacity, ...]`
 ACT_EXPERT_BATCH = "act_expert_batch"  # their batch: act_batch without the expert axis (the experts take it)
 
 # Logical axis -> mesh axis (or axes, or None = replicated). Batch over data+fsdp+expert (outside the
@@ -56,24 +56,24 @@ ACT_EXPERT_BATCH = "act_expert_batch"  # their batch: act_batch without the expe
 # expert; scanned layers (contiguous blocks of them) and pipeline buffers over stage; LoRA ranks replicated.
 Rules = tuple[tuple[str, Any], ...]
 LOGICAL_RULES: Rules = (
-    (ACT_BATCH, ("data", "fsdp", "expert")),
-    (ACT_LENGTH, "context"),
-    (ACT_EMBED, None),
-    (ACT_HEADS, "tensor"),
-    (ACT_KV, None),
-    (ACT_MLP, "tensor"),
-    (ACT_VOCAB, "tensor"),
-    (ACT_EXPERTS, "expert"),
-    (ACT_EXPERT_BATCH, ("data", "fsdp")),
-    (VOCAB, "tensor"),
-    (EMBED, "fsdp"),
-    (HEADS, "tensor"),
-    (KV, None),
-    (MLP, "tensor"),
-    (LORA, None),
-    (STAGES, "stage"),
-    (LAYERS, "stage"),
-    (EXPERTS, "expert"),
+  (ACT_BATCH, ("data", "fsdp", "expert")),
+  (ACT_LENGTH, "context"),
+  (ACT_EMBED, None),
+  (ACT_HEADS, "tensor"),
+  (ACT_KV, None),
+  (ACT_MLP, "tensor"),
+  (ACT_VOCAB, "tensor"),
+  (ACT_EXPERTS, "expert"),
+  (ACT_EXPERT_BATCH, ("data", "fsdp")),
+  (VOCAB, "tensor"),
+  (EMBED, "fsdp"),
+  (HEADS, "tensor"),
+  (KV, None),
+  (MLP, "tensor"),
+  (LORA, None),
+  (STAGES, "stage"),
+  (LAYERS, "stage"),
+  (EXPERTS, "expert"),
 )
 
 
@@ -132,8 +132,9 @@ def parse_rules(overrides: str) -> Rules:
     axes = tuple(a.strip() for a in value.split("+")) if value.lower() != "none" else ()
     bad = [a for a in axes if a not in MESH_AXES]
     if bad or not value:
-      raise ConfigError(f"mesh.rules: {name}={value!r} names no mesh axis of {MESH_AXES}; "
-                        "use one or more joined by + or none")
+      raise ConfigError(
+        f"mesh.rules: {name}={value!r} names no mesh axis of {MESH_AXES}; use one or more joined by + or none"
+      )
     table[name] = None if not axes else axes[0] if len(axes) == 1 else axes
   return tuple(table.items())
 
@@ -159,9 +160,11 @@ def bind(mesh: Mesh, rules: Rules) -> Iterator[None]:
 def with_mesh(fn: Callable[..., Any], mesh: Mesh, rules: Rules) -> Callable[..., Any]:
   """`fn` (a jitted function) called inside `bind(mesh, rules)`; `.jitted` is `fn` itself
   (for `.lower`, also inside `bind`)."""
+
   def wrapped(*args):
     with bind(mesh, rules):
       return fn(*args)
+
   wrapped.jitted = fn
   return wrapped
 
@@ -187,8 +190,9 @@ def check_divisible(abstract: Any, shardings: Any) -> None:
       ways = int(np.prod([sharding.mesh.shape[a] for a in names]))
       if size % ways:
         raise ConfigError(
-            f"{jax.tree_util.keystr(path)} dimension {dim} of size {size} does not split over mesh axes "
-            f"{'*'.join(names)} = {ways}; change the mesh sizes or mesh.rules")
+          f"{jax.tree_util.keystr(path)} dimension {dim} of size {size} does not split over mesh axes "
+          f"{'*'.join(names)} = {ways}; change the mesh sizes or mesh.rules"
+        )
 
 
 def data_parallel_size(mesh: Mesh, rules: Rules = LOGICAL_RULES) -> int:

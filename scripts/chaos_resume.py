@@ -35,17 +35,36 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # A run that logs and checkpoints often, so kills land in every phase: start-up, steps, saves.
-DEFAULTS = ["train.num_steps=60", "train.log_every=1", "train.eval_every=1000", "train.checkpoint_every=7",
-            "train.batch_size=16", "data.buckets=[32,64]"]
+DEFAULTS = [
+  "train.num_steps=60",
+  "train.log_every=1",
+  "train.eval_every=1000",
+  "train.checkpoint_every=7",
+  "train.batch_size=16",
+  "data.buckets=[32,64]",
+]
 # The child takes SIGINT/SIGTERM as a user's terminal or a scheduler would send them (a background
 # job of a script inherits SIGINT ignored, which `jaxformer train` respects).
-LAUNCH = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-          "sys.argv = ['jaxformer'] + sys.argv[1:]; runpy.run_module('jaxformer', run_name='__main__')")
+LAUNCH = (
+  "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+  "sys.argv = ['jaxformer'] + sys.argv[1:]; runpy.run_module('jaxformer', run_name='__main__')"
+)
 
 
 def _train(workdir: Path, args, overrides: list[str]) -> subprocess.Popen:
-  cmd = [sys.executable, "-c", LAUNCH, "train", "--config", args.config, "--workdir", str(workdir),
-         f"data.data_dir={args.dir}/data", *DEFAULTS, *overrides]
+  cmd = [
+    sys.executable,
+    "-c",
+    LAUNCH,
+    "train",
+    "--config",
+    args.config,
+    "--workdir",
+    str(workdir),
+    f"data.data_dir={args.dir}/data",
+    *DEFAULTS,
+    *overrides,
+  ]
   return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -57,7 +76,7 @@ def _rows(workdir: Path) -> list[dict]:
   for line in path.read_text().splitlines():
     try:
       rows.append(json.loads(line))
-    except json.JSONDecodeError:   # a line being written, or cut short by a kill
+    except json.JSONDecodeError:  # a line being written, or cut short by a kill
       pass
   return rows
 
@@ -71,6 +90,7 @@ def _params(workdir: Path):
   import jax  # noqa: PLC0415
 
   from jaxformer.inference import restore as inference_restore  # noqa: PLC0415
+
   config = inference_restore.workdir_config(workdir, ["runtime.num_cpu_devices=0"])
   return jax.device_get(inference_restore.restore(workdir, config).params)
 
@@ -83,8 +103,12 @@ def main() -> int:
   parser.add_argument("--kills", type=int, default=20, help="signals to send before letting the run finish")
   parser.add_argument("--signals", default="KILL,TERM", help="comma-separated, sent in turn: KILL, TERM, INT")
   parser.add_argument("--seed", type=int, default=0, help="seed of the random delays")
-  parser.add_argument("--max-steps-per-run", type=int, default=25,
-                      help="a kill in the step loop lands at most this many steps after the run's resume point")
+  parser.add_argument(
+    "--max-steps-per-run",
+    type=int,
+    default=25,
+    help="a kill in the step loop lands at most this many steps after the run's resume point",
+  )
   parser.add_argument("overrides", nargs="*", help="dotted config overrides after the script's own")
   args = parser.parse_args()
   folder = Path(args.dir)
@@ -99,14 +123,13 @@ def main() -> int:
   num_steps = max(r["step"] for r in _rows(folder / "reference") if "loss" in r)
   rng = random.Random(args.seed)
   sent = [getattr(signal, "SIG" + name.strip().upper()) for name in args.signals.split(",")]
-  report = {"kills": {}, "replayed_steps": [], "term_lost_steps": [], "term_status_ok": True, "runs": 0,
-            "events": []}
+  report = {"kills": {}, "replayed_steps": [], "term_lost_steps": [], "term_status_ok": True, "runs": 0, "events": []}
   workdir = folder / "chaos"
   while True:
     proc = _train(workdir, args, args.overrides)
     report["runs"] += 1
     kill_number = sum(report["kills"].values())
-    done = max(_steps(workdir), default=0)   # where this run resumes
+    done = max(_steps(workdir), default=0)  # where this run resumes
     if kill_number < args.kills and done < num_steps - 1:
       # One kill in five lands in start-up (imports, data, restore, compiling); the others once a
       # random step (at most --max-steps-per-run after the resume point) is logged, plus up to
@@ -128,15 +151,16 @@ def main() -> int:
         _, err = proc.communicate(timeout=300)
         logged = max([r["step"] for r in _rows(workdir) if "loss" in r], default=0)
         saved = max(_steps(workdir), default=0)
-        report["events"].append({"signal": sig.name, "status": proc.returncode, "resumed_at": done,
-                                 "logged": logged, "saved": saved})
+        report["events"].append(
+          {"signal": sig.name, "status": proc.returncode, "resumed_at": done, "logged": logged, "saved": saved}
+        )
         if sig == signal.SIGKILL:
           report["replayed_steps"].append(logged - saved)
-        elif proc.returncode != 0:   # stopped before finishing: by the signal, at a step boundary
+        elif proc.returncode != 0:  # stopped before finishing: by the signal, at a step boundary
           # 143 for SIGTERM; a signal that lands before start-up installs the handler kills the
           # process instead (Popen says -15; a shell says 143 for both).
           report["term_status_ok"] &= proc.returncode in (128 + sig, -sig)
-          if "stopping after the current step" in err:   # it was in the step loop: no step lost
+          if "stopping after the current step" in err:  # it was in the step loop: no step lost
             report["term_lost_steps"].append(logged - saved)
         continue
     _, err = proc.communicate()
@@ -150,14 +174,22 @@ def main() -> int:
   params_ref, params_chaos = _params(folder / "reference"), _params(workdir)
   import jax  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
+
   report.update(
-      params_bitwise_equal=all(np.array_equal(a, b) for a, b in
-                               zip(jax.tree.leaves(params_ref), jax.tree.leaves(params_chaos))),
-      metrics_one_row_per_step=len(chaos_train) == len(chaos_rows) and sorted(chaos_rows) == sorted(ref_rows),
-      losses_equal=chaos_rows == ref_rows,
-      seconds=round(time.perf_counter() - start, 1))
-  ok = (report["params_bitwise_equal"] and report["metrics_one_row_per_step"] and report["losses_equal"]
-        and report["term_status_ok"] and not any(report["term_lost_steps"]))
+    params_bitwise_equal=all(
+      np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params_ref), jax.tree.leaves(params_chaos))
+    ),
+    metrics_one_row_per_step=len(chaos_train) == len(chaos_rows) and sorted(chaos_rows) == sorted(ref_rows),
+    losses_equal=chaos_rows == ref_rows,
+    seconds=round(time.perf_counter() - start, 1),
+  )
+  ok = (
+    report["params_bitwise_equal"]
+    and report["metrics_one_row_per_step"]
+    and report["losses_equal"]
+    and report["term_status_ok"]
+    and not any(report["term_lost_steps"])
+  )
   report["ok"] = ok
   print(json.dumps(report))
   return 0 if ok else 1

@@ -26,13 +26,15 @@ RAW = Path(__file__).resolve().parent.parent / "jaxformer" / "data" / "raw" / "m
 
 def pig_latin(sentence: str) -> str:
   """Each alphabetic word of `sentence` in Pig Latin; punctuation and case stay in place."""
+
   def word(match: re.Match) -> str:
     w = match.group(0)
     head = re.match(r"[^aeiouAEIOU]*", w).group(0)
     if not head or len(head) == len(w):
       return w + ("way" if not head else "ay")
-    out = w[len(head):] + head.lower() + "ay"
+    out = w[len(head) :] + head.lower() + "ay"
     return out[0].upper() + out[1:] if w[0].isupper() else out
+
   return re.sub(r"[A-Za-z]+", word, sentence)
 
 
@@ -49,8 +51,11 @@ def main() -> None:
   parser.add_argument("--train-pairs", type=int, default=29000, help="train pairs to write (at most 29000)")
   args = parser.parse_args()
   args.out.mkdir(parents=True, exist_ok=True)
-  splits = {"train": read("train.en.gz")[:args.train_pairs], "valid": read("val.en.gz"),
-            "test": read("test_2016_flickr.en.gz")}
+  splits = {
+    "train": read("train.en.gz")[: args.train_pairs],
+    "valid": read("val.en.gz"),
+    "test": read("test_2016_flickr.en.gz"),
+  }
   for split, english in splits.items():
     (args.out / f"{split}.en").write_text("".join(s + "\n" for s in english), encoding="utf-8")
     (args.out / f"{split}.pig").write_text("".join(pig_latin(s) + "\n" for s in english), encoding="utf-8")
@@ -60,7 +65,7 @@ def main() -> None:
   with open(args.out / "train.tsv", "w", encoding="utf-8") as f:
     f.write("en\tpig\n")
     f.writelines(f"{s}\t{pig_latin(s)}\n" for s in train)
-  docs = ["\n".join(train[i:i + 5]) for i in range(0, len(train), 5)]
+  docs = ["\n".join(train[i : i + 5]) for i in range(0, len(train), 5)]
   (args.out / "captions.txt").write_text("\n\n".join(docs) + "\n", encoding="utf-8")
   with open(args.out / "captions.jsonl", "w", encoding="utf-8") as f:
     f.writelines(json.dumps({"text": d}) + "\n" for d in docs)

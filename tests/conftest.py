@@ -21,8 +21,10 @@ import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-for _name, _prefix in (("JAX_COMPILATION_CACHE_DIR", "jaxformer-test-xla-cache-"),
-                       ("JAXFORMER_TEST_DATA_DIR", "jaxformer-test-data-")):
+for _name, _prefix in (
+  ("JAX_COMPILATION_CACHE_DIR", "jaxformer-test-xla-cache-"),
+  ("JAXFORMER_TEST_DATA_DIR", "jaxformer-test-data-"),
+):
   if _name not in os.environ:
     os.environ[_name] = tempfile.mkdtemp(prefix=_prefix)
     atexit.register(shutil.rmtree, os.environ[_name], True)
@@ -41,6 +43,7 @@ def tiny_config(kind: str | None = None, *overrides: str, **sections: dict):
   import yaml
 
   from jaxformer.config import config_from_dict  # here: JAX must be imported after the flags above
+
   tree = yaml.safe_load(Path(TINY).read_text())
   for section, fields in sections.items():
     tree[section] = {**tree.get(section, {}), **fields}
@@ -49,20 +52,34 @@ def tiny_config(kind: str | None = None, *overrides: str, **sections: dict):
   return config_from_dict(tree, overrides)
 
 
-def fine_tune_on_pair_files(workdir: Path, tmp_path: Path, source: list[str], target: list[str],
-                            source_lang: str, target_lang: str) -> dict:
+def fine_tune_on_pair_files(
+  workdir: Path, tmp_path: Path, source: list[str], target: list[str], source_lang: str, target_lang: str
+) -> dict:
   """Trains an imported translation `workdir` 3 steps on `source`/`target` written as aligned
   `train.<lang>` files (`data.dataset=files`, 32-token buckets, batch 8); `jaxformer.fit`'s last record."""
   import jaxformer
   from jaxformer.config import load_config
+
   files = [tmp_path / f"train.{source_lang}", tmp_path / f"train.{target_lang}"]
   for path, lines in zip(files, (source, target)):
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-  tuned = load_config(workdir / "config.yaml", [
-      "data.dataset=files", f"data.train_files={files[0]},{files[1]}", f"data.source_lang={source_lang}",
-      f"data.target_lang={target_lang}", "data.max_length=32", "data.buckets=[32]", "train.num_steps=3",
-      "train.batch_size=8", "train.checkpoint_every=3", "train.async_checkpoint=false", "train.log_every=1",
-      f"data.data_dir={tmp_path / 'cache'}"])
+  tuned = load_config(
+    workdir / "config.yaml",
+    [
+      "data.dataset=files",
+      f"data.train_files={files[0]},{files[1]}",
+      f"data.source_lang={source_lang}",
+      f"data.target_lang={target_lang}",
+      "data.max_length=32",
+      "data.buckets=[32]",
+      "train.num_steps=3",
+      "train.batch_size=8",
+      "train.checkpoint_every=3",
+      "train.async_checkpoint=false",
+      "train.log_every=1",
+      f"data.data_dir={tmp_path / 'cache'}",
+    ],
+  )
   return jaxformer.fit(tuned, workdir)
 
 
@@ -86,5 +103,6 @@ def multi30k_dir() -> str:
     fcntl.flock(lock, fcntl.LOCK_EX)
     from jaxformer.config import load_config  # here: JAX must be imported after the flags above
     from jaxformer.tasks import get_task
+
     get_task(load_config(TINY, [f"data.data_dir={root}"])).load_data()
   return str(root)

@@ -26,11 +26,18 @@ KEY = "test-key-123"
 NAME = "tiny-chat"
 WINDOW = 48
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
-WORDS = SPECIALS + ("hello there general kenobi you are a bold one ! ? the cat dog sees runs big small red blue "
-                    "and or not yes no two three four five six bird fish goat cow").split()
+WORDS = (
+  SPECIALS
+  + (
+    "hello there general kenobi you are a bold one ! ? the cat dog sees runs big small red blue "
+    "and or not yes no two three four five six bird fish goat cow"
+  ).split()
+)
 ID = {w: i for i, w in enumerate(WORDS)}
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|> {{ m.content }} {{ eos_token }} {% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+TEMPLATE = (
+  "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|> {{ m.content }} {{ eos_token }} {% endfor %}"
+  "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
 PROMPTS = ["the cat sees", "hello there", "a big red dog and a small blue bird"]
 
 
@@ -38,15 +45,25 @@ def tokenizer_folder(folder):
   """tokenizer.json (word level, whitespace split, <s> prepended) and tokenizer_config.json with TEMPLATE."""
   import tokenizers
   from tokenizers import models, pre_tokenizers, processors
+
   tok = tokenizers.Tokenizer(models.WordLevel(ID, unk_token="<unk>"))
   tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
   tok.add_special_tokens(SPECIALS)
   tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", ID["<s>"])])
   folder.mkdir(parents=True)
   (folder / "tokenizer.json").write_text(tok.to_str())
-  (folder / "tokenizer_config.json").write_text(json.dumps(
-      {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
-       "unk_token": "<unk>", "chat_template": TEMPLATE}))
+  (folder / "tokenizer_config.json").write_text(
+    json.dumps(
+      {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "chat_template": TEMPLATE,
+      }
+    )
+  )
   return folder
 
 
@@ -57,13 +74,30 @@ def restored_model(folder, kind="decoder_only"):
   import flax.linen as nn
 
   from jaxformer.data.tokenizer_hf import HFTokenizer
+
   layers = {"num_decoder_layers": 2} if kind == "decoder_only" else {"num_encoder_layers": 1, "num_decoder_layers": 1}
-  config = config_from_dict({
-      "model": {"kind": kind, "vocab_size": len(WORDS), "d_model": 32, "num_heads": 2, "d_ff": 64, **layers,
-                "max_length": WINDOW, "pre_norm": True, "position": "rope", "dropout_rate": 0.0,
-                "tie_embeddings": False, "pad_id": 0, "bos_id": 1, "eos_id": 2},
+  config = config_from_dict(
+    {
+      "model": {
+        "kind": kind,
+        "vocab_size": len(WORDS),
+        "d_model": 32,
+        "num_heads": 2,
+        "d_ff": 64,
+        **layers,
+        "max_length": WINDOW,
+        "pre_norm": True,
+        "position": "rope",
+        "dropout_rate": 0.0,
+        "tie_embeddings": False,
+        "pad_id": 0,
+        "bos_id": 1,
+        "eos_id": 2,
+      },
       "data": {"tokenizer": "hf", "tokenizer_model": str(folder), "max_length": WINDOW, "buckets": [16, WINDOW]},
-      "mesh": {"data": 1}})
+      "mesh": {"data": 1},
+    }
+  )
   model = get_task(config).make_model()
   ones = jax.numpy.ones((1, 4), jax.numpy.int32)
   args = (ones, ones) if model.ENCODES_SOURCE else (ones,)
@@ -75,11 +109,20 @@ def restored_model(folder, kind="decoder_only"):
     std = 1.0 if "embed" in name or "output" in name else 0.1
     x = std * rng.standard_normal(s.shape) + name.endswith("['scale']")
     if "output" in name and x.ndim == 2:
-      x[:, :len(SPECIALS)] = 0.0
+      x[:, : len(SPECIALS)] = 0.0
     return jax.numpy.asarray(x, jax.numpy.float32)
+
   params = jax.tree_util.tree_map_with_path(fill, shapes)
-  return Restored(config, HFTokenizer.load(folder), model, sh.make_mesh(config.mesh, jax.devices()[:1]), params, 0,
-                  sh.LOGICAL_RULES, config_workdir=str(folder.parent / NAME))
+  return Restored(
+    config,
+    HFTokenizer.load(folder),
+    model,
+    sh.make_mesh(config.mesh, jax.devices()[:1]),
+    params,
+    0,
+    sh.LOGICAL_RULES,
+    config_workdir=str(folder.parent / NAME),
+  )
 
 
 class Running:
@@ -87,6 +130,7 @@ class Running:
 
   def __init__(self, restored, **options):
     import uvicorn
+
     self.restored = restored
     self.engine = Engine(restored.model, restored.params, max_batch=8, page_size=16, max_input_len=WINDOW)
     self.server = Server(restored, self.engine, api_key=KEY, **options)
@@ -112,8 +156,11 @@ class Running:
     conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
     try:
       data = json.dumps(body).encode() if isinstance(body, (dict, list)) else body
-      sent = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {}),
-              **(headers or {})}
+      sent = {
+        "Content-Type": "application/json",
+        **({"Authorization": f"Bearer {key}"} if key else {}),
+        **(headers or {}),
+      }
       conn.request(method, path, data, sent)
       response = conn.getresponse()
       raw = response.read()
@@ -126,6 +173,7 @@ class Running:
 
   def client(self, key=KEY, **kwargs):
     import openai
+
     return openai.OpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=120, **kwargs)
 
 
@@ -135,7 +183,7 @@ def events(response):
   for line in response:
     line = line.decode().strip()
     if line.startswith("data: "):
-      payload = line[len("data: "):]
+      payload = line[len("data: ") :]
       events.append(payload if payload == "[DONE]" else json.loads(payload))
   return events
 
@@ -143,8 +191,12 @@ def events(response):
 def stream_raw(served, path, body):
   conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
   try:
-    conn.request("POST", path, json.dumps({**body, "stream": True}),
-                 {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    conn.request(
+      "POST",
+      path,
+      json.dumps({**body, "stream": True}),
+      {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+    )
     response = conn.getresponse()
     assert response.status == 200 and response.getheader("Content-Type").startswith("text/event-stream")
     return events(response)
@@ -155,6 +207,7 @@ def stream_raw(served, path, body):
 def log_softmax(served, ids):
   """float64 `[len(ids), vocab]` log-softmax of `jaxformer.logits` for one sequence of ids."""
   from jaxformer import logits
+
   x = logits(served.restored, [ids])[0].astype(np.float64)
   return x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(-1, keepdims=True)
 

@@ -22,11 +22,24 @@ REFERENCES = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee."]
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, multi30k_dir):
   """(workdir, what `fit` returned): 2 steps of a one-layer tiny model on the 8 test devices."""
-  config = jaxformer.load_config(ROOT / "configs" / "tiny.yaml", [
-      f"data.data_dir={multi30k_dir}", "data.buckets=[64]", "model.d_model=16", "model.num_heads=2",
-      "model.d_ff=32", "model.num_encoder_layers=1", "model.num_decoder_layers=1", "train.batch_size=8",
-      "train.num_steps=2", "train.log_every=1", "train.checkpoint_every=2", "train.async_checkpoint=false",
-      "runtime.deterministic=false"])   # in-process: leave this process's XLA flags alone
+  config = jaxformer.load_config(
+    ROOT / "configs" / "tiny.yaml",
+    [
+      f"data.data_dir={multi30k_dir}",
+      "data.buckets=[64]",
+      "model.d_model=16",
+      "model.num_heads=2",
+      "model.d_ff=32",
+      "model.num_encoder_layers=1",
+      "model.num_decoder_layers=1",
+      "train.batch_size=8",
+      "train.num_steps=2",
+      "train.log_every=1",
+      "train.checkpoint_every=2",
+      "train.async_checkpoint=false",
+      "runtime.deterministic=false",
+    ],
+  )  # in-process: leave this process's XLA flags alone
   workdir = tmp_path_factory.mktemp("api")
   return workdir, jaxformer.fit(config, workdir)
 
@@ -35,7 +48,9 @@ def test_import_is_lazy_and_exports_the_api():
   code = "import sys, jaxformer; print(sorted(jaxformer.__all__)); print('jax' in sys.modules)"
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
   assert out.split("\n")[:2] == [
-      "['export', 'fit', 'generate', 'load_config', 'logits', 'restore', 'score', 'translate']", "False"]
+    "['export', 'fit', 'generate', 'load_config', 'logits', 'restore', 'score', 'translate']",
+    "False",
+  ]
   with pytest.raises(AttributeError, match="has no attribute 'nope'"):
     jaxformer.nope  # noqa: B018
 
@@ -65,12 +80,26 @@ def test_fit_restore_translate_score(run, tmp_path, capsys):
   greedy = attention_maps(model, SOURCES[0])
   assert greedy.target == hyps[0] and greedy.maps[2].weights.shape[:2] == (1, 2)
   out = tmp_path / "attn.png"
-  args = ["attention", "--workdir", str(workdir), "--text", SOURCES[0], "--target", REFERENCES[0], "--out", str(out),
-          "runtime.deterministic=false"]
+  args = [
+    "attention",
+    "--workdir",
+    str(workdir),
+    "--text",
+    SOURCES[0],
+    "--target",
+    REFERENCES[0],
+    "--out",
+    str(out),
+    "runtime.deterministic=false",
+  ]
   capsys.readouterr()
-  assert main(args) == 0   # one JSON line last
+  assert main(args) == 0  # one JSON line last
   assert json.loads(capsys.readouterr().out.splitlines()[-1]) == {
-      "out": str(out), "step": 2, "text": SOURCES[0], "target": REFERENCES[0]}
+    "out": str(out),
+    "step": 2,
+    "text": SOURCES[0],
+    "target": REFERENCES[0],
+  }
   assert out.read_bytes().startswith(b"\x89PNG")
   fig = plots.plot_training([workdir], tmp_path / "loss.png")
   assert list(fig.axes[0].lines[0].get_ydata()) == [r["loss"] for r in rows if "loss" in r]
@@ -81,13 +110,14 @@ def test_logits_are_the_teacher_forced_forward(run):
   import numpy as np
 
   from jaxformer.models.transformer import shift_right
+
   model = jaxformer.restore(run[0], overrides=["mesh.data=8", "runtime.deterministic=false"])
   src = np.array([[5, 9, 17, 3, 0], [7, 3, 0, 0, 0]])
   tgt = np.array([[11, 4, 3], [6, 3, 0]])
   decoder_inputs = np.asarray(shift_right(tgt))
   ours = jaxformer.logits(model, src, decoder_inputs)
   assert ours.dtype == np.float32 and ours.shape == (2, 3, model.config.model.vocab_size)
-  forced = model.model.apply({"params": jax.device_get(model.params)}, src, tgt)   # shifts right itself
+  forced = model.model.apply({"params": jax.device_get(model.params)}, src, tgt)  # shifts right itself
   np.testing.assert_allclose(ours, np.asarray(forced), atol=1e-5)
   with pytest.raises(ValueError, match="targets are required for an encoder_decoder model"):
     jaxformer.logits(model, src)

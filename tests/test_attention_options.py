@@ -30,22 +30,24 @@ def test_rope_scores_depend_only_on_relative_position():
 
   def scores(q_shift, k_shift):
     return np.asarray(attention_scores(apply_rope(q, pos + q_shift), apply_rope(k, pos + k_shift), None, None))
+
   base = scores(0, 0)
-  np.testing.assert_allclose(scores(37, 37), base, atol=1e-4)     # same offset on both: same scores
+  np.testing.assert_allclose(scores(37, 37), base, atol=1e-4)  # same offset on both: same scores
   np.testing.assert_allclose(scores(1000, 1000), base, atol=1e-3)
-  assert np.abs(scores(1, 0) - base).max() > 0.1                  # a relative shift changes them
+  assert np.abs(scores(1, 0) - base).max() > 0.1  # a relative shift changes them
   assert np.abs(base - np.asarray(attention_scores(q, k, None, None))).max() > 0.1
   # Position 0 is the identity, and every rotation preserves norms.
   np.testing.assert_allclose(np.asarray(apply_rope(q, jnp.zeros((B, T), jnp.int32))), np.asarray(q), atol=1e-6)
-  np.testing.assert_allclose(np.linalg.norm(np.asarray(apply_rope(q, pos + 5)), axis=-1),
-                             np.linalg.norm(np.asarray(q), axis=-1), rtol=1e-5)
+  np.testing.assert_allclose(
+    np.linalg.norm(np.asarray(apply_rope(q, pos + 5)), axis=-1), np.linalg.norm(np.asarray(q), axis=-1), rtol=1e-5
+  )
 
 
 def test_alibi_slopes_follow_the_paper():
-  np.testing.assert_array_equal(alibi_slopes(8), [2.0 ** -i for i in range(1, 9)])
-  np.testing.assert_allclose(alibi_slopes(16)[:2], [2.0 ** -0.5, 2.0 ** -1.0])
+  np.testing.assert_array_equal(alibi_slopes(8), [2.0**-i for i in range(1, 9)])
+  np.testing.assert_allclose(alibi_slopes(16)[:2], [2.0**-0.5, 2.0**-1.0])
   # 6 heads: the 4-head slopes, then every other 8-head slope.
-  np.testing.assert_array_equal(alibi_slopes(6), [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8, 2.0 ** -1, 2.0 ** -3])
+  np.testing.assert_array_equal(alibi_slopes(6), [2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8, 2.0**-1, 2.0**-3])
   bias = np.asarray(alibi_bias(jnp.asarray([0.5, 0.25]), jnp.asarray([[0, 1, 2]]), jnp.asarray([[0, 1, 2, 3]])))
   assert bias.shape == (1, 2, 3, 4)
   np.testing.assert_array_equal(bias[0, 0, 2], [-1.0, -0.5, 0.0, -0.5])
@@ -65,8 +67,7 @@ def test_softcap_bounds_scores():
 
 
 def _mha_apply(params, x, valid=None, **kw):
-  return np.asarray(MultiHeadAttention(num_heads=N, head_dim=H, **kw).apply(
-      params, x, None, valid, deterministic=True))
+  return np.asarray(MultiHeadAttention(num_heads=N, head_dim=H, **kw).apply(params, x, None, valid, deterministic=True))
 
 
 def test_grouped_query_attention_equals_mha_with_repeated_kv_heads():
@@ -80,14 +81,17 @@ def test_grouped_query_attention_equals_mha_with_repeated_kv_heads():
   y = _mha_apply(params, x, valid, num_kv_heads=2, causal=True)
   np.testing.assert_allclose(y, _mha_apply(mha, x, valid, causal=True), atol=1e-5)
   # num_kv_heads = num_heads is plain multi-head attention (same parameters, same output).
-  np.testing.assert_array_equal(_mha_apply(mha, x, valid, num_kv_heads=N, causal=True),
-                                _mha_apply(mha, x, valid, causal=True))
+  np.testing.assert_array_equal(
+    _mha_apply(mha, x, valid, num_kv_heads=N, causal=True), _mha_apply(mha, x, valid, causal=True)
+  )
 
 
 def test_kv_heads_must_split_over_the_tensor_axis():
   config = config_from_dict({}, ["model.num_heads=8", "model.num_kv_heads=2"])
   check_model_fits_mesh(config, fsdp=1, tensor=2)
-  with pytest.raises(ConfigError, match=r"mesh.tensor=4 does not divide model.num_kv_heads=2; use mesh.tensor in \[1, 2\]"):
+  with pytest.raises(
+    ConfigError, match=r"mesh.tensor=4 does not divide model.num_kv_heads=2; use mesh.tensor in \[1, 2\]"
+  ):
     check_model_fits_mesh(config, fsdp=1, tensor=4)
 
 
@@ -115,12 +119,13 @@ def _valid(lengths, length):
 
 
 BLOCKWISE_CASES = {
-    # cross-attention shape (T != S); row 1 has no valid key, so its rows are fully masked
-    "padding": dict(kv_len=S, q_valid=[T, 9], kv_valid=[S, 0]),
-    "causal": dict(kv_len=T, q_valid=[T, 6], kv_valid=[T, 6], causal=True),
-    "sliding_window": dict(kv_len=T, q_valid=[T, 8], kv_valid=[T, 8], causal=True, sliding_window=3),
-    "gqa_alibi_softcap": dict(kv_len=T, q_valid=[T, 7], kv_valid=[T, 7], causal=True, kv_heads=2,
-                              alibi=True, softcap=2.0),
+  # cross-attention shape (T != S); row 1 has no valid key, so its rows are fully masked
+  "padding": dict(kv_len=S, q_valid=[T, 9], kv_valid=[S, 0]),
+  "causal": dict(kv_len=T, q_valid=[T, 6], kv_valid=[T, 6], causal=True),
+  "sliding_window": dict(kv_len=T, q_valid=[T, 8], kv_valid=[T, 8], causal=True, sliding_window=3),
+  "gqa_alibi_softcap": dict(
+    kv_len=T, q_valid=[T, 7], kv_valid=[T, 7], causal=True, kv_heads=2, alibi=True, softcap=2.0
+  ),
 }
 
 
@@ -148,10 +153,20 @@ def test_blockwise_equals_dense_forward_and_gradients(case):
     return dot_product_attention(q, k, v, mask, bias=bias, softcap=softcap)
 
   def blockwise(q, k, v):  # block 4: 13 and 11 keys leave a partly padded last block
-    return blockwise_attention(q, k, v, q_positions=q_pos, kv_positions=kv_pos, q_valid=q_valid,
-                               kv_valid=kv_valid, causal=causal, sliding_window=window,
-                               position_bias=None if slopes is None else (alibi_bias, slopes), softcap=softcap,
-                               block_size=4)
+    return blockwise_attention(
+      q,
+      k,
+      v,
+      q_positions=q_pos,
+      kv_positions=kv_pos,
+      q_valid=q_valid,
+      kv_valid=kv_valid,
+      causal=causal,
+      sliding_window=window,
+      position_bias=None if slopes is None else (alibi_bias, slopes),
+      softcap=softcap,
+      block_size=4,
+    )
 
   _assert_same_outputs_and_grads(dense, blockwise, q, k, v, d_out)
 
@@ -159,6 +174,7 @@ def test_blockwise_equals_dense_forward_and_gradients(case):
 def _assert_same_outputs_and_grads(reference_fn, fn, q, k, v, d_out):
   """`fn(q, k, v)` and its q/k/v gradients for cotangent `d_out` equal `reference_fn`'s (1e-5),
   each of them non-trivial."""
+
   @jax.jit
   def outputs_and_grads(q, k, v, d_out):
     results = []
@@ -188,9 +204,14 @@ def test_fused_equals_dense_forward_and_gradients(case):
   mask = attention_mask(q_pos, kv_pos, _valid(c["q_valid"], T), _valid(c["kv_valid"], kv_len), causal, window)
   bias = alibi_bias(jnp.asarray(alibi_slopes(N)), q_pos, kv_pos) if c.get("alibi") else None
 
-  _assert_same_outputs_and_grads(lambda q, k, v: dot_product_attention(q, k, v, mask, bias=bias),
-                                 lambda q, k, v: fused_attention(q, k, v, mask, bias=bias, is_causal=causal),
-                                 q, k, v, d_out)
+  _assert_same_outputs_and_grads(
+    lambda q, k, v: dot_product_attention(q, k, v, mask, bias=bias),
+    lambda q, k, v: fused_attention(q, k, v, mask, bias=bias, is_causal=causal),
+    q,
+    k,
+    v,
+    d_out,
+  )
 
 
 def test_fused_refuses_dropout_and_softcap():
@@ -219,7 +240,7 @@ def test_blockwise_gradient_memory_grows_linearly():
   lengths = (1024, 2048, 4096, 8192)
   temps = [_grad_temp_bytes(blockwise, n) for n in lengths]
   for small, large in zip(temps, temps[1:]):
-    assert large / small < 2.2, temps   # doubling the length at most ~doubles the memory
+    assert large / small < 2.2, temps  # doubling the length at most ~doubles the memory
   # The check discriminates: dense attention's [T, T] scores grow 4x per doubling.
   dense_1k, dense_2k = (_grad_temp_bytes(dense, n) for n in lengths[:2])
   assert dense_2k / dense_1k > 3.5 and dense_2k > 4 * temps[1], (dense_1k, dense_2k, temps)
@@ -228,39 +249,77 @@ def test_blockwise_gradient_memory_grows_linearly():
 # --- every option in the model: causality and cached decoding -------------------------------
 
 VOCAB, SRC_LEN, TGT_LEN, PREFILL, CHANGED_FROM = 37, 9, 7, 4, 3
-BASE = dict(vocab_size=VOCAB, d_model=16, num_heads=4, d_ff=24, num_encoder_layers=1, num_decoder_layers=1,
-            dropout_rate=0.0, max_length=16, attention_block_size=4)
+BASE = dict(
+  vocab_size=VOCAB,
+  d_model=16,
+  num_heads=4,
+  d_ff=24,
+  num_encoder_layers=1,
+  num_decoder_layers=1,
+  dropout_rate=0.0,
+  max_length=16,
+  attention_block_size=4,
+)
 # Each position scheme with each attention kind; the other options spread over them.
 MODEL_CASES = {
-    "sinusoidal-dense": dict(),
-    "sinusoidal-blockwise": dict(attention="blockwise", norm="rmsnorm", pre_norm=True, ffn="swiglu"),
-    "learned-dense": dict(position="learned", ffn="gelu", tie_embeddings=False, num_kv_heads=1),
-    "learned-blockwise": dict(position="learned", attention="blockwise", ffn="geglu", num_kv_heads=2,
-                              attn_logit_softcap=3.0),
-    "rope-dense": dict(position="rope", num_kv_heads=2, sliding_window=3, norm="rmsnorm", pre_norm=True),
-    "rope-blockwise": dict(position="rope", attention="blockwise", sliding_window=3, num_kv_heads=1, ffn="swiglu"),
-    "alibi-dense": dict(position="alibi", attn_logit_softcap=3.0, sliding_window=4, ffn="geglu"),
-    "alibi-blockwise": dict(position="alibi", attention="blockwise", num_kv_heads=2, pre_norm=True),
-    "none-dense": dict(position="none", sliding_window=2, tie_embeddings=False),
-    "none-blockwise": dict(position="none", attention="blockwise", norm="rmsnorm", attn_logit_softcap=3.0),
-    # T5 bias, RoPE scalings, global tokens and Linformer (the encoder's; the decoder stays dense).
-    "t5-dense": dict(position="t5", relative_buckets=6, relative_max_distance=8, sliding_window=3, global_tokens=1),
-    "t5-blockwise": dict(position="t5", attention="blockwise", relative_buckets=6, relative_max_distance=8,
-                         num_kv_heads=2),
-    "rope_linear-dense": dict(position="rope", rope_scaling="linear", rope_scaling_factor=2.0, sliding_window=2,
-                              global_tokens=2),
-    "rope_yarn-blockwise": dict(position="rope", attention="blockwise", rope_scaling="yarn", rope_scaling_factor=4.0,
-                                sliding_window=3, global_tokens=1),
-    "rope_ntk-linformer": dict(position="rope", attention="linformer", linformer_k=5, rope_scaling="ntk",
-                               rope_scaling_factor=2.0),
-    "rope-fused": dict(position="rope", attention="fused", num_kv_heads=2, sliding_window=3, pre_norm=True),
-    # The published families' options: biases, head_dim, norm epsilon, unscaled embeddings, Llama 3's RoPE.
-    "rope_llama3-biases": dict(position="rope", rope_scaling="llama3", rope_scaling_factor=8.0, rope_trained_length=4,
-                               rope_theta=500000.0, attention_bias="qkv", mlp_bias=False, embedding_scale=False,
-                               attention_head_dim=6, num_kv_heads=2, norm="rmsnorm", norm_epsilon=1e-5, pre_norm=True,
-                               ffn="swiglu"),
-    "learned-gpt2": dict(position="learned", attention_bias="all", ffn="gelu_tanh", embedding_scale=False,
-                         norm_epsilon=1e-5, pre_norm=True, attention="blockwise"),
+  "sinusoidal-dense": dict(),
+  "sinusoidal-blockwise": dict(attention="blockwise", norm="rmsnorm", pre_norm=True, ffn="swiglu"),
+  "learned-dense": dict(position="learned", ffn="gelu", tie_embeddings=False, num_kv_heads=1),
+  "learned-blockwise": dict(
+    position="learned", attention="blockwise", ffn="geglu", num_kv_heads=2, attn_logit_softcap=3.0
+  ),
+  "rope-dense": dict(position="rope", num_kv_heads=2, sliding_window=3, norm="rmsnorm", pre_norm=True),
+  "rope-blockwise": dict(position="rope", attention="blockwise", sliding_window=3, num_kv_heads=1, ffn="swiglu"),
+  "alibi-dense": dict(position="alibi", attn_logit_softcap=3.0, sliding_window=4, ffn="geglu"),
+  "alibi-blockwise": dict(position="alibi", attention="blockwise", num_kv_heads=2, pre_norm=True),
+  "none-dense": dict(position="none", sliding_window=2, tie_embeddings=False),
+  "none-blockwise": dict(position="none", attention="blockwise", norm="rmsnorm", attn_logit_softcap=3.0),
+  # T5 bias, RoPE scalings, global tokens and Linformer (the encoder's; the decoder stays dense).
+  "t5-dense": dict(position="t5", relative_buckets=6, relative_max_distance=8, sliding_window=3, global_tokens=1),
+  "t5-blockwise": dict(
+    position="t5", attention="blockwise", relative_buckets=6, relative_max_distance=8, num_kv_heads=2
+  ),
+  "rope_linear-dense": dict(
+    position="rope", rope_scaling="linear", rope_scaling_factor=2.0, sliding_window=2, global_tokens=2
+  ),
+  "rope_yarn-blockwise": dict(
+    position="rope",
+    attention="blockwise",
+    rope_scaling="yarn",
+    rope_scaling_factor=4.0,
+    sliding_window=3,
+    global_tokens=1,
+  ),
+  "rope_ntk-linformer": dict(
+    position="rope", attention="linformer", linformer_k=5, rope_scaling="ntk", rope_scaling_factor=2.0
+  ),
+  "rope-fused": dict(position="rope", attention="fused", num_kv_heads=2, sliding_window=3, pre_norm=True),
+  # The published families' options: biases, head_dim, norm epsilon, unscaled embeddings, Llama 3's RoPE.
+  "rope_llama3-biases": dict(
+    position="rope",
+    rope_scaling="llama3",
+    rope_scaling_factor=8.0,
+    rope_trained_length=4,
+    rope_theta=500000.0,
+    attention_bias="qkv",
+    mlp_bias=False,
+    embedding_scale=False,
+    attention_head_dim=6,
+    num_kv_heads=2,
+    norm="rmsnorm",
+    norm_epsilon=1e-5,
+    pre_norm=True,
+    ffn="swiglu",
+  ),
+  "learned-gpt2": dict(
+    position="learned",
+    attention_bias="all",
+    ffn="gelu_tanh",
+    embedding_scale=False,
+    norm_epsilon=1e-5,
+    pre_norm=True,
+    attention="blockwise",
+  ),
 }
 
 
@@ -282,9 +341,12 @@ def _float32_logit_error(config: ModelConfig, params) -> np.ndarray:
   error from growing on its way to y, i.e. the upstream errors enter z_v with weight <= 1."""
   d, h, s = config.d_model, config.head_dim, config.max_length
   attention, ffn = d + h + 2 * s + d, d + config.d_ff
-  k = (config.num_encoder_layers * (attention + ffn + 2 * d)
-       + config.num_decoder_layers * (2 * attention + ffn + 3 * d) + d)
-  u = 2.0 ** -24
+  k = (
+    config.num_encoder_layers * (attention + ffn + 2 * d)
+    + config.num_decoder_layers * (2 * attention + ffn + 3 * d)
+    + d
+  )
+  u = 2.0**-24
   p = params["params"]
   norm = p["decoder_norm"] if config.pre_norm else p[f"decoder_{config.num_decoder_layers - 1}"]["ffn_sublayer"]["norm"]
   y = np.abs(np.asarray(norm["scale"])).max() * np.sqrt(d) + np.linalg.norm(np.asarray(norm.get("bias", 0.0)))
@@ -296,7 +358,7 @@ def _model_batch():
   rng = np.random.default_rng(0)
   src = rng.integers(4, VOCAB, (B, SRC_LEN))
   dec = rng.integers(4, VOCAB, (B, TGT_LEN))
-  dec[:, 0] = BOS_ID                          # decoder inputs: the cached prefill feeds BOS first
+  dec[:, 0] = BOS_ID  # decoder inputs: the cached prefill feeds BOS first
   src[1, 5:] = PAD_ID
   dec[1, 5:] = PAD_ID
   later = (np.arange(TGT_LEN)[None] >= CHANGED_FROM) & (dec != PAD_ID)
@@ -316,16 +378,18 @@ def test_option_is_causal_and_cached_decoding_matches(case):
   @jax.jit
   def run(params, src, dec, perturbed):
     both = jnp.concatenate([src, src])  # one batch: the original and the perturbed targets
-    full = model.apply(params, model.apply(params, both, method="encode"), both,
-                       jnp.concatenate([dec, perturbed]), method="decode")
+    full = model.apply(
+      params, model.apply(params, both, method="encode"), both, jnp.concatenate([dec, perturbed]), method="decode"
+    )
     p = params["params"]
-    first, cache = kv.prefill(model, p, kv.contiguous_cache(model, p, B, SRC_LEN), src)   # encodes, feeds BOS
-    chunk, cache = kv.extend(model, p, cache, dec[:, 1:PREFILL])                     # several tokens at once
+    first, cache = kv.prefill(model, p, kv.contiguous_cache(model, p, B, SRC_LEN), src)  # encodes, feeds BOS
+    chunk, cache = kv.extend(model, p, cache, dec[:, 1:PREFILL])  # several tokens at once
 
     def step(cache, i):
-      token = jax.lax.dynamic_index_in_dim(dec, i, axis=1, keepdims=False)        # [B]
+      token = jax.lax.dynamic_index_in_dim(dec, i, axis=1, keepdims=False)  # [B]
       logits, cache = kv.step(model, p, cache, token)
       return cache, logits
+
     cache, steps = jax.lax.scan(step, cache, jnp.arange(PREFILL, TGT_LEN))
     cached = jnp.concatenate([first[:, None], chunk, jnp.moveaxis(steps, 0, 1)], axis=1)
     return full[:B], full[B:], cached, cache
@@ -345,4 +409,4 @@ def test_option_is_causal_and_cached_decoding_matches(case):
   assert excess.max() <= 1.0, (excess.max(), np.abs(cached - full)[real].max())
   self_cache = cache.layers["decoder_0"]["self_attention"]
   assert kvc.join_segments(self_cache["key"]).shape == (B, config.kv_heads, config.max_length, config.head_dim)
-  np.testing.assert_array_equal(cache.state.lengths, real.sum(axis=1))   # PAD tokens are not cached
+  np.testing.assert_array_equal(cache.state.lengths, real.sum(axis=1))  # PAD tokens are not cached

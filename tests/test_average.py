@@ -14,8 +14,7 @@ from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import create_state, state_shardings
 from jaxformer.train.step import make_train_step
 
-MODEL = dict(vocab_size=40, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1, num_decoder_layers=1,
-             max_length=64)
+MODEL = dict(vocab_size=40, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1, num_decoder_layers=1, max_length=64)
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +24,7 @@ def run(tmp_path_factory):
   config = config_from_dict({"model": MODEL, "optim": {"warmup_steps": 2}})
   model = EncoderDecoder(config.model)
   tx = make_optimizer(config.optim, config.model.d_model)
-  mesh = sh.make_mesh(MeshConfig(1, 2, 1), jax.devices()[:2])   # params sharded over fsdp
+  mesh = sh.make_mesh(MeshConfig(1, 2, 1), jax.devices()[:2])  # params sharded over fsdp
   abstract, shardings = state_shardings(model, tx, mesh)
   state = create_state(model, tx, mesh, 0, shardings)
   step = make_train_step(model, tx, config, mesh, shardings)
@@ -50,7 +49,7 @@ def test_average_is_the_exact_mean_of_the_last_n(run):
   for got, *xs in zip(jax.tree.leaves(mean), *[jax.tree.leaves(history[s]) for s in steps]):
     stack = np.stack(xs).astype(np.float64)
     # Float32 summation error bound: N unit roundoffs (2^-24) of the mean of |x|, elementwise.
-    bound = len(steps) * 2.0 ** -24 * np.abs(stack).mean(axis=0)
+    bound = len(steps) * 2.0**-24 * np.abs(stack).mean(axis=0)
     assert np.all(np.abs(np.asarray(got, np.float64) - stack.mean(axis=0)) <= bound)
   # The checkpoints differ, so the mean is not any one of them.
   assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(history[2]), jax.tree.leaves(history[4])))

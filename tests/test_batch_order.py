@@ -17,17 +17,21 @@ def _sources(tmp):
   (tmp / "a.yy").write_text("".join(f"v{i} z{i % 9}\n" for i in range(120)))
   (tmp / "d.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " * (1 + i % 6)}) + "\n" for i in range(200)))
   from test_tfds_source import JaxformerToyPairs
+
   JaxformerToyPairs(data_dir=str(tmp / "tfds"), file_format="array_record").download_and_prepare(
-      file_format="array_record")
+    file_format="array_record"
+  )
   files = {"dataset": "files", "source_lang": "xx", "target_lang": "yy", "tokenizer": "bpe"}
   return {
-      "multi30k": ({}, {"buckets": [16, 32, 64]}),
-      "multi30k-packed": ({}, {"packing": True}),
-      "tinyshakespeare": ({"kind": "decoder_only"}, {"dataset": "tinyshakespeare", "tokenizer": "char"}),
-      "files-pairs-packed": ({}, {**files, "train_files": f"{tmp}/a.xx,{tmp}/a.yy", "packing": True}),
-      "files-text-mlm": ({"kind": "encoder_only"}, {**files, "train_files": f"{tmp}/d.jsonl", "max_length": 16,
-                                                   "packing": True}),
-      "tfds-pairs": ({}, {**files, "dataset": "tfds:jaxformer_toy_pairs", "tfds_data_dir": str(tmp / "tfds")}),
+    "multi30k": ({}, {"buckets": [16, 32, 64]}),
+    "multi30k-packed": ({}, {"packing": True}),
+    "tinyshakespeare": ({"kind": "decoder_only"}, {"dataset": "tinyshakespeare", "tokenizer": "char"}),
+    "files-pairs-packed": ({}, {**files, "train_files": f"{tmp}/a.xx,{tmp}/a.yy", "packing": True}),
+    "files-text-mlm": (
+      {"kind": "encoder_only"},
+      {**files, "train_files": f"{tmp}/d.jsonl", "max_length": 16, "packing": True},
+    ),
+    "tfds-pairs": ({}, {**files, "dataset": "tfds:jaxformer_toy_pairs", "tfds_data_dir": str(tmp / "tfds")}),
   }
 
 
@@ -37,13 +41,20 @@ def sources(tmp_path_factory):
   return tmp, _sources(tmp)
 
 
-@pytest.mark.parametrize("name", ["multi30k", "multi30k-packed", "tinyshakespeare", "files-pairs-packed",
-                                  "files-text-mlm", "tfds-pairs"])
+@pytest.mark.parametrize(
+  "name", ["multi30k", "multi30k-packed", "tinyshakespeare", "files-pairs-packed", "files-text-mlm", "tfds-pairs"]
+)
 def test_batch_k_is_a_pure_function_of_seed_and_step(sources, name):
   tmp, table = sources
   model, data = table[name]
-  config = config_from_dict({"model": {**SMALL, **model}, "data": {"data_dir": str(tmp / "cache"), **data},
-                             "train": {"batch_size": 8}, "runtime": {"seed": 5}})
+  config = config_from_dict(
+    {
+      "model": {**SMALL, **model},
+      "data": {"data_dir": str(tmp / "cache"), **data},
+      "train": {"batch_size": 8},
+      "runtime": {"seed": 5},
+    }
+  )
   task = get_task(config)
   _, splits = task.load_data()
   whole, _ = task.make_batches(splits)

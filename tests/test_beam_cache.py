@@ -32,7 +32,7 @@ def test_beam_attention_equals_attention_over_each_rows_own_history(cached):
   k = jnp.asarray(rng.standard_normal((sentences, kh, beams * capacity, h)), jnp.float32)
   v = jnp.asarray(rng.standard_normal((sentences, kh, beams * capacity, h)), jnp.float32)
   q = jnp.asarray(rng.standard_normal((rows, 1, n, h)), jnp.float32)
-  lengths = jnp.asarray(cached, jnp.int32)                              # tokens cached before this step
+  lengths = jnp.asarray(cached, jnp.int32)  # tokens cached before this step
   origin = jnp.asarray(rng.integers(0, beams, (rows, capacity)), jnp.int32)
   valid = jnp.asarray([[True], [True], [False], [True], [True], [True]])
   state = kvc.CacheState(lengths=lengths, beam_origin=origin, capacity=capacity, beam_size=beams)
@@ -45,7 +45,7 @@ def test_beam_attention_equals_attention_over_each_rows_own_history(cached):
     k_seg, v_seg = (k_seg[0], k_seg[1] * jnp.nan), (v_seg[0], v_seg[1] * jnp.nan)
   got = kvc.beam_attention(q, k_seg, v_seg, state, valid, **opts)
 
-  slot = np.asarray(state.beam_origin) * capacity + np.arange(capacity)[None]        # [rows, S]
+  slot = np.asarray(state.beam_origin) * capacity + np.arange(capacity)[None]  # [rows, S]
   sentence = np.arange(rows) // beams
   own_k = jnp.asarray(np.asarray(k)[sentence[:, None], :, slot].transpose(0, 2, 1, 3))  # [rows, kh, S, h]
   own_v = jnp.asarray(np.asarray(v)[sentence[:, None], :, slot].transpose(0, 2, 1, 3))
@@ -53,19 +53,29 @@ def test_beam_attention_equals_attention_over_each_rows_own_history(cached):
   assert np.isfinite(np.asarray(got)).all()
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
   # the step's own key comes from the row's own slot
-  np.testing.assert_array_equal(np.asarray(state.beam_origin)[np.arange(rows), lengths],
-                                [0, 1, origin[2, cached[2]], 0, 1, 2])
+  np.testing.assert_array_equal(
+    np.asarray(state.beam_origin)[np.arange(rows), lengths], [0, 1, origin[2, cached[2]], 0, 1, 2]
+  )
 
 
 V = 29
-BASE = ModelConfig(vocab_size=V, d_model=16, num_heads=4, d_ff=24, num_encoder_layers=1, num_decoder_layers=2,
-                   dropout_rate=0.0, pre_norm=True, max_length=24)
+BASE = ModelConfig(
+  vocab_size=V,
+  d_model=16,
+  num_heads=4,
+  d_ff=24,
+  num_encoder_layers=1,
+  num_decoder_layers=2,
+  dropout_rate=0.0,
+  pre_norm=True,
+  max_length=24,
+)
 DECODER_CASES = {
-    "rope-mqa-window3": dict(position="rope", num_kv_heads=1, sliding_window=3),
-    "alibi-global-tokens": dict(position="alibi", sliding_window=2, global_tokens=1),
-    "t5-gqa": dict(position="t5", num_kv_heads=2),
-    "learned-softcap-untied": dict(position="learned", attn_logit_softcap=4.0, tie_embeddings=False),
-    "scan-remat": dict(scan_layers=True, remat="full", position="rope"),
+  "rope-mqa-window3": dict(position="rope", num_kv_heads=1, sliding_window=3),
+  "alibi-global-tokens": dict(position="alibi", sliding_window=2, global_tokens=1),
+  "t5-gqa": dict(position="t5", num_kv_heads=2),
+  "learned-softcap-untied": dict(position="learned", attn_logit_softcap=4.0, tie_embeddings=False),
+  "scan-remat": dict(scan_layers=True, remat="full", position="rope"),
 }
 
 
@@ -81,20 +91,29 @@ def _lm_rescore(model, params, prompts, prompt_lengths, tokens, alpha):
   for r in range(rows):
     hyp = np.asarray(tokens[r])
     n = int(np.flatnonzero(hyp == EOS_ID)[0]) + 1 if (hyp == EOS_ID).any() else out_len
-    seqs[r, :prompt_lengths[r] + n] = np.concatenate([prompts[r, :prompt_lengths[r]], hyp[:n]])
+    seqs[r, : prompt_lengths[r] + n] = np.concatenate([prompts[r, : prompt_lengths[r]], hyp[:n]])
     lengths.append(n)
   logits = model.apply({"params": params}, jnp.asarray(seqs)).at[..., PAD_ID].set(-jnp.inf)
   logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
-  return np.array([sum(logp[r, prompt_lengths[r] - 1 + t, seqs[r, prompt_lengths[r] + t]] for t in range(n))
-                   / float(length_penalty(n, alpha)) for r, n in enumerate(lengths)])
+  return np.array(
+    [
+      sum(logp[r, prompt_lengths[r] - 1 + t, seqs[r, prompt_lengths[r] + t]] for t in range(n))
+      / float(length_penalty(n, alpha))
+      for r, n in enumerate(lengths)
+    ]
+  )
 
 
-FAST_CASES = ("rope-mqa-window3",)   # the rest run with the slow tests
+FAST_CASES = ("rope-mqa-window3",)  # the rest run with the slow tests
 
 
-@pytest.mark.parametrize("options", [
+@pytest.mark.parametrize(
+  "options",
+  [
     pytest.param(options, id=name, marks=() if name in FAST_CASES else pytest.mark.slow)
-    for name, options in DECODER_CASES.items()])
+    for name, options in DECODER_CASES.items()
+  ],
+)
 def test_decoder_only_beam_scores_equal_teacher_forcing(options):
   """Prompts of different lengths (PAD padded), beam 3: each returned hypothesis's reported
   score is its teacher-forced score, which fails if any beam attended to another's keys."""

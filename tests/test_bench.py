@@ -21,9 +21,12 @@ ROOT = Path(__file__).parent.parent
 def _hand_count_forward(d, f, v, s, t, encoder_layers, decoder_layers):
   """Every matmul of one sentence pair's forward pass as (rows, contraction, columns)."""
   encoder_layer = [(s, d, d)] * 4 + [(s, d, s), (s, s, d)] + [(s, d, f), (s, f, d)]
-  decoder_layer = ([(t, d, d)] * 4 + [(t, d, t), (t, t, d)]                     # masked self-attention
-                   + [(t, d, d), (s, d, d), (s, d, d), (t, d, d), (t, d, s), (t, s, d)]  # cross-attention
-                   + [(t, d, f), (t, f, d)])
+  decoder_layer = (
+    [(t, d, d)] * 4
+    + [(t, d, t), (t, t, d)]  # masked self-attention
+    + [(t, d, d), (s, d, d), (s, d, d), (t, d, d), (t, d, s), (t, s, d)]  # cross-attention
+    + [(t, d, f), (t, f, d)]
+  )
   matmuls = encoder_layer * encoder_layers + decoder_layer * decoder_layers + [(t, d, v)]
   return sum(2 * m * k * n for m, k, n in matmuls)
 
@@ -38,16 +41,34 @@ def test_train_flops_match_a_hand_count():
 def test_decoder_only_flops_count_gqa_and_gated_ffn():
   """One layer, D 8, 4 heads of 2 with 2 key/value heads (C 4), SwiGLU F 12, V 37, T 3: per token
   Q and output 2·2·64, K and V 2·2·8·4, FFN 3·2·8·12, attention 4·3·8; logits 2·8·37."""
-  m = ModelConfig(kind="decoder_only", vocab_size=37, d_model=8, num_heads=4, num_kv_heads=2, d_ff=12,
-                  num_decoder_layers=1, ffn="swiglu")
+  m = ModelConfig(
+    kind="decoder_only",
+    vocab_size=37,
+    d_model=8,
+    num_heads=4,
+    num_kv_heads=2,
+    d_ff=12,
+    num_decoder_layers=1,
+    ffn="swiglu",
+  )
   per_token = 2 * 2 * 64 + 2 * 2 * 8 * 4 + 3 * 2 * 8 * 12 + 4 * 3 * 8 + 2 * 8 * 37
   assert bench.forward_flops_per_pair(m, 99, 3) == 3 * per_token == 4_944
   assert bench.BenchOptions(4, src_length=5, tgt_length=3).validate(m).src_length == 3
 
 
 def _config(policy="params=float32,compute=float32,output=float32"):
-  tree = {"model": {"vocab_size": 997, "d_model": 256, "num_heads": 4, "d_ff": 1024, "num_encoder_layers": 2,
-                    "num_decoder_layers": 2, "dropout_rate": 0.0}, "precision": {"policy": policy}}
+  tree = {
+    "model": {
+      "vocab_size": 997,
+      "d_model": 256,
+      "num_heads": 4,
+      "d_ff": 1024,
+      "num_encoder_layers": 2,
+      "num_decoder_layers": 2,
+      "dropout_rate": 0.0,
+    },
+    "precision": {"policy": policy},
+  }
   return config_from_dict(tree)
 
 
@@ -83,12 +104,33 @@ def test_published_peak_lookup():
 
 def _run_bench(*args):
   env = dict(os.environ, PYTHONPATH=str(ROOT))
-  return subprocess.run([sys.executable, "-m", "jaxformer", "bench", "--config", str(ROOT / "configs" / "tiny.yaml"),
-                         *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+  return subprocess.run(
+    [sys.executable, "-m", "jaxformer", "bench", "--config", str(ROOT / "configs" / "tiny.yaml"), *args],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=ROOT,
+    timeout=300,
+  )
 
 
-_SMALL = ("--batch-size", "8", "--src-length", "11", "--tgt-length", "7", "--steps", "3", "--warmup", "1",
-          "--no-torch", "model.d_model=32", "model.d_ff=48", "model.num_heads=4", "model.vocab_size=37")
+_SMALL = (
+  "--batch-size",
+  "8",
+  "--src-length",
+  "11",
+  "--tgt-length",
+  "7",
+  "--steps",
+  "3",
+  "--warmup",
+  "1",
+  "--no-torch",
+  "model.d_model=32",
+  "model.d_ff=48",
+  "model.num_heads=4",
+  "model.vocab_size=37",
+)
 
 
 @pytest.fixture(scope="module")
@@ -107,18 +149,35 @@ def bench_runs():
 def test_bench_command_prints_a_table_and_json(bench_runs):
   lines, r = bench_runs[1]
   assert any(line.startswith("target tokens/s") for line in lines)
-  for key in ("tokens_per_sec", "step_time_s", "mfu", "peak_flops", "compile_time_s", "temp_memory_bytes",
-              "model_flops_per_token", "achieved_flops", "xla_flops_per_step", "losses"):
+  for key in (
+    "tokens_per_sec",
+    "step_time_s",
+    "mfu",
+    "peak_flops",
+    "compile_time_s",
+    "temp_memory_bytes",
+    "model_flops_per_token",
+    "achieved_flops",
+    "xla_flops_per_step",
+    "losses",
+  ):
     assert key in r, key
-  assert r["bubble_fraction"] == 0.0   # no mesh.stage, no pipeline (tests/test_pipeline.py: with one)
+  assert r["bubble_fraction"] == 0.0  # no mesh.stage, no pipeline (tests/test_pipeline.py: with one)
   assert "torch_tokens_per_sec" not in r
-  assert r["num_devices"] == 8 and r["mesh"] == {"data": 8, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1}
+  assert r["num_devices"] == 8 and r["mesh"] == {
+    "data": 8,
+    "stage": 1,
+    "fsdp": 1,
+    "context": 1,
+    "expert": 1,
+    "tensor": 1,
+  }
   assert math.isclose(r["tokens_per_sec"], 8 * 7 / r["step_time_s"])
   m = ModelConfig(vocab_size=37, d_model=32, num_heads=4, d_ff=48, num_encoder_layers=2, num_decoder_layers=2)
   assert r["model_flops_per_step"] == bench.train_flops_per_step(m, 8, 11, 7)
   assert math.isclose(r["mfu"], r["model_flops_per_step"] / r["step_time_s"] / r["peak_flops"])
   assert r["temp_memory_bytes"] > 0 and r["peak_source"] == "measured float32 matmul"
-  assert len(r["losses"]) == 4 and r["losses"][-1] < r["losses"][0]   # 1 warm-up + 3 timed steps, learning
+  assert len(r["losses"]) == 4 and r["losses"][-1] < r["losses"][0]  # 1 warm-up + 3 timed steps, learning
 
 
 @pytest.mark.slow
@@ -137,12 +196,14 @@ def test_bench_rejects_a_length_beyond_the_model_and_other_model_kinds():
   proc = _run_bench("--tgt-length", "500", "--no-torch")
   assert proc.returncode == 2
   assert proc.stderr.strip().splitlines() == [
-      "error: bench length 500 exceeds model.max_length=128; add model.max_length=500"]
+    "error: bench length 500 exceeds model.max_length=128; add model.max_length=500"
+  ]
   proc = _run_bench("--no-torch", "model.kind=encoder_only", "data.dataset=tinyshakespeare")
   assert proc.returncode == 2
   assert proc.stderr.strip().splitlines() == [
-      "error: jaxformer bench times encoder_decoder and decoder_only train steps, not model.kind=encoder_only; "
-      "use e.g. configs/multi30k_small.yaml or configs/decoder_1b.yaml"]
+    "error: jaxformer bench times encoder_decoder and decoder_only train steps, not model.kind=encoder_only; "
+    "use e.g. configs/multi30k_small.yaml or configs/decoder_1b.yaml"
+  ]
 
 
 def test_torch_peer_has_our_parameter_count():
@@ -151,6 +212,7 @@ def test_torch_peer_has_our_parameter_count():
   from jaxformer.models.transformer import EncoderDecoder
   from jaxformer.train.optim import make_optimizer
   from jaxformer.train.state import abstract_state
+
   for overrides in ({}, {"tie_embeddings": False}, {"pre_norm": True}):
     m = dataclasses.replace(_config().model, vocab_size=37, d_model=16, d_ff=24, **overrides)
     abstract, _ = abstract_state(EncoderDecoder(m), make_optimizer(_config().optim, m.d_model))

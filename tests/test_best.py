@@ -26,15 +26,17 @@ def _restore(directory):
 def test_keeps_the_best_step_and_counts_evaluations_without_improvement(tmp_path):
   (tmp_path / ckpt.CONFIG_FILE).write_text("name: x\n")
   best = BestCheckpoint(tmp_path, "val_bleu", patience=2, start=0)
-  stops = [best.update(step, {"val_bleu": bleu, "val_loss": 1.0}, _params(step))
-           for step, bleu in ((10, 5.0), (20, 7.5), (30, float("nan")), (40, 7.5))]
+  stops = [
+    best.update(step, {"val_bleu": bleu, "val_loss": 1.0}, _params(step))
+    for step, bleu in ((10, 5.0), (20, 7.5), (30, float("nan")), (40, 7.5))
+  ]
   # BLEU is higher-better; NaN never wins; a tie keeps the earlier step; two evaluations
   # without improvement after step 20 stop the run at step 40.
   assert stops == [False, False, False, True]
   assert best.best() == (20, 7.5) and best.evaluations_since_best() == 2
   step, params = _restore(tmp_path / "best")
   assert step == 20 and np.all(params["w"] == 20)
-  assert (tmp_path / "best" / ckpt.CONFIG_FILE).read_text() == "name: x\n"   # a workdir of its own
+  assert (tmp_path / "best" / ckpt.CONFIG_FILE).read_text() == "name: x\n"  # a workdir of its own
   saved = json.loads((tmp_path / "best" / "best.json").read_text())
   assert saved["step"] == 20 and saved["metric"] == "val_bleu" and len(saved["history"]) == 4
   assert "val_bleu has not improved for 2 evaluations" in best.stop_message()
@@ -73,16 +75,33 @@ def test_training_stops_early_and_the_best_step_evaluates(tmp_path):
   (tmp_path / "train.xx").write_text("".join(s + "\n" for s in sentences))
   (tmp_path / "train.yy").write_text("".join(_reverse(s) + "\n" for s in sentences))
   # A learning rate far below float32's resolution leaves the params as they are: BLEU never improves.
-  args = ["train", "--config", TINY, "--workdir", str(workdir), *TINY_MODEL, "data.dataset=files",
-          f"data.train_files={tmp_path}/train.xx,{tmp_path}/train.yy", "data.source_lang=xx", "data.target_lang=yy",
-          f"data.data_dir={tmp_path}/data", "data.buckets=[64]", "train.batch_size=16", "train.num_steps=40",
-          "train.eval_every=5", "train.log_every=2", "train.checkpoint_every=20", "train.keep_best=val_bleu",
-          "train.early_stop_patience=2", "optim.learning_rate=1e-30"]
+  args = [
+    "train",
+    "--config",
+    TINY,
+    "--workdir",
+    str(workdir),
+    *TINY_MODEL,
+    "data.dataset=files",
+    f"data.train_files={tmp_path}/train.xx,{tmp_path}/train.yy",
+    "data.source_lang=xx",
+    "data.target_lang=yy",
+    f"data.data_dir={tmp_path}/data",
+    "data.buckets=[64]",
+    "train.batch_size=16",
+    "train.num_steps=40",
+    "train.eval_every=5",
+    "train.log_every=2",
+    "train.checkpoint_every=20",
+    "train.keep_best=val_bleu",
+    "train.early_stop_patience=2",
+    "optim.learning_rate=1e-30",
+  ]
   proc = run_cli(*args)
   assert "early stop: val_bleu has not improved for 2 evaluations" in proc.stderr
   rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows if "val_bleu" in r] == [5, 10, 15]
-  assert max(r["step"] for r in rows if "loss" in r) == 15   # the stop step got its training row
+  assert max(r["step"] for r in rows if "loss" in r) == 15  # the stop step got its training row
   assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())[-1] == 15
   assert json.loads((workdir / "best" / "best.json").read_text())["step"] == 5
   # Rerunning the same command stays stopped; the best step evaluates like any workdir.

@@ -14,11 +14,26 @@ from test_cli import ROOT
 
 @pytest.mark.slow
 def test_random_kills_and_preemptions_change_nothing(tmp_path, multi30k_dir):
-  (tmp_path / "data").symlink_to(multi30k_dir)   # the script's data cache: Multi30k prepared once per session
-  proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "chaos_resume.py"), "--kills", "2", "--dir",
-                         str(tmp_path), "--seed", "0", "train.num_steps=24", "model.num_encoder_layers=1",
-                         "model.num_decoder_layers=1", "data.buckets=[64]"],
-                        capture_output=True, text=True, timeout=900)
+  (tmp_path / "data").symlink_to(multi30k_dir)  # the script's data cache: Multi30k prepared once per session
+  proc = subprocess.run(
+    [
+      sys.executable,
+      str(ROOT / "scripts" / "chaos_resume.py"),
+      "--kills",
+      "2",
+      "--dir",
+      str(tmp_path),
+      "--seed",
+      "0",
+      "train.num_steps=24",
+      "model.num_encoder_layers=1",
+      "model.num_decoder_layers=1",
+      "data.buckets=[64]",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   report = json.loads(proc.stdout.splitlines()[-1])
   assert report["ok"] and report["params_bitwise_equal"] and report["losses_equal"]

@@ -9,10 +9,24 @@ from jaxformer.tasks import get_task
 from jaxformer.train.loop import train
 
 TEXT = "To be, or not to be: that is the question.\nWhether 'tis nobler in the mind to suffer\n" * 20
-TINY = ["model.kind=decoder_only", "data.tokenizer=char", "data.dataset=files", "model.d_model=16",
-        "model.num_heads=2", "model.d_ff=16", "model.num_decoder_layers=1", "model.max_length=16", "data.max_length=16",
-        "train.batch_size=8", "train.num_steps=1", "train.log_every=1", "train.eval_every=1",
-        "train.checkpoint_every=1", "train.async_checkpoint=false", "optim.warmup_steps=1"]
+TINY = [
+  "model.kind=decoder_only",
+  "data.tokenizer=char",
+  "data.dataset=files",
+  "model.d_model=16",
+  "model.num_heads=2",
+  "model.d_ff=16",
+  "model.num_decoder_layers=1",
+  "model.max_length=16",
+  "data.max_length=16",
+  "train.batch_size=8",
+  "train.num_steps=1",
+  "train.log_every=1",
+  "train.eval_every=1",
+  "train.checkpoint_every=1",
+  "train.async_checkpoint=false",
+  "optim.warmup_steps=1",
+]
 
 
 @pytest.fixture
@@ -23,12 +37,12 @@ def overrides(tmp_path):
 
 
 def _ids():
-  return len(set(TEXT)) + 1   # one id per character, plus PAD
+  return len(set(TEXT)) + 1  # one id per character, plus PAD
 
 
 def _config(tmp_path, overrides):
   preset = tmp_path / "char.yaml"
-  preset.write_text(yaml.safe_dump({"name": "char"}))   # every model.* default, so model.vocab_size is unset
+  preset.write_text(yaml.safe_dump({"name": "char"}))  # every model.* default, so model.vocab_size is unset
   return load_config(preset, overrides)
 
 
@@ -38,8 +52,10 @@ def test_unset_vocab_size_is_the_number_of_character_ids(tmp_path, overrides, ca
   sized, vocab = get_task(config).fit_vocab_size()
   assert sized.model.vocab_size == vocab.target.vocab_size == _ids() and not sized.model.vocab_from_data
   line = capsys.readouterr().err.strip()
-  assert line == f"model.vocab_size={_ids()}: sized from the data ({_ids() - 1} characters + PAD); " \
-                 "set model.vocab_size to fix it"
+  assert (
+    line == f"model.vocab_size={_ids()}: sized from the data ({_ids() - 1} characters + PAD); "
+    "set model.vocab_size to fix it"
+  )
   workdir = tmp_path / "run"
   train(config, workdir)
   saved = yaml.safe_load((workdir / "config.yaml").read_text())

@@ -14,8 +14,7 @@ from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import create_state, state_shardings
 from jaxformer.train.step import make_train_step
 
-MODEL = dict(vocab_size=40, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1, num_decoder_layers=1,
-             max_length=64)
+MODEL = dict(vocab_size=40, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1, num_decoder_layers=1, max_length=64)
 
 
 @pytest.fixture(scope="module")

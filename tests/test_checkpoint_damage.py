@@ -29,20 +29,37 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 
 # `python -m jaxformer` where a write past 256 KiB fails with EFBIG, as one on a full disk fails
 # with ENOSPC (Python ignores SIGXFSZ).
-SMALL_FILES = ("import resource, runpy; "
-               "resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, resource.RLIM_INFINITY)); "
-               "runpy.run_module('jaxformer', run_name='__main__')")
+SMALL_FILES = (
+  "import resource, runpy; "
+  "resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, resource.RLIM_INFINITY)); "
+  "runpy.run_module('jaxformer', run_name='__main__')"
+)
 
 
 def run_cli(*args, stdin=None, launch=("-m", "jaxformer")):
-  return subprocess.run([sys.executable, *launch, *args], capture_output=True, text=True, env=cli_env(),
-                        cwd=ROOT, timeout=600, input=stdin)
+  return subprocess.run(
+    [sys.executable, *launch, *args], capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=600, input=stdin
+  )
 
 
 def _train_args(workdir, data_dir, num_steps, *extra):
-  return ["train", "--config", TINY, "--workdir", str(workdir), f"data.data_dir={data_dir}", "data.buckets=[64]",
-          "model.num_encoder_layers=1", "model.num_decoder_layers=1", "train.batch_size=16", "train.log_every=1",
-          "train.eval_every=100", "train.checkpoint_every=2", f"train.num_steps={num_steps}", *extra]
+  return [
+    "train",
+    "--config",
+    TINY,
+    "--workdir",
+    str(workdir),
+    f"data.data_dir={data_dir}",
+    "data.buckets=[64]",
+    "model.num_encoder_layers=1",
+    "model.num_decoder_layers=1",
+    "train.batch_size=16",
+    "train.log_every=1",
+    "train.eval_every=100",
+    "train.checkpoint_every=2",
+    f"train.num_steps={num_steps}",
+    *extra,
+  ]
 
 
 def _losses(workdir):
@@ -93,13 +110,13 @@ def _empty(step_dir):
 
 # Each kind of damage and the words of its one-line report.
 DAMAGE = {
-    "truncated_array": (_truncate, "OUT_OF_RANGE: Error reading"),
-    "deleted_array": (lambda d: [p.unlink() for p in _array_files(d)], "Error reading"),
-    "garbage_metadata": (_garbage("_METADATA"), "default/_METADATA is not valid JSON"),
-    "garbage_manifest": (_garbage("manifest.ocdbt"), "manifest.ocdbt\": Error decoding manifest"),
-    "missing_default_dir": (lambda d: shutil.rmtree(d / "default"), "its default/ folder is missing"),
-    "empty_step_dir": (_empty, "no commit marker commit_success.txt"),
-    "no_commit_marker": (lambda d: (d / ckpt.COMMIT_MARKER).unlink(), "no commit marker commit_success.txt"),
+  "truncated_array": (_truncate, "OUT_OF_RANGE: Error reading"),
+  "deleted_array": (lambda d: [p.unlink() for p in _array_files(d)], "Error reading"),
+  "garbage_metadata": (_garbage("_METADATA"), "default/_METADATA is not valid JSON"),
+  "garbage_manifest": (_garbage("manifest.ocdbt"), 'manifest.ocdbt": Error decoding manifest'),
+  "missing_default_dir": (lambda d: shutil.rmtree(d / "default"), "its default/ folder is missing"),
+  "empty_step_dir": (_empty, "no commit marker commit_success.txt"),
+  "no_commit_marker": (lambda d: (d / ckpt.COMMIT_MARKER).unlink(), "no commit marker commit_success.txt"),
 }
 
 
@@ -157,12 +174,12 @@ def test_no_intact_step_refuses_to_start_over(run, targets, tmp_path, capfd):
   workdir = _damaged_copy(run, tmp_path, "truncated_array", steps=(2, 4))
   with pytest.raises(ckpt.CheckpointError, match=r"no intact checkpoint in .*steps \[2, 4\] are damaged"):
     ckpt.Checkpointer(workdir).restore(targets[0])
-  assert len(capfd.readouterr().err.splitlines()) == 2   # one line per damaged step
+  assert len(capfd.readouterr().err.splitlines()) == 2  # one line per damaged step
   assert sorted(p.name for p in (workdir / ckpt.DAMAGED_DIR).iterdir()) == ["2", "4"]
   # A later run does not silently start over while damaged steps are set aside ...
   with pytest.raises(ckpt.CheckpointError, match="remove that folder to train from scratch"):
     ckpt.Checkpointer(workdir).latest_step()
-  assert ckpt.Checkpointer(workdir, read_only=True).latest_step() is None   # (readers just see no step)
+  assert ckpt.Checkpointer(workdir, read_only=True).latest_step() is None  # (readers just see no step)
   # ... until the user removes them.
   shutil.rmtree(workdir / ckpt.DAMAGED_DIR)
   assert ckpt.Checkpointer(workdir).latest_step() is None
@@ -171,8 +188,9 @@ def test_no_intact_step_refuses_to_start_over(run, targets, tmp_path, capfd):
 def test_a_target_that_does_not_fit_is_an_error_not_damage(run, targets, tmp_path):
   workdir = tmp_path / "w"
   shutil.copytree(run[0], workdir)
-  wrong = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] + 1, *a.shape[1:]), a.dtype, sharding=a.sharding),
-                       targets[1])
+  wrong = jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct((a.shape[0] + 1, *a.shape[1:]), a.dtype, sharding=a.sharding), targets[1]
+  )
   with pytest.raises(ckpt.CheckpointError, match="cannot restore checkpoint step 4 in .*: Requested shape"):
     ckpt.Checkpointer(workdir).restore_params(wrong)
   assert ckpt.Checkpointer(workdir, read_only=True).all_steps() == [2, 4] and not (workdir / ckpt.DAMAGED_DIR).exists()
@@ -182,7 +200,7 @@ def test_translate_reports_damage_in_one_line_and_nothing_else(run, tmp_path):
   workdir = _damaged_copy(run, tmp_path, "truncated_array")
   proc = run_cli("translate", "--workdir", str(workdir), stdin="A man is riding a bike.\n")
   assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 1
-  lines = proc.stderr.splitlines()   # nothing from Orbax or TensorStore, even at exit
+  lines = proc.stderr.splitlines()  # nothing from Orbax or TensorStore, even at exit
   assert len(lines) == 1 and lines[0].startswith(f"checkpoint step 4 in {workdir / 'checkpoints'} is damaged (")
   assert "OUT_OF_RANGE" in lines[0]
 
@@ -225,24 +243,24 @@ def test_a_save_that_cannot_make_its_folder_names_the_step_and_the_cause(run, ta
   checkpointer = ckpt.Checkpointer(workdir)
   state = checkpointer.restore(targets[0])
   shutil.rmtree(workdir / "checkpoints")
-  (workdir / "checkpoints").write_text("")   # its folder is gone, a file in its place: a real OSError
+  (workdir / "checkpoints").write_text("")  # its folder is gone, a file in its place: a real OSError
   with pytest.raises(ckpt.CheckpointError, match=r"saving the step-5 checkpoint in .* failed \(Not a directory: "):
     # At once: the step's folders are made before `save` returns (made in the background, a
     # failure there would leave Orbax's writer threads waiting, and the process could not exit).
     checkpointer.save(state.replace(step=jax.numpy.asarray(5, jax.numpy.int32)), force=True)
-  checkpointer.close()   # reported once: closing raises nothing
+  checkpointer.close()  # reported once: closing raises nothing
 
 
 def test_an_unfinished_save_is_ignored_then_replaced(run, targets, tmp_path, capfd):
   workdir = tmp_path / "w"
   shutil.copytree(run[0], workdir)
-  tmp = workdir / "checkpoints" / "4.orbax-checkpoint-tmp"   # what a save killed mid-way leaves
+  tmp = workdir / "checkpoints" / "4.orbax-checkpoint-tmp"  # what a save killed mid-way leaves
   (workdir / "checkpoints" / "4").rename(tmp)
   capfd.readouterr()
   assert inference_restore.restore(workdir, inference_restore.workdir_config(workdir)).step == 2
   checkpointer = ckpt.Checkpointer(workdir)
   state = checkpointer.restore(targets[0])
-  assert int(state.step) == 2 and capfd.readouterr().err == ""   # not damage: nothing to report
+  assert int(state.step) == 2 and capfd.readouterr().err == ""  # not damage: nothing to report
   checkpointer.save(state.replace(step=jax.numpy.asarray(4, jax.numpy.int32)), force=True)
   checkpointer.close()
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4"]

@@ -22,16 +22,25 @@ def cli_env() -> dict:
 
 def run_cli(*args, check=True):
   env = cli_env()
-  proc = subprocess.run([sys.executable, "-m", "jaxformer", *args], capture_output=True, text=True, env=env,
-                        cwd=ROOT, timeout=600)
+  proc = subprocess.run(
+    [sys.executable, "-m", "jaxformer", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600
+  )
   if check and proc.returncode != 0:
     raise AssertionError(f"jaxformer {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
   return proc
 
 
 def _common(data_dir):
-  return [f"data.data_dir={data_dir}", "data.buckets=[64]", "model.num_encoder_layers=1", "model.num_decoder_layers=1",
-          "train.log_every=1", "train.eval_every=100", "train.checkpoint_every=4", "train.batch_size=16"]
+  return [
+    f"data.data_dir={data_dir}",
+    "data.buckets=[64]",
+    "model.num_encoder_layers=1",
+    "model.num_decoder_layers=1",
+    "train.log_every=1",
+    "train.eval_every=100",
+    "train.checkpoint_every=4",
+    "train.batch_size=16",
+  ]
 
 
 def _metrics(workdir):
@@ -48,8 +57,9 @@ def resumed_run(tmp_path_factory, multi30k_dir):
   eight = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "runtime.num_cpu_devices=8"]
   run_cli("train", "--config", TINY, "--workdir", str(workdir), *_common(multi30k_dir), *eight, "train.num_steps=8")
   first = _metrics(workdir)
-  resumed = run_cli("train", "--config", TINY, "--workdir", str(workdir), *_common(multi30k_dir), *eight,
-                    "train.num_steps=12")
+  resumed = run_cli(
+    "train", "--config", TINY, "--workdir", str(workdir), *_common(multi30k_dir), *eight, "train.num_steps=12"
+  )
   assert f"resuming from the step-8 checkpoint in {workdir}" in resumed.stderr
   return workdir, first
 
@@ -58,7 +68,7 @@ def resumed_run(tmp_path_factory, multi30k_dir):
 def test_train_on_eight_devices_then_resume(resumed_run, tmp_path, multi30k_dir):
   workdir, first = resumed_run
   losses = _train_losses(workdir)
-  assert sorted(losses) == list(range(1, 13))         # the resumed run continued at step 9
+  assert sorted(losses) == list(range(1, 13))  # the resumed run continued at step 9
   assert [m["step"] for m in first if "loss" in m] == list(range(1, 9))
   record = [m for m in _metrics(workdir) if "loss" in m][-1]
   for key in ("step", "loss", "learning_rate", "grad_norm", "tokens_per_sec"):
@@ -91,11 +101,13 @@ def test_eval_is_identical_on_every_mesh_and_prints_json(resumed_run, tmp_path):
   src.write_text(_first_lines("val.en.gz", 40))
   ref.write_text(_first_lines("val.de.gz", 40))
   results, hypotheses = [], []
-  for mesh in (["runtime.num_cpu_devices=4", "mesh.data=4"],
-               ["runtime.num_cpu_devices=2", "mesh.data=1", "mesh.tensor=2"], ["--step", "12"]):
+  for mesh in (
+    ["runtime.num_cpu_devices=4", "mesh.data=4"],
+    ["runtime.num_cpu_devices=2", "mesh.data=1", "mesh.tensor=2"],
+    ["--step", "12"],
+  ):
     out = tmp_path / f"hyps{len(results)}.txt"
-    proc = run_cli("eval", "--workdir", str(workdir), "--src", str(src), "--ref", str(ref), "--output", str(out),
-                   *mesh)
+    proc = run_cli("eval", "--workdir", str(workdir), "--src", str(src), "--ref", str(ref), "--output", str(out), *mesh)
     results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     hypotheses.append(out.read_text())
   result = results[0]
@@ -109,8 +121,13 @@ def test_eval_is_identical_on_every_mesh_and_prints_json(resumed_run, tmp_path):
     assert hyps == hypotheses[0]
     assert (other["bleu"], other["chrf"], other["num_tokens"]) == (result["bleu"], result["chrf"], result["num_tokens"])
     assert other["loss"] == pytest.approx(result["loss"], rel=1e-6)
-  translated = subprocess.run([sys.executable, "-m", "jaxformer", "translate", "--workdir", str(workdir)],
-                              input="A man is riding a bike.\n", capture_output=True, text=True, cwd=ROOT)
+  translated = subprocess.run(
+    [sys.executable, "-m", "jaxformer", "translate", "--workdir", str(workdir)],
+    input="A man is riding a bike.\n",
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+  )
   assert translated.returncode == 0 and len(translated.stdout.splitlines()) == 1
 
 
@@ -129,8 +146,19 @@ def test_bad_inputs_give_one_line_errors(tmp_path):
   assert "train.batch_size must be int" in line
   line = _error_line(run_cli("train", "--config", TINY, "--workdir", workdir, "mesh.data=3", check=False))
   assert "but there are 1 devices" in line
-  line = _error_line(run_cli("train", "--config", TINY, "--workdir", workdir, "runtime.num_cpu_devices=4",
-                             "mesh.data=4", "train.batch_size=6", check=False))
+  line = _error_line(
+    run_cli(
+      "train",
+      "--config",
+      TINY,
+      "--workdir",
+      workdir,
+      "runtime.num_cpu_devices=4",
+      "mesh.data=4",
+      "train.batch_size=6",
+      check=False,
+    )
+  )
   assert "train.batch_size=6 is not divisible by the data-parallel size 4" in line
   line = _error_line(run_cli("eval", "--workdir", str(tmp_path / "empty"), check=False))
   assert "not a jaxformer workdir" in line
@@ -140,6 +168,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path):
 def test_eval_errors_on_workdir_without_checkpoints_and_mismatched_files(tmp_path):
   from jaxformer.checkpoint.manager import save_run_files
   from jaxformer.config import dump_config, load_config
+
   workdir = tmp_path / "w"
   save_run_files(workdir, dump_config(load_config(TINY)), b"not used before the checks")
   src, ref = tmp_path / "src", tmp_path / "ref"
@@ -155,21 +184,26 @@ def test_eval_errors_on_workdir_without_checkpoints_and_mismatched_files(tmp_pat
 def test_config_command_lists_and_shows_every_key(tmp_path):
   listed = run_cli("config", "--list").stdout.strip().splitlines()
   configs = json.loads(listed[-1])["configs"]
-  assert {c["name"] for c in configs} >= {"tiny", "multi30k_small", "shakespeare_char"} and len(listed) == len(configs) + 1
+  assert {c["name"] for c in configs} >= {"tiny", "multi30k_small", "shakespeare_char"} and len(listed) == len(
+    configs
+  ) + 1
   assert all(c["description"] for c in configs)
   shown = run_cli("config", "--show", "tiny", "train.num_steps=5").stdout.strip().splitlines()
   rows = {line.split(" = ")[0].strip(): line for line in shown[:-1]}
   assert rows["train.num_steps"].split(" = ")[1].startswith("5  (int, default 10000)  optimizer steps")
   assert "data.packing" in rows and all("(" in line for line in rows.values())
   from jaxformer.config import load_config, to_dict
+
   assert json.loads(shown[-1]) == to_dict(load_config(TINY, ["train.num_steps=5"]))
-  assert "did you mean train.num_steps?" in _error_line(run_cli("config", "--show", TINY, "train.num_step=5",
-                                                               check=False))
+  assert "did you mean train.num_steps?" in _error_line(
+    run_cli("config", "--show", TINY, "train.num_step=5", check=False)
+  )
   assert "jaxformer config --list" in run_cli("train", "--help").stdout
 
 
 def test_scoring_mismatched_counts_and_zero_batch_sizes_are_refused(tmp_path):
   from jaxformer.tasks import evaluate
+
   with pytest.raises(ValueError, match="3 hypotheses but 2 references"):
     evaluate.score(["a", "b", "c"], ["a", "b"])
   assert evaluate.score(["a b c d"], ["a b c d"])["bleu"] == 100.0
@@ -186,18 +220,23 @@ def test_averaged_checkpoints_evaluate_on_the_fly_and_as_a_workdir(resumed_run, 
   src.write_text(_first_lines("val.en.gz", 20))
   ref.write_text(_first_lines("val.de.gz", 20))
   texts = ["--src", str(src), "--ref", str(ref)]
-  fly = json.loads(run_cli("eval", "--workdir", str(workdir), *texts, "--average-last", "3", "--output",
-                           str(tmp_path / "fly.txt")).stdout.splitlines()[-1])
+  fly = json.loads(
+    run_cli(
+      "eval", "--workdir", str(workdir), *texts, "--average-last", "3", "--output", str(tmp_path / "fly.txt")
+    ).stdout.splitlines()[-1]
+  )
   assert fly["averaged_steps"] == [4, 8, 12] and fly["step"] == 12
   out = tmp_path / "avg3"
   made = json.loads(run_cli("average", "--workdir", str(workdir), "--last", "3", "--output", str(out)).stdout)
   assert made == {"workdir": str(out), "averaged_steps": [4, 8, 12]}
-  written = json.loads(run_cli("eval", "--workdir", str(out), *texts, "--output",
-                               str(tmp_path / "written.txt")).stdout.splitlines()[-1])
+  written = json.loads(
+    run_cli("eval", "--workdir", str(out), *texts, "--output", str(tmp_path / "written.txt")).stdout.splitlines()[-1]
+  )
   assert (written["bleu"], written["loss"], written["step"]) == (fly["bleu"], fly["loss"], 12)
   assert (tmp_path / "written.txt").read_text() == (tmp_path / "fly.txt").read_text()
-  _error_line(run_cli("average", "--workdir", str(workdir), "--last", "4", "--output", str(tmp_path / "a4"),
-                      check=False))
+  _error_line(
+    run_cli("average", "--workdir", str(workdir), "--last", "4", "--output", str(tmp_path / "a4"), check=False)
+  )
   assert not (tmp_path / "a4").exists()
   both = run_cli("eval", "--workdir", str(workdir), "--step", "4", "--average-last", "2", check=False)
   assert both.returncode == 2 and "not allowed with argument" in both.stderr

@@ -27,8 +27,9 @@ def test_presets_have_paper_shapes():
 
 
 def test_overrides_are_typed():
-  config = config_from_dict({}, ["train.num_steps=7", "optim.learning_rate=2", "data.buckets=[8, 64]",
-                                 "model.pre_norm=true", "optim.eps=1e-9"])
+  config = config_from_dict(
+    {}, ["train.num_steps=7", "optim.learning_rate=2", "data.buckets=[8, 64]", "model.pre_norm=true", "optim.eps=1e-9"]
+  )
   assert config.train.num_steps == 7
   assert config.optim.learning_rate == 2.0 and isinstance(config.optim.learning_rate, float)
   assert config.data.buckets == (8, 64)
@@ -36,7 +37,9 @@ def test_overrides_are_typed():
   assert config.optim.eps == 1e-9
 
 
-@pytest.mark.parametrize("override, message", [
+@pytest.mark.parametrize(
+  "override, message",
+  [
     ("train.num_step=5", "unknown config key 'train.num_step'; did you mean train.num_steps?"),
     ("trian.num_steps=5", "did you mean train?"),
     ("train.num_steps=abc", "train.num_steps must be int, got str 'abc'"),
@@ -47,7 +50,10 @@ def test_overrides_are_typed():
     ("train.steps_per_call=0", "train.steps_per_call must be >= 1, got 0"),
     ("mesh.data=0", "mesh.data must be a positive size or -1"),
     ("train.num_steps", "not of the form section.key=value"),
-    ("model.position=relative", "model.position='relative' is unknown; use one of sinusoidal, learned, rope, alibi, t5, none"),
+    (
+      "model.position=relative",
+      "model.position='relative' is unknown; use one of sinusoidal, learned, rope, alibi, t5, none",
+    ),
     ("model.norm=batchnorm", "use one of layernorm, rmsnorm"),
     ("model.ffn=swish", "use one of relu, gelu, gelu_tanh, silu, swiglu, geglu, geglu_tanh"),
     ("model.attention=flash", "use one of dense, blockwise"),
@@ -59,7 +65,8 @@ def test_overrides_are_typed():
     ("precision.growth_factor=nan", "precision.growth_factor must be a finite number > 1, got nan"),
     ("precision.growth_factor=1", "precision.growth_factor must be a finite number > 1, got 1"),
     ("model.share_embeddings=false", "did you mean model.tie_embeddings?"),
-])
+  ],
+)
 def test_bad_overrides_give_one_line_errors(override, message):
   with pytest.raises(ConfigError) as info:
     config_from_dict({}, [override])
@@ -67,7 +74,9 @@ def test_bad_overrides_give_one_line_errors(override, message):
   assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("override, message", [
+@pytest.mark.parametrize(
+  "override, message",
+  [
     ("optim.learning_rate=nan", "optim.learning_rate must be a finite number, got nan"),
     ("optim.learning_rate=inf", "optim.learning_rate must be a finite number, got inf"),
     ("optim.weight_decay=nan", "optim.weight_decay must be a finite number"),
@@ -80,14 +89,15 @@ def test_bad_overrides_give_one_line_errors(override, message):
     ("optim.min_learning_rate=-1e-4", "optim.min_learning_rate must be >= 0"),
     ("runtime.platform=foo", "runtime.platform='foo' is unknown; use cpu | gpu | tpu"),
     ("runtime.platform=cuda", "runtime.platform='cuda' is unknown"),
-])
+  ],
+)
 def test_optimizer_numbers_and_platform_names_are_checked(override, message):
   """Every optim float is finite and in its range (NaN passed the old `x <= 0` checks), and
   runtime.platform names a JAX platform."""
   with pytest.raises(ConfigError) as info:
     config_from_dict({}, [override])
   assert message in str(info.value) and "\n" not in str(info.value)
-  config_from_dict({}, ["optim.b1=0", "optim.b2=0.999", "optim.eps=1e-12", "runtime.platform=cpu"])   # in range
+  config_from_dict({}, ["optim.b1=0", "optim.b2=0.999", "optim.eps=1e-12", "runtime.platform=cpu"])  # in range
 
 
 def test_a_data_dir_that_is_a_file_is_refused(tmp_path):
@@ -100,9 +110,20 @@ def test_a_data_dir_that_is_a_file_is_refused(tmp_path):
 
 
 def test_architecture_options_parse():
-  config = config_from_dict({}, ["model.position=rope", "model.norm=rmsnorm", "model.ffn=swiglu",
-                                 "model.num_kv_heads=2", "model.attn_logit_softcap=30", "model.sliding_window=64",
-                                 "model.attention=blockwise", "model.tie_embeddings=false", "train.z_loss=1e-4"])
+  config = config_from_dict(
+    {},
+    [
+      "model.position=rope",
+      "model.norm=rmsnorm",
+      "model.ffn=swiglu",
+      "model.num_kv_heads=2",
+      "model.attn_logit_softcap=30",
+      "model.sliding_window=64",
+      "model.attention=blockwise",
+      "model.tie_embeddings=false",
+      "train.z_loss=1e-4",
+    ],
+  )
   m = config.model
   assert (m.position, m.norm, m.ffn, m.attention) == ("rope", "rmsnorm", "swiglu", "blockwise")
   assert (m.num_kv_heads, m.kv_heads, m.sliding_window, m.tie_embeddings) == (2, 2, 64, False)
@@ -125,11 +146,15 @@ def test_a_config_typo_fails_before_jax_is_imported():
   """`jaxformer train` checks the config first: a mistyped key costs no JAX import."""
   import subprocess
   import sys
-  code = ("import sys; from jaxformer.cli import main; "
-          "rc = main(['train', '--config', 'configs/tiny.yaml', '--workdir', 'unused', 'train.num_step=3']); "
-          "print(rc, sorted(m for m in ('jax', 'flax', 'orbax', 'grain', 'tensorflow_datasets') if m in sys.modules))")
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent.parent,
-                       timeout=120)
+
+  code = (
+    "import sys; from jaxformer.cli import main; "
+    "rc = main(['train', '--config', 'configs/tiny.yaml', '--workdir', 'unused', 'train.num_step=3']); "
+    "print(rc, sorted(m for m in ('jax', 'flax', 'orbax', 'grain', 'tensorflow_datasets') if m in sys.modules))"
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent.parent, timeout=120
+  )
   assert out.stdout.split("\n")[0] == "2 []", out.stdout + out.stderr
   assert out.stderr.strip() == "error: unknown config key 'train.num_step'; did you mean train.num_steps?"
 
@@ -137,14 +162,16 @@ def test_a_config_typo_fails_before_jax_is_imported():
 def test_overrides_anywhere_and_shipped_names_from_any_directory(tmp_path, monkeypatch, capsys):
   from jaxformer.cli import _parser
   from jaxformer.cli.args import CONFIGS_DIR, config_path, parse_command_line
-  monkeypatch.chdir(tmp_path)   # no configs/ here
-  args = parse_command_line(_parser(), ["train", "--config", "tiny", "model.position=t5", "--workdir", "W",
-                                        "train.num_steps=3"])
+
+  monkeypatch.chdir(tmp_path)  # no configs/ here
+  args = parse_command_line(
+    _parser(), ["train", "--config", "tiny", "model.position=t5", "--workdir", "W", "train.num_steps=3"]
+  )
   assert (args.workdir, args.overrides) == ("W", ["model.position=t5", "train.num_steps=3"])
   config = load_config(config_path(args.config), args.overrides)
   assert (config.model.position, config.train.num_steps) == ("t5", 3)
   assert Path(config_path("tiny")) == CONFIGS_DIR / "tiny.yaml" and (CONFIGS_DIR / "tiny.yaml").is_file()
-  for stray in ("--bogus", "bogus"):   # after a run of overrides: neither a flag nor key=value
+  for stray in ("--bogus", "bogus"):  # after a run of overrides: neither a flag nor key=value
     with pytest.raises(SystemExit):
       parse_command_line(_parser(), ["train", "--config", "tiny", "model.position=t5", "--workdir", "W", stray])
     assert f"unrecognized arguments: {stray}" in capsys.readouterr().err

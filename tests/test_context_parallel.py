@@ -40,47 +40,68 @@ def _inputs():
   keys = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(keys[0], (B, T, D))
   src = jax.random.normal(keys[1], (B, S, D))
-  valid = jnp.arange(T)[None] < jnp.array([[T], [11]])          # row 1: 5 padded, fully masked query rows
+  valid = jnp.arange(T)[None] < jnp.array([[T], [11]])  # row 1: 5 padded, fully masked query rows
   src_valid = jnp.arange(S)[None] < jnp.array([[S], [5]])
   segments = jnp.array([[1] * 6 + [2] * 7 + [3] * 3, [1] * 4 + [2] * 7 + [0] * 5])
   positions = jnp.array([list(range(6)) + list(range(7)) + list(range(3)), list(range(4)) + list(range(7)) + [0] * 5])
   src_segments = jnp.array([[1] * 3 + [2] * 3 + [3] * 2, [1] * 2 + [2] * 3 + [0] * 3])
-  return dict(x=x, src=src, valid=valid, src_valid=src_valid, segments=segments, positions=positions,
-              src_segments=src_segments, weights=jnp.cos(jnp.arange(B * T * D)).reshape(B, T, D))
+  return dict(
+    x=x,
+    src=src,
+    valid=valid,
+    src_valid=src_valid,
+    segments=segments,
+    positions=positions,
+    src_segments=src_segments,
+    weights=jnp.cos(jnp.arange(B * T * D)).reshape(B, T, D),
+  )
 
 
 # name -> (module options, call keywords built from _inputs()): every mask and position scheme.
 CASES = {
-    "causal-rope-padding": (dict(causal=True, position="rope"), lambda a: dict(q_valid=a["valid"])),
-    "window-global-alibi-packed": (dict(causal=True, position="alibi", sliding_window=3, global_tokens=2),
-                                   lambda a: dict(q_valid=a["valid"], q_segment_ids=a["segments"],
-                                                  positions=a["positions"])),
-    "bidirectional-t5-padding": (dict(position="t5", relative_buckets=8, relative_max_distance=12),
-                                 lambda a: dict(q_valid=a["valid"])),
-    "cross-packed": (dict(is_cross=True), lambda a: dict(kv=a["src"], q_valid=a["valid"], kv_valid=a["src_valid"],
-                                                         q_segment_ids=a["segments"],
-                                                         kv_segment_ids=a["src_segments"])),
+  "causal-rope-padding": (dict(causal=True, position="rope"), lambda a: dict(q_valid=a["valid"])),
+  "window-global-alibi-packed": (
+    dict(causal=True, position="alibi", sliding_window=3, global_tokens=2),
+    lambda a: dict(q_valid=a["valid"], q_segment_ids=a["segments"], positions=a["positions"]),
+  ),
+  "bidirectional-t5-padding": (
+    dict(position="t5", relative_buckets=8, relative_max_distance=12),
+    lambda a: dict(q_valid=a["valid"]),
+  ),
+  "cross-packed": (
+    dict(is_cross=True),
+    lambda a: dict(
+      kv=a["src"],
+      q_valid=a["valid"],
+      kv_valid=a["src_valid"],
+      q_segment_ids=a["segments"],
+      kv_segment_ids=a["src_segments"],
+    ),
+  ),
 }
 
 
 def _attention_grads(implementation: str, case: str, context: int):
   """(output, gradients wrt params, x, the source and the T5 table) of the layer under `context`."""
   options, call = CASES[case]
-  layer = MultiHeadAttention(num_heads=4, num_kv_heads=2, head_dim=8, implementation=implementation, block_size=4,
-                             **options)
+  layer = MultiHeadAttention(
+    num_heads=4, num_kv_heads=2, head_dim=8, implementation=implementation, block_size=4, **options
+  )
   a = _inputs()
   kw = call(a)
   src = kw.pop("kv", None)
   table = jax.random.normal(jax.random.key(2), (8, 4)) * 0.5 if options.get("position") == "t5" else None
   params = MultiHeadAttention(num_heads=4, num_kv_heads=2, head_dim=8, **options).init(
-      jax.random.key(1), a["x"], src, deterministic=True, bias_table=table, **kw)
+    jax.random.key(1), a["x"], src, deterministic=True, bias_table=table, **kw
+  )
 
   def loss(p, x, src, table):
     y = layer.apply(p, x, src, deterministic=True, bias_table=table, **kw)
     return jnp.sum(y * a["weights"]), y
 
-  (_, out), grads = _run(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True), context,
-                         params, a["x"], src, table)
+  (_, out), grads = _run(
+    jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True), context, params, a["x"], src, table
+  )
   return out, grads
 
 
@@ -94,11 +115,13 @@ def _assert_close(got, want):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("implementation, context", [("blockwise", 2), ("blockwise", 4), ("blockwise", 8),
-                                                     ("dense", 8), ("fused", 8)])
+@pytest.mark.parametrize(
+  "implementation, context", [("blockwise", 2), ("blockwise", 4), ("blockwise", 8), ("dense", 8), ("fused", 8)]
+)
 def test_causal_rope_padding_equals_dense_on_one_device(dense_references, implementation, context):
-  _assert_close(_attention_grads(implementation, "causal-rope-padding", context),
-                dense_references["causal-rope-padding"])
+  _assert_close(
+    _attention_grads(implementation, "causal-rope-padding", context), dense_references["causal-rope-padding"]
+  )
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c != "causal-rope-padding"])
@@ -110,14 +133,22 @@ def test_masks_and_position_biases_equal_dense_on_one_device(dense_references, c
 
 
 def _config(*overrides: str):
-  return tiny_config(None, "model.num_encoder_layers=1", "model.num_decoder_layers=2", "model.attention_block_size=4",
-                     *overrides)
+  return tiny_config(
+    None, "model.num_encoder_layers=1", "model.num_decoder_layers=2", "model.attention_block_size=4", *overrides
+  )
 
 
-@pytest.mark.parametrize("kind, context, extra", [
-    ("decoder_only", 8, ["model.position=rope", "model.attention=blockwise", "model.remat=full",
-                         "model.scan_layers=true"]),
-    ("encoder_decoder", 4, [])])
+@pytest.mark.parametrize(
+  "kind, context, extra",
+  [
+    (
+      "decoder_only",
+      8,
+      ["model.position=rope", "model.attention=blockwise", "model.remat=full", "model.scan_layers=true"],
+    ),
+    ("encoder_decoder", 4, []),
+  ],
+)
 def test_tiny_model_loss_and_gradients_equal_one_device(kind, context, extra):
   """A decoder-only model (RoPE, blockwise, remat, scanned layers) and the encoder-decoder (its
   cross-attention gathers the split encoder output)."""
@@ -126,7 +157,7 @@ def test_tiny_model_loss_and_gradients_equal_one_device(kind, context, extra):
   model = task.make_model()
   rng = np.random.default_rng(0)
   ids = rng.integers(1, config.model.vocab_size, size=(2, 2, 16)).astype(np.int32)
-  ids[:, 1, 12:] = 0   # padding
+  ids[:, 1, 12:] = 0  # padding
   batch = {"inputs": ids[0], "targets": ids[1]}
   params = model.init(jax.random.key(0), batch["inputs"], batch["targets"])["params"]
 
@@ -144,8 +175,13 @@ def test_bfloat16_compute_compiles_and_agrees_with_one_device(attention):
   """bfloat16 compute (the GPU/TPU preset): the keys' gradients are reduce-scattered in float32
   (XLA:CPU aborts on a bfloat16 one inside a partly manual map); values agree with one device up
   to bfloat16 rounding."""
-  config = _config("model.kind=decoder_only", "model.dropout_rate=0", "model.position=rope",
-                   f"model.attention={attention}", "precision.policy=params=float32,compute=bfloat16,output=float32")
+  config = _config(
+    "model.kind=decoder_only",
+    "model.dropout_rate=0",
+    "model.position=rope",
+    f"model.attention={attention}",
+    "precision.policy=params=float32,compute=bfloat16,output=float32",
+  )
   task = get_task(config)
   model = task.make_model()
   ids = np.random.default_rng(1).integers(1, config.model.vocab_size, size=(2, 2, 16)).astype(np.int32)
@@ -165,9 +201,17 @@ def test_bfloat16_compute_compiles_and_agrees_with_one_device(attention):
 def test_per_device_memory_falls_with_the_context_size():
   """Compiled memory of a decoder-only train step on one 4096-token sequence (blockwise attention,
   one layer): temporaries fall monotonically and at c = 8 are at most a quarter of c = 1."""
-  config = _config("model.kind=decoder_only", "model.position=rope", "model.attention=blockwise",
-                   "model.attention_block_size=256", "model.num_decoder_layers=1", "model.max_length=4096",
-                   "data.max_length=4096", "train.batch_size=1", "model.dropout_rate=0")
+  config = _config(
+    "model.kind=decoder_only",
+    "model.position=rope",
+    "model.attention=blockwise",
+    "model.attention_block_size=256",
+    "model.num_decoder_layers=1",
+    "model.max_length=4096",
+    "data.max_length=4096",
+    "train.batch_size=1",
+    "model.dropout_rate=0",
+  )
   temps = []
   for c in (1, 2, 4, 8):
     cfg = dataclasses.replace(config, mesh=MeshConfig(data=1, context=c))
@@ -181,8 +225,9 @@ def test_a_length_that_does_not_split_is_left_to_jit_and_configs_that_cannot_run
   layer = MultiHeadAttention(num_heads=2, head_dim=4, causal=True)
   x = jax.random.normal(jax.random.key(0), (1, 12, 8))
   params = layer.init(jax.random.key(1), x, None, deterministic=True)
-  np.testing.assert_allclose(*(_run(lambda p: layer.apply(p, x, None, deterministic=True), c, params) for c in (8, 0)),
-                             atol=1e-6)
+  np.testing.assert_allclose(
+    *(_run(lambda p: layer.apply(p, x, None, deterministic=True), c, params) for c in (8, 0)), atol=1e-6
+  )
   with pytest.raises(ConfigError, match="model.attention_dropout_rate=0.1 does not run with context parallelism"):
     build_mesh(_config("model.attention_dropout_rate=0.1", "mesh.data=1", "mesh.context=8", "train.batch_size=8"))
   with pytest.raises(ConfigError, match=r"mesh.context=8 does not divide the sequence lengths \[12\]"):
@@ -198,20 +243,42 @@ def test_a_decoder_trains_on_a_32k_token_sequence_over_8_devices(tmp_path):
   import os
   import subprocess
   import sys
+
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["JAX_PLATFORMS"] = "cpu"
   length = 32768
-  args = ["train", "--config", str(ROOT / "configs/shakespeare_char.yaml"), "--workdir", str(tmp_path / "run"),
-          f"data.data_dir={tmp_path / 'data'}", "model.d_model=16", "model.num_heads=2", "model.d_ff=32",
-          "model.num_decoder_layers=1", "model.position=rope", "model.attention=blockwise",
-          "model.attention_block_size=1024", f"model.max_length={length}", f"data.max_length={length}",
-          "train.batch_size=1", "train.steps_per_call=1", "train.num_steps=2", "train.log_every=1",
-          "train.eval_every=1000", "train.checkpoint_every=1000", "optim.warmup_steps=1", "mesh.data=1",
-          "mesh.context=8", "runtime.num_cpu_devices=8"]
-  result = subprocess.run([sys.executable, "-m", "jaxformer", *args], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=1200)
+  args = [
+    "train",
+    "--config",
+    str(ROOT / "configs/shakespeare_char.yaml"),
+    "--workdir",
+    str(tmp_path / "run"),
+    f"data.data_dir={tmp_path / 'data'}",
+    "model.d_model=16",
+    "model.num_heads=2",
+    "model.d_ff=32",
+    "model.num_decoder_layers=1",
+    "model.position=rope",
+    "model.attention=blockwise",
+    "model.attention_block_size=1024",
+    f"model.max_length={length}",
+    f"data.max_length={length}",
+    "train.batch_size=1",
+    "train.steps_per_call=1",
+    "train.num_steps=2",
+    "train.log_every=1",
+    "train.eval_every=1000",
+    "train.checkpoint_every=1000",
+    "optim.warmup_steps=1",
+    "mesh.data=1",
+    "mesh.context=8",
+    "runtime.num_cpu_devices=8",
+  ]
+  result = subprocess.run(
+    [sys.executable, "-m", "jaxformer", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200
+  )
   assert result.returncode == 0, result.stderr[-2000:]
   rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
   losses = [row["loss"] for row in rows if "loss" in row and row.get("step") in (1, 2)]
   assert len(losses) == 2 and all(np.isfinite(losses)) and losses[1] < losses[0]
-  assert all(row["padding_fraction"] == 0.0 for row in rows if "loss" in row)   # full 32k-token windows
+  assert all(row["padding_fraction"] == 0.0 for row in rows if "loss" in row)  # full 32k-token windows

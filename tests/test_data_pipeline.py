@@ -68,11 +68,11 @@ def test_tokenizer_round_trip_and_specials(prepared):
   tokenizer, _ = prepared
   assert tokenizer.vocab_size == 8000
   sentences = [
-      "Zwei junge weiße Männer sind im Freien in der Nähe vieler Büsche.",
-      "Ein Mädchen (5 Jahre) läuft über die Straße – schön, oder?!",
-      "Größe: 3€;  \"Äpfel\" & 'Öl' @ 10:30 Uhr… Übermorgen ß!",
-      "A little girl climbing into a wooden playhouse.",
-      "Ünïcødé 漢字 ✓",
+    "Zwei junge weiße Männer sind im Freien in der Nähe vieler Büsche.",
+    "Ein Mädchen (5 Jahre) läuft über die Straße – schön, oder?!",
+    "Größe: 3€;  \"Äpfel\" & 'Öl' @ 10:30 Uhr… Übermorgen ß!",
+    "A little girl climbing into a wooden playhouse.",
+    "Ünïcødé 漢字 ✓",
   ]
   for s in sentences:
     ids = tokenizer.encode(s)
@@ -109,8 +109,7 @@ def test_static_bucket_shapes(prepared):
     L = b["inputs"].shape[1]
     assert b["inputs"].shape == b["targets"].shape == (64, L)
     assert L in buckets
-    longest = max((b["inputs"] != 0).sum(1).max(),
-                  (b["targets"] != 0).sum(1).max())
+    longest = max((b["inputs"] != 0).sum(1).max(), (b["targets"] != 0).sum(1).max())
     assert L == min(x for x in buckets if x >= longest)
     for row in b["inputs"]:
       n = int((row != 0).sum())
@@ -129,9 +128,9 @@ def test_epoch_has_no_duplicates_and_seeds(prepared):
   for step in (0, 5, a.batches_per_epoch + 3):
     np.testing.assert_array_equal(a[step]["inputs"], same[step]["inputs"])
     np.testing.assert_array_equal(a[step]["targets"], same[step]["targets"])
-  assert any(a[s]["inputs"].shape != other[s]["inputs"].shape
-             or (a[s]["inputs"] != other[s]["inputs"]).any()
-             for s in range(3))
+  assert any(
+    a[s]["inputs"].shape != other[s]["inputs"].shape or (a[s]["inputs"] != other[s]["inputs"]).any() for s in range(3)
+  )
   # Different epochs differ.
   assert not np.array_equal(a._epoch_plan(0), a._epoch_plan(1))
 
@@ -147,8 +146,7 @@ def test_resume_matches_indexing(prepared):
     for key in ("inputs", "targets"):
       np.testing.assert_array_equal(got[key], want[key])
   no_threads = D.TrainBatches(splits["train"], 32, seed=3, num_threads=0)
-  np.testing.assert_array_equal(next(no_threads.iterate(k))["inputs"],
-                                batches[k]["inputs"])
+  np.testing.assert_array_equal(next(no_threads.iterate(k))["inputs"], batches[k]["inputs"])
   assert len(batches.dataset(10, 5)) == 5
 
 
@@ -156,14 +154,12 @@ def test_process_shards_union(prepared):
   _, splits = prepared
   train = splits["train"]
   full = D.TrainBatches(train, 64, seed=7)
-  shards = [D.TrainBatches(train, 64, seed=7, process_index=i,
-                           process_count=2) for i in range(2)]
+  shards = [D.TrainBatches(train, 64, seed=7, process_index=i, process_count=2) for i in range(2)]
   for step in (0, 11, 500):
     parts = [s[step] for s in shards]
     for key in ("inputs", "targets"):
       assert all(p[key].shape == (32, full[step][key].shape[1]) for p in parts)
-      np.testing.assert_array_equal(
-          np.concatenate([p[key] for p in parts]), full[step][key])
+      np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), full[step][key])
   with pytest.raises(ValueError, match="multiple of process_count"):
     D.TrainBatches(train, 63, process_index=0, process_count=2)
 
@@ -206,24 +202,20 @@ def test_eval_batches_cover_once(prepared):
           n = len(inputs[i])
           np.testing.assert_array_equal(row[:n], inputs[i])
     if not sort:
-      np.testing.assert_array_equal(index[:len(val)], np.arange(len(val)))
-  sharded = [D.eval_batches(val, 64, process_index=i, process_count=2)
-             for i in range(2)]
+      np.testing.assert_array_equal(index[: len(val)], np.arange(len(val)))
+  sharded = [D.eval_batches(val, 64, process_index=i, process_count=2) for i in range(2)]
   full = D.eval_batches(val, 64)
   for b, p0, p1 in zip(full, *sharded):
-    np.testing.assert_array_equal(np.concatenate([p0["index"], p1["index"]]),
-                                  b["index"])
+    np.testing.assert_array_equal(np.concatenate([p0["index"], p1["index"]]), b["index"])
     assert p0["inputs"].shape == p1["inputs"].shape
 
 
 def test_train_padding_fraction(prepared):
   _, splits = prepared
   batches = D.TrainBatches(splits["train"], 128, seed=0)
-  fractions = [D.padding_fraction(batches[i])
-               for i in range(batches.batches_per_epoch)]
+  fractions = [D.padding_fraction(batches[i]) for i in range(batches.batches_per_epoch)]
   assert np.mean(fractions) < 0.15
-  assert len({batches[i]["inputs"].shape for i in range(50)}) <= len(
-      D.DEFAULT_BUCKETS)
+  assert len({batches[i]["inputs"].shape for i in range(50)}) <= len(D.DEFAULT_BUCKETS)
 
 
 def test_grouped_epochs_are_permutations_with_aligned_runs(prepared):
@@ -252,8 +244,13 @@ def test_grouped_epochs_are_permutations_with_aligned_runs(prepared):
 
   def padded_to_longest(run):  # what stacking 4 ungrouped batches would cost
     length = max(b["inputs"].shape[1] for b in run)
-    return np.mean([1 - (b["inputs"].size + b["targets"].size) * (1 - D.padding_fraction(b))
-                    / (2 * b["inputs"].shape[0] * length) for b in run])
+    return np.mean(
+      [
+        1 - (b["inputs"].size + b["targets"].size) * (1 - D.padding_fraction(b)) / (2 * b["inputs"].shape[0] * length)
+        for b in run
+      ]
+    )
+
   ungrouped_padding = np.mean([padded_to_longest([plain[s] for s in range(j, j + 4)]) for j in range(0, steps, 4)])
   assert grouped_padding < 0.19 < 0.30 < ungrouped_padding
   with pytest.raises(ValueError, match="group=0"):

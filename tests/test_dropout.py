@@ -13,9 +13,9 @@ from jaxformer.layers.dropout import Dropout, dropout, random_words, threefry_2x
 
 # Random123's published known-answer vectors for threefry2x32_20: (key, counter, output).
 KATS = [
-    ((0x00000000, 0x00000000), (0x00000000, 0x00000000), (0x6b200159, 0x99ba4efe)),
-    ((0xffffffff, 0xffffffff), (0xffffffff, 0xffffffff), (0x1cb996fc, 0xbb002be7)),
-    ((0x13198a2e, 0x03707344), (0x243f6a88, 0x85a308d3), (0xc4923a9c, 0x483df7a0)),
+  ((0x00000000, 0x00000000), (0x00000000, 0x00000000), (0x6B200159, 0x99BA4EFE)),
+  ((0xFFFFFFFF, 0xFFFFFFFF), (0xFFFFFFFF, 0xFFFFFFFF), (0x1CB996FC, 0xBB002BE7)),
+  ((0x13198A2E, 0x03707344), (0x243F6A88, 0x85A308D3), (0xC4923A9C, 0x483DF7A0)),
 ]
 
 
@@ -89,14 +89,15 @@ def test_no_correlation_within_hash_pairs_or_between_rows():
   assert abs(np.corrcoef(*rows)[0, 1]) < 5 / np.sqrt(rows[0].size)
 
 
-@pytest.mark.parametrize("mesh_shape, spec", [((8,), P("d", None)), ((4,), P(None, "d")), ((8,), P())],
-                         ids=["rows", "columns", "replicated"])
+@pytest.mark.parametrize(
+  "mesh_shape, spec", [((8,), P("d", None)), ((4,), P(None, "d")), ((8,), P())], ids=["rows", "columns", "replicated"]
+)
 def test_mask_is_the_same_under_any_sharding(mesh_shape, spec):
   x = _x((16, 12))
   key = jax.random.key(5)
   fn = jax.jit(lambda x, k: dropout(x, 0.4, k))
   expected = np.asarray(fn(x, key))
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:mesh_shape[0]]), ("d",))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[: mesh_shape[0]]), ("d",))
   sharded = jax.device_put(x, NamedSharding(mesh, spec))
   np.testing.assert_array_equal(np.asarray(fn(sharded, key)), expected)
 

@@ -22,15 +22,25 @@ from jaxformer.inference.pages import PageAllocator
 from jaxformer.models.decoder_only import DecoderOnly
 from jaxformer.models.transformer import EncoderDecoder
 
-VOCAB, MAX_LEN, PAGE = 37, 16, 4    # max_length 16 = 4 pages of 4 tokens per row
-NO_EOS = -1                         # an eos_id no token equals
-WIDTH = 8                           # longest input in these tests: engine prefills of 4 or 8 columns
-SAMPLING = (0.8, 5, 0.9)            # temperature, top_k, top_p of the sampled requests
-SLOTS, SMALL_POOL = 3, 6            # max_batch, and a pool of 5 usable pages (page 0 is the null page)
-COMMON = {"vocab_size": VOCAB, "d_model": 16, "d_ff": 24, "num_encoder_layers": 1, "num_decoder_layers": 2,
-          "dropout_rate": 0.0, "max_length": MAX_LEN, "tie_embeddings": False}
-KINDS = {"encoder_decoder": (EncoderDecoder, {"num_heads": 2}),
-         "decoder_only": (DecoderOnly, {"num_heads": 4, "num_kv_heads": 2, "position": "rope", "pre_norm": True})}
+VOCAB, MAX_LEN, PAGE = 37, 16, 4  # max_length 16 = 4 pages of 4 tokens per row
+NO_EOS = -1  # an eos_id no token equals
+WIDTH = 8  # longest input in these tests: engine prefills of 4 or 8 columns
+SAMPLING = (0.8, 5, 0.9)  # temperature, top_k, top_p of the sampled requests
+SLOTS, SMALL_POOL = 3, 6  # max_batch, and a pool of 5 usable pages (page 0 is the null page)
+COMMON = {
+  "vocab_size": VOCAB,
+  "d_model": 16,
+  "d_ff": 24,
+  "num_encoder_layers": 1,
+  "num_decoder_layers": 2,
+  "dropout_rate": 0.0,
+  "max_length": MAX_LEN,
+  "tie_embeddings": False,
+}
+KINDS = {
+  "encoder_decoder": (EncoderDecoder, {"num_heads": 2}),
+  "decoder_only": (DecoderOnly, {"num_heads": 4, "num_kv_heads": 2, "position": "rope", "pre_norm": True}),
+}
 
 
 @functools.cache
@@ -57,6 +67,7 @@ def _model(kind):
     if "output_proj" in name:
       x[..., :4] = 0.0
     return jnp.asarray(x, jnp.float32)
+
   params = jax.tree_util.tree_map_with_path(fill, shapes)
   # One compile per kind: inputs PAD padded to WIDTH, all MAX_LEN tokens decoded with no EOS
   # (a stop at EOS only replaces the later tokens by PAD, so the output is cut after it here).
@@ -67,10 +78,11 @@ def _model(kind):
 
   def alone(inputs, length, eos_id=NO_EOS, seed=None):
     x = np.zeros((1, WIDTH), np.int32)
-    x[0, :len(inputs)] = inputs
+    x[0, : len(inputs)] = inputs
     out = greedy(params, x) if seed is None else sample(params, x, jax.random.key(seed))
     out = [int(t) for t in np.asarray(out)[0, :length]]
-    return out[:out.index(eos_id) + 1] if eos_id in out else out
+    return out[: out.index(eos_id) + 1] if eos_id in out else out
+
   return model, params, alone
 
 
@@ -108,24 +120,27 @@ def test_staggered_requests_equal_each_decoded_alone(kind):
   wanted = [12, 16, 5, 9, 14, 16, 8]
   lengths = [_new_tokens(model, x, n) for x, n in zip(inputs, wanted)]
   free = [alone(x, n) for x, n in zip(inputs, lengths)]
-  assert len({tuple(f) for f in free}) == len(free) and sum(len(set(f)) >= 3 for f in free) >= 3   # varied outputs
+  assert len({tuple(f) for f in free}) == len(free) and sum(len(set(f)) >= 3 for f in free) >= 3  # varied outputs
   # A stand-in EOS for request 3: a token it emits mid-way, so it stops before its limit.
   eos = free[3][len(free[3]) // 2]
-  expected = [alone(x, n, eos if i == 3 else NO_EOS, 7 if i == 1 else None)
-              for i, (x, n) in enumerate(zip(inputs, lengths))]
+  expected = [
+    alone(x, n, eos if i == 3 else NO_EOS, 7 if i == 1 else None) for i, (x, n) in enumerate(zip(inputs, lengths))
+  ]
   assert len(expected[3]) < lengths[3] and expected[3][-1] == eos
-  assert expected[1] != free[1]   # the sampled request differs from greedy
+  assert expected[1] != free[1]  # the sampled request differs from greedy
 
   streamed = {}
 
   def on_token(request, token):
     streamed.setdefault(request.id, []).append(token)
 
-  requests = [Request(x, n, eos_id=eos if i == 3 else NO_EOS, on_token=on_token) for i, (x, n) in
-              enumerate(zip(inputs, lengths))]
+  requests = [
+    Request(x, n, eos_id=eos if i == 3 else NO_EOS, on_token=on_token) for i, (x, n) in enumerate(zip(inputs, lengths))
+  ]
   t, k, p = SAMPLING
-  requests[1] = Request(inputs[1], lengths[1], temperature=t, top_k=k, top_p=p, seed=7, eos_id=NO_EOS,
-                        on_token=on_token)
+  requests[1] = Request(
+    inputs[1], lengths[1], temperature=t, top_k=k, top_p=p, seed=7, eos_id=NO_EOS, on_token=on_token
+  )
   waves = [requests[:2], requests[2:5], requests[5:]]
   live_pages = []
   for wave in waves:
@@ -135,7 +150,7 @@ def test_staggered_requests_equal_each_decoded_alone(kind):
       engine.step()
       _check_pages(engine)
       live_pages.append(engine.pages.pages_in_use)
-  assert engine.waiting and all(r is not None for r in engine.slots)   # more requests than slots
+  assert engine.waiting and all(r is not None for r in engine.slots)  # more requests than slots
   while engine.busy:
     engine.step()
     _check_pages(engine)
@@ -143,12 +158,12 @@ def test_staggered_requests_equal_each_decoded_alone(kind):
   for i, r in enumerate(requests):
     assert r.done and r.error is None
     assert r.tokens == expected[i], f"request {i}"
-    assert streamed[r.id] == [*r.tokens, None]     # every token streamed, then the end
+    assert streamed[r.id] == [*r.tokens, None]  # every token streamed, then the end
   assert engine.pages.pages_in_use == 0 and engine.source_pages.pages_in_use == 0
   assert engine.stats() == {"pages_in_use": 0, "running": 0, "waiting": 0}
   per_row = MAX_LEN // PAGE
-  assert max(live_pages) < 3 * per_row                    # never the max_batch * max_length of a dense cache
-  assert len(set(live_pages)) >= 4                        # it grows and shrinks with the live tokens
+  assert max(live_pages) < 3 * per_row  # never the max_batch * max_length of a dense cache
+  assert len(set(live_pages)) >= 4  # it grows and shrinks with the live tokens
 
 
 def _run_watching_admission(engine):
@@ -204,9 +219,15 @@ def test_rows_outgrowing_the_pool_together_preempt_the_newest_and_all_finish():
   short_in, old_in, new_in, later_in = _inputs(4, (2, 3, 4, 5))
   streamed = []
   short = engine.submit(Request(short_in, 2, eos_id=NO_EOS))
-  old = engine.submit(Request(old_in, 14, eos_id=NO_EOS))        # 3 + 14 - 1 = 16 tokens: 4 pages
-  new = engine.submit(Request(new_in, 13, eos_id=NO_EOS,         # 4 + 13 - 1 = 16 tokens: 4 pages
-                              on_token=lambda r, t: streamed.append(t)))
+  old = engine.submit(Request(old_in, 14, eos_id=NO_EOS))  # 3 + 14 - 1 = 16 tokens: 4 pages
+  new = engine.submit(
+    Request(
+      new_in,
+      13,
+      eos_id=NO_EOS,  # 4 + 13 - 1 = 16 tokens: 4 pages
+      on_token=lambda r, t: streamed.append(t),
+    )
+  )
   preempted = False
   while engine.busy:
     engine.step()
@@ -227,7 +248,7 @@ def test_a_lone_request_outgrowing_the_pool_fails_with_a_page_error():
   (x,) = _inputs(5, (3,))
   r = engine.run([Request(x, 14, eos_id=NO_EOS)])[0]
   assert "out of KV-cache pages" in r.error
-  assert len(r.tokens) == 3 * PAGE - len(x) + 1 and r.tokens == alone(x, 14)[:len(r.tokens)]
+  assert len(r.tokens) == 3 * PAGE - len(x) + 1 and r.tokens == alone(x, 14)[: len(r.tokens)]
   assert engine.pages.pages_in_use == 0
 
 
@@ -250,7 +271,7 @@ def test_cancelled_request_frees_its_slot_and_pages_at_the_next_step():
   a = engine.submit(Request(a_in, 16, eos_id=NO_EOS, on_token=lambda r, t: ends.append(r.id) if t is None else None))
   b = engine.submit(Request(b_in, 16, eos_id=NO_EOS))
   e = engine.submit(Request(e_in, 12, eos_id=NO_EOS))
-  c = engine.submit(Request(c_in, 10, eos_id=NO_EOS))     # waits for a slot
+  c = engine.submit(Request(c_in, 10, eos_id=NO_EOS))  # waits for a slot
   for _ in range(6):
     engine.step()
   slot = engine.slots.index(a)
@@ -258,7 +279,7 @@ def test_cancelled_request_frees_its_slot_and_pages_at_the_next_step():
   a.cancelled = True
   engine.step()
   assert a.done and a.error == "cancelled" and ends == [a.id]
-  assert engine.slots[slot] is c and len(a.tokens) == 7      # c took the freed slot; a got no more tokens
+  assert engine.slots[slot] is c and len(a.tokens) == 7  # c took the freed slot; a got no more tokens
   assert a.tokens == alone(a_in, 16)[:7]
   _check_pages(engine)
   engine.run([])
@@ -271,7 +292,9 @@ def test_cancelled_request_frees_its_slot_and_pages_at_the_next_step():
   assert d.done and d.tokens == [] and engine.pages.pages_in_use == 0
 
 
-@pytest.mark.parametrize("request_kwargs, message", [
+@pytest.mark.parametrize(
+  "request_kwargs, message",
+  [
     ({"inputs": []}, "the input is empty"),
     ({"inputs": [5] * 17}, "the input has 17 tokens; this model takes at most 16"),
     ({"max_new_tokens": 0}, "max new tokens must be an integer >= 1, got 0"),
@@ -280,7 +303,8 @@ def test_cancelled_request_frees_its_slot_and_pages_at_the_next_step():
     ({"top_k": 2.5}, "top_k must be an integer >= 0"),
     ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
     ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
-])
+  ],
+)
 def test_bad_requests_raise_one_line_value_errors(request_kwargs, message):
   engine = _validation_engine()
   request = Request(**{"inputs": [5, 6], "max_new_tokens": 4, **request_kwargs})
@@ -311,12 +335,12 @@ def test_bad_engine_and_pool_sizes_raise():
 def test_page_allocator_bookkeeping():
   pages = PageAllocator(6, 4, 2, 3)
   assert pages.reserve(0, 5) and list(pages.table[0]) == [1, 2, 0] and pages.pages_in_use == 2
-  assert pages.reserve(0, 8) and pages.used[0] == 2                   # already covered: nothing taken
+  assert pages.reserve(0, 8) and pages.used[0] == 2  # already covered: nothing taken
   assert pages.reserve(1, 9) and list(pages.table[1]) == [3, 4, 5] and pages.pages_in_use == 5
-  assert not pages.reserve(0, 9) and pages.used[0] == 2               # pool empty: nothing taken
+  assert not pages.reserve(0, 9) and pages.used[0] == 2  # pool empty: nothing taken
   pages.release(1)
   assert list(pages.table[1]) == [0, 0, 0] and pages.pages_in_use == 2
-  assert not pages.reserve(0, 13) and pages.used[0] == 2              # longer than the slot's table
+  assert not pages.reserve(0, 13) and pages.used[0] == 2  # longer than the slot's table
   assert pages.reserve(0, 12) and pages.table[0, 2] != 0 and pages.pages_in_use == 3
   pages.release(0)
   assert pages.pages_in_use == 0 and sorted(pages.free) == [1, 2, 3, 4, 5]
@@ -366,6 +390,7 @@ def test_a_prompt_filling_the_context_is_admitted_and_stops_at_max_length():
 
   def reference(prompt, n):
     return [int(t) for t in np.asarray(greedy_decode(model, params, jnp.asarray([prompt]), n, NO_EOS))[0]]
+
   assert a.error is None and a.tokens == reference(full, 1)
   assert b.error is None and b.tokens == reference(short, 5)
   assert engine.pages.pages_in_use == 0

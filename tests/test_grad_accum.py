@@ -18,21 +18,31 @@ from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import create_state, state_shardings
 from jaxformer.train.step import _microbatches, make_multi_step, make_train_step
 
-VOCAB, SRC_LEN, TGT_LEN = 38, 9, 11   # vocab splits over tensor=2
+VOCAB, SRC_LEN, TGT_LEN = 38, 9, 11  # vocab splits over tensor=2
 # Real target tokens per row: microbatches of rows j, j + k, ... hold 5 and 43 tokens (k = 2) or
 # 3, 21, 2 and 22 (k = 4), so weighting microbatches equally would be far from the big batch.
 TARGET_LENGTHS = [1, 11, 1, 11, 2, 10, 1, 11]
 
 
 def _config(k: int, dropout: float = 0.0, compute: str = "float32", remat: str = "none", **optim) -> Config:
-  model = ModelConfig(vocab_size=VOCAB, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1,
-                      num_decoder_layers=1, dropout_rate=dropout, max_length=16, remat=remat)
+  model = ModelConfig(
+    vocab_size=VOCAB,
+    d_model=16,
+    num_heads=2,
+    d_ff=24,
+    num_encoder_layers=1,
+    num_decoder_layers=1,
+    dropout_rate=dropout,
+    max_length=16,
+    remat=remat,
+  )
   # eps = 1 and rate 1: the first Adam update is g / (|g| + 1), about g itself, so the params
   # after one step show any gradient difference (with the paper's eps it would be sign(g)).
   optim = OptimConfig(**{"schedule": "constant", "learning_rate": 1.0, "eps": 1.0, **optim})
   precision = PrecisionConfig(policy=f"params=float32,compute={compute},output=float32", initial_scale=8.0)
-  return Config(model=model, optim=optim, precision=precision,
-                train=TrainConfig(batch_size=len(TARGET_LENGTHS), grad_accum_steps=k))
+  return Config(
+    model=model, optim=optim, precision=precision, train=TrainConfig(batch_size=len(TARGET_LENGTHS), grad_accum_steps=k)
+  )
 
 
 def _batch(seed: int = 0) -> dict[str, np.ndarray]:
@@ -45,7 +55,7 @@ def _batch(seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def _setup(config: Config, mesh_shape=(1, 1, 1)):
-  mesh = sh.make_mesh(MeshConfig(*mesh_shape), jax.devices()[:int(np.prod(mesh_shape))])
+  mesh = sh.make_mesh(MeshConfig(*mesh_shape), jax.devices()[: int(np.prod(mesh_shape))])
   model = EncoderDecoder(config.model)
   tx = make_optimizer(config.optim, config.model.d_model)
   _, shardings = state_shardings(model, tx, mesh)
@@ -76,7 +86,7 @@ def test_accumulated_step_equals_the_big_batch_step(big_batch, k, mesh_shape, re
   before, ref_state, ref = big_batch
   _, state, metrics = _one_step(_config(k, remat=remat), mesh_shape)
   tokens = [sum(TARGET_LENGTHS[j::k]) for j in range(k)]
-  assert max(tokens) >= 7 * min(tokens)   # very different microbatches
+  assert max(tokens) >= 7 * min(tokens)  # very different microbatches
   # The metric sums are those of the whole batch: the logged loss is the token-weighted mean.
   assert float(metrics["num_tokens"]) == float(ref["num_tokens"]) == sum(TARGET_LENGTHS)
   for name in ("loss", "nll", "correct"):
@@ -93,10 +103,10 @@ def test_accumulated_step_equals_the_big_batch_step(big_batch, k, mesh_shape, re
 
 def test_microbatches_are_strided_rows_that_stay_on_their_devices():
   mesh = sh.make_mesh(MeshConfig(data=2, fsdp=2), jax.devices()[:4])
-  rows = np.arange(16 * 3, dtype=np.int32).reshape(16, 3)   # row r holds 3r, 3r + 1, 3r + 2
+  rows = np.arange(16 * 3, dtype=np.int32).reshape(16, 3)  # row r holds 3r, 3r + 1, 3r + 2
   batch = global_batch({"inputs": rows, "targets": rows}, mesh)
   with sh.bind(mesh, sh.LOGICAL_RULES):
-    split = jax.jit(lambda b: _microbatches(b, 4, mesh, sh.LOGICAL_RULES))(batch)["targets"]   # [4, 4, 3]
+    split = jax.jit(lambda b: _microbatches(b, 4, mesh, sh.LOGICAL_RULES))(batch)["targets"]  # [4, 4, 3]
   np.testing.assert_array_equal(jax.device_get(split), np.stack([rows[j::4] for j in range(4)]))
   assert split.sharding.is_equivalent_to(sh.batch_sharding(mesh, stacked=True), 3)
   held = {shard.device: set(np.asarray(shard.data)[:, 0] // 3) for shard in batch["targets"].addressable_shards}
@@ -122,8 +132,9 @@ def test_each_microbatch_draws_its_own_dropout_key():
   step_key = jax.random.fold_in(jax.random.key(3), 0)
   model, task, batch = EncoderDecoder(config.model), get_task(config), _batch()
   loss = jax.jit(lambda p, b, r: loss_fn(task, model, p, b, r, config.optim.label_smoothing)[1]["loss"])
-  parts = [float(loss(before, {k: v[j::2] for k, v in batch.items()}, jax.random.fold_in(step_key, j)))
-           for j in range(2)]
+  parts = [
+    float(loss(before, {k: v[j::2] for k, v in batch.items()}, jax.random.fold_in(step_key, j))) for j in range(2)
+  ]
   assert float(metrics["loss"]) == pytest.approx(sum(parts), rel=1e-5)
   same_key = sum(float(loss(before, {k: v[j::2] for k, v in batch.items()}, step_key)) for j in range(2))
   assert abs(same_key - sum(parts)) > 1e-3
@@ -144,17 +155,18 @@ def test_float16_scaling_and_steps_per_call_work_with_accumulation():
     # Overflow: 2**100 times the loss overflows float16 in the backward pass. (States go back on
     # the mesh as the step's own outputs are: host arrays would compile the step once more.)
     host = jax.device_get(state)
-    overflowing = host.replace(loss_scale=LossScale(np.float32(2.0 ** 100), np.int32(0)))
-    after, m = jax.device_get(multi(jax.device_put(overflowing, shardings), global_batch(batches, mesh),
-                                    jax.random.key(0)))
+    overflowing = host.replace(loss_scale=LossScale(np.float32(2.0**100), np.int32(0)))
+    after, m = jax.device_get(
+      multi(jax.device_put(overflowing, shardings), global_batch(batches, mesh), jax.random.key(0))
+    )
     np.testing.assert_array_equal(m["skipped"], [1.0, 1.0])
     np.testing.assert_array_equal(m["nonfinite"], [0.0, 0.0])
-    assert float(after.loss_scale.scale) == 2.0 ** 98
+    assert float(after.loss_scale.scale) == 2.0**98
     for a, b in zip(jax.tree.leaves(after.params), jax.tree.leaves(host.params)):
       np.testing.assert_array_equal(a, b)
     # A NaN loss (a target id past the vocabulary in step 1) is a non-finite fault, scaling or not.
     poisoned = dict(batches, targets=batches["targets"].copy())
-    poisoned["targets"][0, 0, 0] = 10 ** 6
+    poisoned["targets"][0, 0, 0] = 10**6
     _, m = jax.device_get(multi(jax.device_put(host, shardings), global_batch(poisoned, mesh), jax.random.key(0)))
     np.testing.assert_array_equal(m["nonfinite"], [1.0, 0.0])
   (ref_state, ref), (state, metrics) = runs
@@ -165,4 +177,3 @@ def test_float16_scaling_and_steps_per_call_work_with_accumulation():
   assert int(state.loss_scale.good_steps) == int(ref_state.loss_scale.good_steps) == 2
   for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params), strict=True):
     np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
-

@@ -18,8 +18,15 @@ from jaxformer.config import ConfigError
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-LLAMA = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-             num_key_value_heads=1, max_position_embeddings=32)
+LLAMA = dict(
+  vocab_size=64,
+  hidden_size=16,
+  intermediate_size=32,
+  num_hidden_layers=1,
+  num_attention_heads=2,
+  num_key_value_heads=1,
+  max_position_embeddings=32,
+)
 GPT2 = dict(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=32, bos_token_id=1, eos_token_id=2)
 
 
@@ -57,12 +64,13 @@ def _one_line_error(match: str, fn, *args):
 def test_single_file_of_each_dtype_reads_as_the_state_dict(dtype, tmp_path, monkeypatch):
   from jaxformer.interop import hf_weights
   from jaxformer.interop.hf_weights import HFWeights
-  monkeypatch.setattr(hf_weights, "CHUNK", 7)   # every tensor read in several chunks (odd-sized: a short last one)
+
+  monkeypatch.setattr(hf_weights, "CHUNK", 7)  # every tensor read in several chunks (odd-sized: a short last one)
   model = _llama().to(getattr(torch, dtype))
   model.save_pretrained(str(tmp_path))
   with HFWeights(tmp_path, "model") as weights:
     assert {weights.dtype(n) for n in weights} == {{"float32": "F32", "float16": "F16", "bfloat16": "BF16"}[dtype]}
-    _assert_reads(weights, _state(model))   # bf16/fp16 widen exactly: equal to torch's .float()
+    _assert_reads(weights, _state(model))  # bf16/fp16 widen exactly: equal to torch's .float()
     assert "lm_head.weight" in weights and "lm_head" not in weights
 
 
@@ -70,8 +78,10 @@ def test_bfloat16_special_values_widen_exactly(tmp_path):
   from safetensors.torch import save_file
 
   from jaxformer.interop.hf_weights import HFWeights
-  values = torch.tensor([0.0, -0.0, 1.0, -1.5, 3.0e38, -3.0e38, 1e-40, float("inf"), float("-inf"), 2.0 ** -133,
-                         0.1, float("nan")]).to(torch.bfloat16)
+
+  values = torch.tensor(
+    [0.0, -0.0, 1.0, -1.5, 3.0e38, -3.0e38, 1e-40, float("inf"), float("-inf"), 2.0**-133, 0.1, float("nan")]
+  ).to(torch.bfloat16)
   save_file({"x": values.reshape(3, 4)}, str(tmp_path / "model.safetensors"))
   (tmp_path / "config.json").write_text("{}")
   got = HFWeights(tmp_path).get("x")
@@ -81,6 +91,7 @@ def test_bfloat16_special_values_widen_exactly(tmp_path):
 
 def test_sharded_checkpoint_reads_every_shard(tmp_path):
   from jaxformer.interop.hf_weights import HFWeights
+
   model = _llama()
   model.save_pretrained(str(tmp_path), max_shard_size="4KB")
   shards = sorted(tmp_path.glob("model-*.safetensors"))
@@ -88,10 +99,12 @@ def test_sharded_checkpoint_reads_every_shard(tmp_path):
   _assert_reads(HFWeights(tmp_path, "model"), _state(model))
 
 
-@pytest.mark.parametrize("base, full, prefix", [("LlamaModel", "LlamaForCausalLM", "model"),
-                                                ("GPT2Model", "GPT2LMHeadModel", "transformer")])
+@pytest.mark.parametrize(
+  "base, full, prefix", [("LlamaModel", "LlamaForCausalLM", "model"), ("GPT2Model", "GPT2LMHeadModel", "transformer")]
+)
 def test_base_model_file_gets_the_architecture_prefix(base, full, prefix, tmp_path):
   from jaxformer.interop.hf_weights import HFWeights
+
   model = _llama(base) if base.startswith("Llama") else _gpt2(base)
   model.save_pretrained(str(tmp_path))
   want = {f"{prefix}.{k}": v for k, v in _state(model).items()}
@@ -102,7 +115,7 @@ def test_base_model_file_gets_the_architecture_prefix(base, full, prefix, tmp_pa
   whole = _llama(full) if base.startswith("Llama") else _gpt2(full)
   whole.save_pretrained(str(tmp_path / "full"))
   names = set(HFWeights(tmp_path / "full", prefix).names())
-  assert set(want) <= names <= set(whole.state_dict())   # GPT-2 ties its head: no lm_head.weight in the file
+  assert set(want) <= names <= set(whole.state_dict())  # GPT-2 ties its head: no lm_head.weight in the file
 
 
 def test_buffers_that_are_not_weights_are_left_out(tmp_path):
@@ -110,14 +123,22 @@ def test_buffers_that_are_not_weights_are_left_out(tmp_path):
   from safetensors.numpy import save_file
 
   from jaxformer.interop.hf_weights import HFWeights
+
   state = _state(_gpt2("GPT2Model"))
   mask = np.tril(np.ones((1, 1, 32, 32), np.float32))
-  save_file({**state, "h.0.attn.bias": mask, "h.0.attn.masked_bias": np.array(-1e4, np.float32),
-             "embeddings.position_ids": np.arange(32, dtype=np.int64)[None]}, str(tmp_path / "model.safetensors"))
+  save_file(
+    {
+      **state,
+      "h.0.attn.bias": mask,
+      "h.0.attn.masked_bias": np.array(-1e4, np.float32),
+      "embeddings.position_ids": np.arange(32, dtype=np.int64)[None],
+    },
+    str(tmp_path / "model.safetensors"),
+  )
   (tmp_path / "config.json").write_text("{}")
   weights = HFWeights(tmp_path, "transformer")
   _assert_reads(weights, {f"transformer.{k}": v for k, v in state.items()})
-  assert "transformer.h.0.attn.c_attn.bias" in weights   # a real bias ending in "attn.bias" stays
+  assert "transformer.h.0.attn.c_attn.bias" in weights  # a real bias ending in "attn.bias" stays
 
 
 def test_legacy_layernorm_names_read_as_the_state_dict_names(tmp_path):
@@ -125,24 +146,32 @@ def test_legacy_layernorm_names_read_as_the_state_dict_names(tmp_path):
   from safetensors.numpy import save_file
 
   from jaxformer.interop.hf_weights import HFWeights
+
   torch.manual_seed(0)
-  model = transformers.BertModel(transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
-                                                         num_attention_heads=2, intermediate_size=32),
-                                 add_pooling_layer=False)
+  model = transformers.BertModel(
+    transformers.BertConfig(
+      vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    ),
+    add_pooling_layer=False,
+  )
   state = _state(model)
-  legacy = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
-            for k, v in state.items()}
+  legacy = {
+    k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+    for k, v in state.items()
+  }
   assert sum(k.endswith(".gamma") for k in legacy) == 3
   save_file(legacy, str(tmp_path / "model.safetensors"))
   (tmp_path / "config.json").write_text("{}")
-  _assert_reads(HFWeights(tmp_path, transformers.BertForMaskedLM.base_model_prefix),
-                {f"bert.{k}": v for k, v in state.items()})
+  _assert_reads(
+    HFWeights(tmp_path, transformers.BertForMaskedLM.base_model_prefix), {f"bert.{k}": v for k, v in state.items()}
+  )
 
 
 @pytest.mark.parametrize("sharded", [False, True])
 def test_pytorch_bin_is_converted_outside_the_model_directory(sharded, tmp_path):
   from jaxformer.interop.hf_weights import HFWeights
-  model = _gpt2()   # tied: lm_head.weight shares wte's storage, and the pickle holds both names
+
+  model = _gpt2()  # tied: lm_head.weight shares wte's storage, and the pickle holds both names
   model.config.save_pretrained(str(tmp_path))
   if sharded:
     state = list(model.state_dict().items())
@@ -159,15 +188,16 @@ def test_pytorch_bin_is_converted_outside_the_model_directory(sharded, tmp_path)
     assert converted is not None and converted.is_dir() and tmp_path not in converted.parents
     _assert_reads(weights, _state(model))
     assert "lm_head.weight" in weights
-  assert not converted.exists()   # removed when closed
+  assert not converted.exists()  # removed when closed
   assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 def test_pytorch_bin_without_torch_names_the_install(tmp_path, monkeypatch):
   from jaxformer.interop.hf_weights import HFWeights
+
   (tmp_path / "config.json").write_text("{}")
   torch.save(_gpt2().state_dict(), tmp_path / "pytorch_model.bin")
-  monkeypatch.setitem(sys.modules, "torch", None)   # `import torch` raises ImportError
+  monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
   message = _one_line_error("pytorch_model.bin", HFWeights, tmp_path)
   assert 'pip install "jaxformer[hf]"' in message and "save_pretrained(safe_serialization=True)" in message
 
@@ -183,7 +213,7 @@ def _damage(tmp_path, kind: str):
     return "holds no weights.*download"
   if kind == "truncated":
     data = (tmp_path / "model.safetensors").read_bytes()
-    (tmp_path / "model.safetensors").write_bytes(data[:len(data) // 2])
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
     return "model.safetensors is truncated or corrupt.*download it again"
   if kind == "corrupt header":
     data = bytearray((tmp_path / "model.safetensors").read_bytes())
@@ -199,7 +229,7 @@ def _damage(tmp_path, kind: str):
     (tmp_path / "model.safetensors").unlink()
     torch.save(_llama().state_dict(), tmp_path / "pytorch_model.bin")
     data = (tmp_path / "pytorch_model.bin").read_bytes()
-    (tmp_path / "pytorch_model.bin").write_bytes(data[:len(data) // 2])
+    (tmp_path / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
     return "pytorch_model.bin cannot be read as a torch state dict.*download it again"
   raise AssertionError(kind)
 
@@ -210,6 +240,7 @@ KINDS = ["no config", "no weights", "truncated", "corrupt header", "missing shar
 @pytest.mark.parametrize("kind", KINDS)
 def test_damaged_directory_is_one_line(kind, tmp_path):
   from jaxformer.interop.hf_weights import HFWeights
+
   match = _damage(tmp_path, kind)
   _one_line_error(match, HFWeights, tmp_path, "model")
 
@@ -217,20 +248,23 @@ def test_damaged_directory_is_one_line(kind, tmp_path):
 @pytest.mark.parametrize("kind", ["no weights", "truncated", "missing shard", "no tokenizer"])
 def test_import_of_a_damaged_directory_writes_nothing(kind, tmp_path):
   from jaxformer.interop.hf_import import import_hf
-  if kind == "no tokenizer":   # refused before any weight is read
+
+  if kind == "no tokenizer":  # refused before any weight is read
     _llama().save_pretrained(str(tmp_path / "hf"))
     match = "has no tokenizer .*save the model's tokenizer beside it"
   else:
     match = _damage(tmp_path / "hf", kind)
     import tokenizers
+
     words = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
-    (tmp_path / "hf" / "tokenizer.json").write_text(words.to_str())   # a tokenizer: the weights fail first
+    (tmp_path / "hf" / "tokenizer.json").write_text(words.to_str())  # a tokenizer: the weights fail first
   _one_line_error(match, import_hf, tmp_path / "hf", tmp_path / "run")
-  assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]   # no workdir, no run.incomplete
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no workdir, no run.incomplete
 
 
 def test_read_hf_returns_the_files_tensors_by_state_dict_name(tmp_path):
   from jaxformer.interop.hf_import import read_hf
+
   llama = _llama().to(torch.bfloat16)
   llama.save_pretrained(str(tmp_path / "llama"), max_shard_size="4KB")
   _, tensors = read_hf(tmp_path / "llama")
@@ -239,7 +273,7 @@ def test_read_hf_returns_the_files_tensors_by_state_dict_name(tmp_path):
   for name, value in want.items():
     assert tensors[name].dtype == np.float32
     np.testing.assert_array_equal(tensors[name], value, err_msg=name)
-  gpt2 = _gpt2()   # tied: transformers leaves lm_head.weight out of the file, and so does read_hf
+  gpt2 = _gpt2()  # tied: transformers leaves lm_head.weight out of the file, and so does read_hf
   gpt2.save_pretrained(str(tmp_path / "gpt2"))
   _, tensors = read_hf(tmp_path / "gpt2")
   want = _state(gpt2)
@@ -261,9 +295,11 @@ def test_params_read_one_tensor_at_a_time_are_those_of_the_state_dict(tied, tmp_
   from jaxformer.interop.links import flatten
   from jaxformer.models import layout
   from jaxformer.tasks import get_task
+
   torch.manual_seed(0)
-  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA, "num_hidden_layers": 3},
-                                                                  tie_word_embeddings=tied))
+  model = transformers.LlamaForCausalLM(
+    transformers.LlamaConfig(**{**LLAMA, "num_hidden_layers": 3}, tie_word_embeddings=tied)
+  )
   model.to(torch.bfloat16).save_pretrained(str(tmp_path))
   config, tensors = read_hf(tmp_path)
   unrolled = dataclasses.replace(config, model=dataclasses.replace(config.model, scan_layers=False))
@@ -284,6 +320,7 @@ def test_params_read_one_tensor_at_a_time_are_those_of_the_state_dict(tied, tmp_
 
 def test_blockwise_allclose_is_numpys():
   from jaxformer.interop.links import allclose
+
   rng = np.random.default_rng(0)
   for shape in [(), (5,), (7, 3), (0, 4), (6, 2, 3)]:
     a = rng.standard_normal(shape).astype(np.float32)
@@ -314,6 +351,7 @@ def test_import_failing_while_writing_leaves_nothing(tmp_path, monkeypatch):
 
 def test_a_failed_export_leaves_nothing(tmp_path):
   from jaxformer.interop.hf_export import staged_dir
+
   out = tmp_path / "export"
   with pytest.raises(RuntimeError, match="disk full"), staged_dir(out) as tmp:
     (tmp / "config.json").write_text("{}")

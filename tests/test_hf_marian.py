@@ -24,19 +24,29 @@ from conftest import fine_tune_on_pair_files, tiny_config
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.filterwarnings("ignore:Recommended. pip install sacremoses")   # MarianTokenizer's
+pytestmark = pytest.mark.filterwarnings("ignore:Recommended. pip install sacremoses")  # MarianTokenizer's
 
 RAW = Path(__file__).resolve().parents[1] / "jaxformer" / "data" / "raw" / "multi30k"
 SPM_SIZE = 160
-SMALL = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-             encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=64)
-VARIANTS = {   # name: MarianConfig options (published models: tied and shared, swish or relu, scaled or not)
-    "tied-swish-scaled": dict(activation_function="swish", scale_embedding=True),
-    "untied-relu-unscaled": dict(activation_function="relu", scale_embedding=False,
-                                 share_encoder_decoder_embeddings=False, tie_word_embeddings=False),
-    "shared-own-head-gelu": dict(activation_function="gelu", scale_embedding=True, tie_word_embeddings=False),
-    "separate-tied-head": dict(activation_function="swish", scale_embedding=False,
-                               share_encoder_decoder_embeddings=False),
+SMALL = dict(
+  d_model=32,
+  encoder_layers=2,
+  decoder_layers=2,
+  encoder_attention_heads=4,
+  decoder_attention_heads=4,
+  encoder_ffn_dim=48,
+  decoder_ffn_dim=48,
+  max_position_embeddings=64,
+)
+VARIANTS = {  # name: MarianConfig options (published models: tied and shared, swish or relu, scaled or not)
+  "tied-swish-scaled": dict(activation_function="swish", scale_embedding=True),
+  "untied-relu-unscaled": dict(
+    activation_function="relu", scale_embedding=False, share_encoder_decoder_embeddings=False, tie_word_embeddings=False
+  ),
+  "shared-own-head-gelu": dict(activation_function="gelu", scale_embedding=True, tie_word_embeddings=False),
+  "separate-tied-head": dict(
+    activation_function="swish", scale_embedding=False, share_encoder_decoder_embeddings=False
+  ),
 }
 
 
@@ -48,22 +58,35 @@ def _lines(split: str, lang: str, n: int) -> list[str]:
 def _write_tokenizer(folder: Path) -> int:
   """A Marian tokenizer directory (see the module docstring); returns its vocabulary size."""
   import sentencepiece as spm
+
   folder.mkdir(parents=True, exist_ok=True)
   pieces = {}
   for side, lang in (("source", "de"), ("target", "en")):
     model = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(_lines("train", lang, 3000)), model_writer=model,
-                                   vocab_size=SPM_SIZE, character_coverage=1.0, num_threads=1, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+      sentence_iterator=iter(_lines("train", lang, 3000)),
+      model_writer=model,
+      vocab_size=SPM_SIZE,
+      character_coverage=1.0,
+      num_threads=1,
+      minloglevel=2,
+    )
     (folder / f"{side}.spm").write_bytes(model.getvalue())
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
-    pieces[side] = [sp.id_to_piece(i) for i in range(sp.get_piece_size()) if not sp.is_control(i)
-                    and not sp.is_unknown(i)]
-  left_out = [p for p in pieces["target"] if p not in pieces["source"]][:3]   # frequent, yet <unk>: not in vocab
+    pieces[side] = [
+      sp.id_to_piece(i) for i in range(sp.get_piece_size()) if not sp.is_control(i) and not sp.is_unknown(i)
+    ]
+  left_out = [p for p in pieces["target"] if p not in pieces["source"]][:3]  # frequent, yet <unk>: not in vocab
   words = sorted((set(pieces["source"]) | set(pieces["target"])) - set(left_out))
   vocab = {token: i for i, token in enumerate(["</s>", "<unk>", ">>deu<<", *words, "<pad>"])}
   (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
-  tokenizer = transformers.MarianTokenizer(str(folder / "source.spm"), str(folder / "target.spm"),
-                                           str(folder / "vocab.json"), source_lang="de", target_lang="en")
+  tokenizer = transformers.MarianTokenizer(
+    str(folder / "source.spm"),
+    str(folder / "target.spm"),
+    str(folder / "vocab.json"),
+    source_lang="de",
+    target_lang="en",
+  )
   tokenizer.save_pretrained(str(folder))
   return len(vocab)
 
@@ -80,6 +103,7 @@ def test_tokenizer_ids_and_texts_are_marian_tokenizers(tokenizer_dir):
   equal `MarianTokenizer`'s; the serialized sides restore unchanged."""
   from jaxformer.data.tokenizer import tokenizer_from_bytes
   from jaxformer.data.tokenizer_marian import MarianTokenizer
+
   theirs = transformers.MarianTokenizer.from_pretrained(str(tokenizer_dir))
   target = MarianTokenizer.load(tokenizer_dir)
   source = target.with_side("source")
@@ -87,7 +111,7 @@ def test_tokenizer_ids_and_texts_are_marian_tokenizers(tokenizer_dir):
   assert [source.encode(t) for t in de] == theirs(de)["input_ids"]
   expected = theirs(text_target=en)["input_ids"]
   assert [target.encode(t) for t in en] == expected
-  assert any(theirs.unk_token_id in row for row in expected)   # left-out pieces are <unk> in both
+  assert any(theirs.unk_token_id in row for row in expected)  # left-out pieces are <unk> in both
   assert source.encode(">>deu<< " + de[0]) == theirs(">>deu<< " + de[0])["input_ids"]
   assert [target.decode(row) for row in expected] == theirs.batch_decode(expected, skip_special_tokens=True)
   ids = target.special_ids
@@ -99,6 +123,7 @@ def test_tokenizer_ids_and_texts_are_marian_tokenizers(tokenizer_dir):
 
 def test_tokenizer_files_errors_are_one_line(tokenizer_dir, tmp_path):
   from jaxformer.data.tokenizer_marian import MarianTokenizer
+
   with pytest.raises(FileNotFoundError, match="source.spm, target.spm or vocab.json"):
     MarianTokenizer.load(tmp_path)
   for name in ("source.spm", "target.spm"):
@@ -112,20 +137,31 @@ def test_tokenizer_files_errors_are_one_line(tokenizer_dir, tmp_path):
 def _config(vocab_size: int, **options):
   """A `MarianConfig` with published special ids (pad = decoder start = last id, EOS 0, BOS named as EOS)."""
   pad = vocab_size - 1
-  return transformers.MarianConfig(vocab_size=vocab_size, pad_token_id=pad, decoder_start_token_id=pad,
-                                   eos_token_id=0, bos_token_id=0, forced_eos_token_id=0,
-                                   **{**SMALL, **options}, attn_implementation="eager")
+  return transformers.MarianConfig(
+    vocab_size=vocab_size,
+    pad_token_id=pad,
+    decoder_start_token_id=pad,
+    eos_token_id=0,
+    bos_token_id=0,
+    forced_eos_token_id=0,
+    **{**SMALL, **options},
+    attn_implementation="eager",
+  )
 
 
-@pytest.mark.parametrize("options, message", [
+@pytest.mark.parametrize(
+  "options, message",
+  [
     (dict(decoder_vocab_size=50), "decoder_vocab_size=50"),
     (dict(activation_function="tanh"), "activation_function=tanh"),
     (dict(decoder_ffn_dim=64), "decoder_attention_heads/ffn_dim"),
     (dict(normalize_before=True), "normalize_before=True"),
     (dict(static_position_embeddings=False), "static_position_embeddings=False"),
-])
+  ],
+)
 def test_options_without_a_counterpart_are_one_line(options, message):
   from jaxformer.interop import hf_marian
+
   with pytest.raises(ValueError, match=message) as info:
     hf_marian.model_config(_config(60, **options))
   assert "\n" not in str(info.value)
@@ -134,6 +170,7 @@ def test_options_without_a_counterpart_are_one_line(options, message):
 def test_logits_bias_is_an_encoder_decoder_option():
   from jaxformer.config import ConfigError
   from jaxformer.tasks import get_task
+
   get_task(tiny_config(None, "model.logits_bias=true")).validate()
   with pytest.raises(ConfigError, match="model.logits_bias=true"):
     get_task(tiny_config("decoder_only", "model.logits_bias=true")).validate()
@@ -146,9 +183,9 @@ def _published(folder: Path, name: str, seed: int = 0, noise: float = 0.05):
   torch.manual_seed(seed)
   with torch.no_grad():
     for name, param in model.named_parameters():
-      if "embed_positions" not in name:   # Marian's sinusoids: computed, not saved
+      if "embed_positions" not in name:  # Marian's sinusoids: computed, not saved
         param.add_(noise * torch.randn_like(param))
-    model.final_logits_bias.copy_(noise * torch.randn_like(model.final_logits_bias))   # transformers' is zeros
+    model.final_logits_bias.copy_(noise * torch.randn_like(model.final_logits_bias))  # transformers' is zeros
   model.save_pretrained(str(folder))
   return model
 
@@ -167,8 +204,15 @@ def _batch(tokenizer, pad: int):
 
 def _hf_logits(model, inputs, decoder, pad):
   with torch.no_grad():
-    return model(input_ids=torch.from_numpy(inputs).long(), attention_mask=torch.from_numpy(inputs != pad).long(),
-                 decoder_input_ids=torch.from_numpy(decoder).long()).logits.float().numpy()
+    return (
+      model(
+        input_ids=torch.from_numpy(inputs).long(),
+        attention_mask=torch.from_numpy(inputs != pad).long(),
+        decoder_input_ids=torch.from_numpy(decoder).long(),
+      )
+      .logits.float()
+      .numpy()
+    )
 
 
 @pytest.mark.slow
@@ -179,6 +223,7 @@ def test_import_gives_transformers_logits_and_exports_back(name, tmp_path):
   from jaxformer.interop.hf_export import hf_model
   from jaxformer.interop.hf_import import params_from_hf, read_hf
   from jaxformer.tasks import get_task
+
   hf = _published(tmp_path, name)
   config, tensors = read_hf(tmp_path)
   m = config.model
@@ -189,8 +234,9 @@ def test_import_gives_transformers_logits_and_exports_back(name, tmp_path):
   params = params_from_hf(config, tensors)
   inputs, decoder, valid = _batch(transformers.MarianTokenizer.from_pretrained(str(tmp_path)), pad)
   model = get_task(config).make_model()
-  ours = np.asarray(model.apply({"params": params}, inputs, decoder,
-                                method=lambda m, x, y: m.decode(m.encode(x), x, y)))
+  ours = np.asarray(
+    model.apply({"params": params}, inputs, decoder, method=lambda m, x, y: m.decode(m.encode(x), x, y))
+  )
   expected = _hf_logits(hf, inputs, decoder, pad)
   np.testing.assert_allclose(ours[valid], expected[valid], atol=1e-4, rtol=1e-4)
   back = hf_model(config, params, prefer="MarianMTModel")
@@ -205,6 +251,7 @@ def test_published_model_imports_generates_trains_and_exports(name, tmp_path):
   import jaxformer
   from jaxformer.inference.decode import greedy_decode
   from jaxformer.interop.hf_import import import_hf
+
   hf = _published(tmp_path / "hf", name, seed=1, noise=0.3)
   theirs = transformers.MarianTokenizer.from_pretrained(str(tmp_path / "hf"))
   workdir = tmp_path / "run"
@@ -218,11 +265,17 @@ def test_published_model_imports_generates_trains_and_exports(name, tmp_path):
   expected = _hf_logits(hf, inputs, decoder, pad)
   np.testing.assert_allclose(jaxformer.logits(restored, inputs, decoder)[valid], expected[valid], atol=1e-4, rtol=1e-4)
 
-  n = 12   # greedy: ours never generate pad, theirs start with the decoder start token (pad)
+  n = 12  # greedy: ours never generate pad, theirs start with the decoder start token (pad)
   with torch.no_grad():
-    generated = hf.generate(torch.from_numpy(inputs).long(), attention_mask=torch.from_numpy(inputs != pad).long(),
-                            max_new_tokens=n, do_sample=False, num_beams=1, suppress_tokens=[pad],
-                            forced_eos_token_id=None).numpy()[:, 1:]
+    generated = hf.generate(
+      torch.from_numpy(inputs).long(),
+      attention_mask=torch.from_numpy(inputs != pad).long(),
+      max_new_tokens=n,
+      do_sample=False,
+      num_beams=1,
+      suppress_tokens=[pad],
+      forced_eos_token_id=None,
+    ).numpy()[:, 1:]
   ours = np.asarray(greedy_decode(restored.model, restored.params, inputs, n))
   for row_ours, row_theirs in zip(ours, generated):
     stop = list(row_theirs).index(0) + 1 if 0 in row_theirs else len(row_theirs)
@@ -239,4 +292,4 @@ def test_published_model_imports_generates_trains_and_exports(name, tmp_path):
   assert exported(de)["input_ids"] == theirs(de)["input_ids"]
   ours = jaxformer.logits(jaxformer.restore(workdir), inputs, decoder)
   np.testing.assert_allclose(ours[valid], _hf_logits(back, inputs, decoder, pad)[valid], atol=1e-4, rtol=1e-4)
-  assert np.abs(ours - expected)[valid].max() > 2e-4   # it did train (twice the tolerance above)
+  assert np.abs(ours - expected)[valid].max() > 2e-4  # it did train (twice the tolerance above)

@@ -19,10 +19,10 @@ def test_arena_cap_applied_unless_the_environment_sets_it(monkeypatch):
 
 @glibc
 def test_release_gives_back_freed_heap_and_keeps_live_data():
-  kept = [np.full(1000, i, np.int64) for i in range(2000)]   # small blocks: malloc'd on the heap, not mmap'd
+  kept = [np.full(1000, i, np.int64) for i in range(2000)]  # small blocks: malloc'd on the heap, not mmap'd
   freed = [np.ones(1000, np.int64) for _ in range(20000)]
   del freed
-  assert host_memory.release_free_memory() is True   # 160 MB of freed heap blocks: some pages go back
+  assert host_memory.release_free_memory() is True  # 160 MB of freed heap blocks: some pages go back
   assert all(int(a.sum()) == 1000 * i for i, a in enumerate(kept))
 
 

@@ -21,11 +21,20 @@ from jaxformer.models.transformer import BOS_ID, PAD_ID, EncoderDecoder
 
 VOCAB = 37
 SRC_LEN = 11
-OUT_LEN = 12        # tokens generated per row; <= CONFIG.max_length (the cache size)
-NO_EOS = -1         # an eos_id no token equals: rows never stop early
+OUT_LEN = 12  # tokens generated per row; <= CONFIG.max_length (the cache size)
+NO_EOS = -1  # an eos_id no token equals: rows never stop early
 
-CONFIG = ModelConfig(vocab_size=VOCAB, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1,
-                     num_decoder_layers=2, dropout_rate=0.0, max_length=16, tie_embeddings=False)
+CONFIG = ModelConfig(
+  vocab_size=VOCAB,
+  d_model=16,
+  num_heads=2,
+  d_ff=24,
+  num_encoder_layers=1,
+  num_decoder_layers=2,
+  dropout_rate=0.0,
+  max_length=16,
+  tie_embeddings=False,
+)
 MODEL = EncoderDecoder(CONFIG)
 
 
@@ -57,7 +66,7 @@ def params():
     if "embedding" in name or "output_proj" in name:
       std = 1.0
     elif "['cross_attention']" in name:
-      std = 0.3   # so that the source visibly steers the output
+      std = 0.3  # so that the source visibly steers the output
     else:
       std = 0.1
     x = std * rng.standard_normal(s.shape)
@@ -66,6 +75,7 @@ def params():
     if "output_proj" in name:
       x[:, :4] = 0.0
     return jnp.asarray(x, jnp.float32)
+
   return jax.tree_util.tree_map_with_path(fill, shapes)
 
 
@@ -112,7 +122,7 @@ def test_contiguous_cache_shapes(params):
   layer = cache.layers["decoder_0"]["self_attention"]
   head_dim = CONFIG.d_model // CONFIG.num_heads
   bounds = kvc.segment_bounds(CONFIG.max_length)
-  for name in ("key", "value"):   # segments at the bounds, together the whole capacity
+  for name in ("key", "value"):  # segments at the bounds, together the whole capacity
     assert [x.shape for x in layer[name]] == [(3, CONFIG.kv_heads, b - a, head_dim) for a, b in zip(bounds, bounds[1:])]
   np.testing.assert_array_equal(cache.state.lengths, [0, 0, 0])
   assert cache.state.capacity == CONFIG.max_length and not cache.state.paged
@@ -129,10 +139,10 @@ def test_cached_decoding_matches_full_forward(params, fns):
   dec_in[:, 0] = BOS_ID
 
   encoded = fns["encode"](params, src)
-  full = np.asarray(fns["full_decode"](params, encoded, src, jnp.asarray(dec_in)))   # [B, T, V]
+  full = np.asarray(fns["full_decode"](params, encoded, src, jnp.asarray(dec_in)))  # [B, T, V]
   assert full.std() > 0.5 and len(np.unique(full.argmax(-1))) > 3  # non-degenerate logits
 
-  logits, prefilled = fns["prefill"](params, src)                  # encodes, feeds BOS
+  logits, prefilled = fns["prefill"](params, src)  # encodes, feeds BOS
   np.testing.assert_array_equal(prefilled.state.lengths, [1] * batch)
   np.testing.assert_array_equal(prefilled.state.source_lengths, [11, 6, 9, 3])
   np.testing.assert_allclose(np.asarray(logits), full[:, 0], atol=1e-5, rtol=1e-5)
@@ -201,11 +211,11 @@ def test_eos_stops_a_row_while_others_continue(params, fns, free_run):
   for row, free in zip(out, free_run):
     hits = np.flatnonzero(free == eos)
     if hits.size:
-      end = hits[0] + 1                  # up to and including the first EOS
+      end = hits[0] + 1  # up to and including the first EOS
       np.testing.assert_array_equal(row[:end], free[:end])
       np.testing.assert_array_equal(row[end:], PAD_ID)
       stopped.append(end)
-    else:                                 # never emits EOS: decodes the full length unchanged
+    else:  # never emits EOS: decodes the full length unchanged
       np.testing.assert_array_equal(row, free)
       assert np.all(row != PAD_ID)
   assert 1 <= len(stopped) < len(out) and min(stopped) < OUT_LEN
@@ -249,15 +259,24 @@ def test_batch_composition_does_not_change_output(params, fns, free_run):
 
 # --- layouts, ragged rows, padding and idle rows, for both model kinds ----------------------
 
-SMALL = dict(vocab_size=VOCAB, d_model=16, num_heads=4, d_ff=24, num_encoder_layers=1, num_decoder_layers=1,
-             dropout_rate=0.0, max_length=16, pre_norm=True)
-LENGTHS, WIDTH, CHUNK, STEPS = (7, 3, 5), 7, 2, 3   # prompt / source lengths; then a chunk, then steps
-PAGE = 3                                              # divides none of the lengths nor max_length
+SMALL = dict(
+  vocab_size=VOCAB,
+  d_model=16,
+  num_heads=4,
+  d_ff=24,
+  num_encoder_layers=1,
+  num_decoder_layers=1,
+  dropout_rate=0.0,
+  max_length=16,
+  pre_norm=True,
+)
+LENGTHS, WIDTH, CHUNK, STEPS = (7, 3, 5), 7, 2, 3  # prompt / source lengths; then a chunk, then steps
+PAGE = 3  # divides none of the lengths nor max_length
 KINDS = {
-    "ed-rope-gqa-window": (EncoderDecoder, dict(position="rope", num_kv_heads=2, sliding_window=3)),
-    "ed-alibi-mqa-window": (EncoderDecoder, dict(position="alibi", num_kv_heads=1, sliding_window=4)),
-    "do-rope-gqa-window": (DecoderOnly, dict(position="rope", num_kv_heads=2, sliding_window=3)),
-    "do-alibi-mqa-window": (DecoderOnly, dict(position="alibi", num_kv_heads=1, sliding_window=4)),
+  "ed-rope-gqa-window": (EncoderDecoder, dict(position="rope", num_kv_heads=2, sliding_window=3)),
+  "ed-alibi-mqa-window": (EncoderDecoder, dict(position="alibi", num_kv_heads=1, sliding_window=4)),
+  "do-rope-gqa-window": (DecoderOnly, dict(position="rope", num_kv_heads=2, sliding_window=3)),
+  "do-alibi-mqa-window": (DecoderOnly, dict(position="alibi", num_kv_heads=1, sliding_window=4)),
 }
 
 
@@ -277,8 +296,11 @@ def _case(name):
   shapes = nn.meta.unbox(jax.eval_shape(lambda k: model.init(k, *args), jax.random.key(0)))["params"]
   rng = np.random.default_rng(3)
   params = jax.tree_util.tree_map_with_path(
-      lambda path, s: jnp.asarray(0.3 * rng.standard_normal(s.shape) + jax.tree_util.keystr(path).endswith(
-          "['scale']"), jnp.float32), shapes)
+    lambda path, s: jnp.asarray(
+      0.3 * rng.standard_normal(s.shape) + jax.tree_util.keystr(path).endswith("['scale']"), jnp.float32
+    ),
+    shapes,
+  )
 
   @jax.jit
   def run_jit(params, cache, inputs, chunk, steps):
@@ -290,13 +312,16 @@ def _case(name):
     def body(cache, tokens):
       logits, cache = kv.step(model, params, cache, tokens)
       return cache, (logits, cache.state.lengths)
+
     cache, (logits, step_lengths) = jax.lax.scan(body, cache, steps.T)
-    return dict(first=first, chunk=chunk_logits, steps=jnp.moveaxis(logits, 0, 1), lengths=lengths,
-                step_lengths=step_lengths.T), cache
+    return dict(
+      first=first, chunk=chunk_logits, steps=jnp.moveaxis(logits, 0, 1), lengths=lengths, step_lengths=step_lengths.T
+    ), cache
 
   def run(*args):
     outputs, cache = run_jit(*args)
     return jax.device_get(outputs), cache
+
   return model, params, run
 
 
@@ -307,8 +332,11 @@ def _data(rows=3, seed=4):
   inputs = rng.integers(4, VOCAB, (rows, WIDTH)).astype(np.int32)
   lengths = np.resize(LENGTHS, rows)
   inputs[np.arange(WIDTH)[None] >= lengths[:, None]] = PAD_ID
-  return inputs, rng.integers(4, VOCAB, (rows, CHUNK)).astype(np.int32), rng.integers(4, VOCAB, (rows, STEPS)).astype(
-      np.int32)
+  return (
+    inputs,
+    rng.integers(4, VOCAB, (rows, CHUNK)).astype(np.int32),
+    rng.integers(4, VOCAB, (rows, STEPS)).astype(np.int32),
+  )
 
 
 def _contiguous(name, params, rows):
@@ -326,12 +354,14 @@ def _paged(name, params, rows, active=None, tokens=None, seed=5):
   cache = kv.paged_cache(model, params, rows, num_pages, PAGE, per_row, source_per_row)
   rng = np.random.default_rng(seed)
   active = np.ones(rows, bool) if active is None else np.asarray(active)
-  table = rng.permutation(np.arange(1, num_pages))[:rows * per_row].reshape(rows, per_row)
-  source_table = rng.permutation(np.arange(1, num_pages))[:rows * source_per_row].reshape(rows, source_per_row)
+  table = rng.permutation(np.arange(1, num_pages))[: rows * per_row].reshape(rows, per_row)
+  source_table = rng.permutation(np.arange(1, num_pages))[: rows * source_per_row].reshape(rows, source_per_row)
   pages = np.full(rows, per_row) if tokens is None else -(-np.asarray(tokens) // PAGE)
   used = np.arange(per_row)[None] < pages[:, None]
-  state = cache.state.replace(page_table=jnp.asarray(np.where(active[:, None] & used, table, 0), jnp.int32),
-                              source_page_table=jnp.asarray(np.where(active[:, None], source_table, 0), jnp.int32))
+  state = cache.state.replace(
+    page_table=jnp.asarray(np.where(active[:, None] & used, table, 0), jnp.int32),
+    source_page_table=jnp.asarray(np.where(active[:, None], source_table, 0), jnp.int32),
+  )
   return kv.KVCache(cache.layers, state)
 
 
@@ -350,7 +380,7 @@ def test_paged_cache_equals_contiguous(name):
   for key in ("first", "chunk", "steps"):
     _close(paged[key], contiguous[key], err_msg=key)
   np.testing.assert_array_equal(paged["step_lengths"], contiguous["step_lengths"])
-  assert np.asarray(contiguous["steps"]).std() > 0.1                  # non-degenerate logits
+  assert np.asarray(contiguous["steps"]).std() > 0.1  # non-degenerate logits
   pool = cache.layers["decoder_0" if "decoder_0" in cache.layers else "layer_0"]["self_attention"]["key"]
   assert pool.shape[0] == cache.state.num_pages and pool.shape[2] == PAGE
 
@@ -360,7 +390,7 @@ def _alone(name, params, inputs, chunk, steps):
   _, _, run = _case(name)
   out = []
   for r in range(inputs.shape[0]):
-    row = [x[r:r + 1, :max(int(np.sum(x[r] != PAD_ID)), 1)] for x in (inputs, chunk, steps)]
+    row = [x[r : r + 1, : max(int(np.sum(x[r] != PAD_ID)), 1)] for x in (inputs, chunk, steps)]
     out.append(run(params, _contiguous(name, params, 1), *map(jnp.asarray, row))[0])
   return out
 
@@ -373,13 +403,13 @@ def test_rows_of_different_lengths_equal_each_row_alone(name):
   inputs, chunk, steps = _data()
   batch = run(params, _contiguous(name, params, 3), *map(jnp.asarray, (inputs, chunk, steps)))[0]
   decoder_only = name.startswith("do")
-  base = np.asarray(LENGTHS) if decoder_only else np.ones(3, int)     # self-attention tokens after prefill
+  base = np.asarray(LENGTHS) if decoder_only else np.ones(3, int)  # self-attention tokens after prefill
   np.testing.assert_array_equal(batch["lengths"], np.stack([base, base + CHUNK], 1))
   np.testing.assert_array_equal(batch["step_lengths"], base[:, None] + CHUNK + np.arange(1, STEPS + 1))
   for r, alone in enumerate(_alone(name, params, inputs, chunk, steps)):
     for key in ("first", "chunk", "steps"):
       _close(batch[key][r], alone[key][0], err_msg=f"row {r} {key}")
-  assert np.abs(np.asarray(batch["steps"][0] - batch["steps"][1])).max() > 1e-2   # rows do differ
+  assert np.abs(np.asarray(batch["steps"][0] - batch["steps"][1])).max() > 1e-2  # rows do differ
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
@@ -405,7 +435,7 @@ def test_padding_fed_to_extend_changes_neither_lengths_nor_later_logits(name, la
     _close(batch["steps"][r, real_steps], alone[r]["steps"][0], err_msg=f"row {r} steps")
     np.testing.assert_array_equal(batch["lengths"][r], alone[r]["lengths"][0])
     np.testing.assert_array_equal(batch["step_lengths"][r, real_steps], alone[r]["step_lengths"][0])
-  np.testing.assert_array_equal(batch["step_lengths"][1, 1], batch["step_lengths"][1, 0])   # the PAD step
+  np.testing.assert_array_equal(batch["step_lengths"][1, 1], batch["step_lengths"][1, 0])  # the PAD step
   np.testing.assert_array_equal(batch["step_lengths"][2, 0], batch["lengths"][2, 1])
   np.testing.assert_array_equal(batch["lengths"][0, 1] - batch["lengths"][0, 0], CHUNK + 1)
 
@@ -420,13 +450,16 @@ def test_idle_rows_on_page_zero_do_not_disturb_other_rows(name):
   inputs, chunk, steps = _data(rows=4)
   for x in (inputs, chunk, steps):
     x[1] = PAD_ID
-  base = np.sum(inputs != PAD_ID, axis=1) if name.startswith("do") else np.ones(4, int)   # ED: BOS
-  paged, cache = run(params, _paged(name, params, 4, active=[True, False, True, False], tokens=base + CHUNK + STEPS),
-                     *map(jnp.asarray, (inputs, chunk, steps)))
+  base = np.sum(inputs != PAD_ID, axis=1) if name.startswith("do") else np.ones(4, int)  # ED: BOS
+  paged, cache = run(
+    params,
+    _paged(name, params, 4, active=[True, False, True, False], tokens=base + CHUNK + STEPS),
+    *map(jnp.asarray, (inputs, chunk, steps)),
+  )
   own, _ = run(params, _contiguous(name, params, 2), *(jnp.asarray(x[[0, 2]]) for x in (inputs, chunk, steps)))
   for key in ("first", "chunk", "steps"):
     _close(paged[key][np.array([0, 2])], own[key], err_msg=key)
   np.testing.assert_array_equal(paged["step_lengths"][[0, 2]], own["step_lengths"])
-  np.testing.assert_array_equal(paged["step_lengths"][1], base[1])    # PAD only: nothing (but BOS) cached
+  np.testing.assert_array_equal(paged["step_lengths"][1], base[1])  # PAD only: nothing (but BOS) cached
   pool = cache.layers["decoder_0" if "decoder_0" in cache.layers else "layer_0"]["self_attention"]["key"]
-  assert float(jnp.abs(pool[0]).max()) > 0.0                          # row 3 did write on page 0
+  assert float(jnp.abs(pool[0]).max()) > 0.0  # row 3 did write on page 0

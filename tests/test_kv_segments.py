@@ -19,20 +19,21 @@ def test_segment_bounds_double_from_the_minimum_up_to_the_limit():
   assert kvc.segment_bounds(16) == (0, 8, 16)
   assert kvc.segment_bounds(15) == (0, 15)
   assert kvc.segment_bounds(1) == (0, 1)
-  assert kvc.segment_bounds(1024) == (0, 32, 64, 128, 256, 512, 1024)   # at most 6 segments
+  assert kvc.segment_bounds(1024) == (0, 32, 64, 128, 256, 512, 1024)  # at most 6 segments
 
 
 @pytest.mark.parametrize("beams, axis", [(1, 2), (3, 2), (3, 3)])
 def test_split_then_join_restores_the_array(beams, axis):
   """`split_segments` and `join_segments` invert each other, beam-major slots on any axis."""
-  shape = (2, 5, 2, beams * 20, 3)[3 - axis:]                          # slots on `axis`
+  shape = (2, 5, 2, beams * 20, 3)[3 - axis :]  # slots on `axis`
   x = jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape)
   segments = kvc.split_segments(x, beams, axis)
   assert [s.shape[axis] for s in segments] == [beams * 10, beams * 10]
   np.testing.assert_array_equal(kvc.join_segments(segments, beams, axis), x)
   # beam m's position p sits at slot m * length_j + p - start_j of its segment
-  np.testing.assert_array_equal(jnp.take(segments[1], beams * 10 - 1, axis=axis),
-                                jnp.take(x, beams * 20 - 1, axis=axis))
+  np.testing.assert_array_equal(
+    jnp.take(segments[1], beams * 10 - 1, axis=axis), jnp.take(x, beams * 20 - 1, axis=axis)
+  )
 
 
 def test_writes_and_attention_over_segments_equal_one_array():
@@ -43,7 +44,7 @@ def test_writes_and_attention_over_segments_equal_one_array():
   rows, kh, n, h, capacity = 3, 2, 4, 8, 32
   rng = np.random.default_rng(0)
   lengths = jnp.asarray([3, 13, 9], jnp.int32)
-  positions = lengths[:, None] + jnp.arange(2)[None]                    # [rows, 2]
+  positions = lengths[:, None] + jnp.arange(2)[None]  # [rows, 2]
   valid = jnp.asarray([[True, True], [True, True], [True, False]])
   new_k = jnp.asarray(rng.standard_normal((rows, 2, kh, h)), jnp.float32)
   new_v = jnp.asarray(rng.standard_normal((rows, 2, kh, h)), jnp.float32)
@@ -58,7 +59,7 @@ def test_writes_and_attention_over_segments_equal_one_array():
   np.testing.assert_array_equal(kvc.join_segments(seg_v), one_v[0])
 
   q = jnp.asarray(rng.standard_normal((rows, 2, n, h)), jnp.float32)
-  kv_lengths = lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)        # 5, 15, 10: below 16
+  kv_lengths = lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)  # 5, 15, 10: below 16
   opts = dict(causal=True, position_bias=(alibi_bias, jnp.asarray(alibi_slopes(n))))
   want = kvc.cached_attention(q, one_k, one_v, positions, kv_lengths, **opts)
   poisoned_k, poisoned_v = seg_k[:2] + (seg_k[2] * jnp.nan,), seg_v[:2] + (seg_v[2] * jnp.nan,)

@@ -39,6 +39,7 @@ def _random_params(module, seed, *args, **kwargs):
     if jax.tree_util.keystr(path).endswith("['scale']"):
       v = v + 1.0
     return jnp.asarray(v, jnp.float32)
+
   return jax.tree_util.tree_map_with_path(fill, shapes)
 
 
@@ -49,7 +50,7 @@ def _reference_attention(q, k, v, kv_valid):
   for b in range(q.shape[0]):
     idx = np.flatnonzero(kv_valid[b])
     for n in range(q.shape[2]):
-      logits = q[b, :, n] @ k[b, idx, n].T / math.sqrt(q.shape[-1])   # [T, S_valid]
+      logits = q[b, :, n] @ k[b, idx, n].T / math.sqrt(q.shape[-1])  # [T, S_valid]
       w = np.exp(logits - logits.max(-1, keepdims=True))
       w /= w.sum(-1, keepdims=True)
       out[b, :, n] = w @ v[b, idx, n]
@@ -70,7 +71,7 @@ def test_attention_matches_reference_without_mask():
 def test_padded_keys_get_zero_weight():
   q, k, v = _qkv(1)
   lengths = np.array([S, 5, 1])
-  kv_valid = np.arange(S)[None, :] < lengths[:, None]       # [B, S]
+  kv_valid = np.arange(S)[None, :] < lengths[:, None]  # [B, S]
   q_valid = np.ones((B, T), bool)
   mask = attention_mask(None, None, jnp.asarray(q_valid), jnp.asarray(kv_valid), causal=False, sliding_window=0)
   out = np.asarray(dot_product_attention(q, k, v, mask))
@@ -90,9 +91,9 @@ def test_padded_keys_get_zero_weight():
 def test_fully_masked_row_is_finite():
   q, k, v = _qkv(2)
   q_valid = np.ones((B, T), bool)
-  q_valid[0, 3:] = False                    # those query rows see nothing
+  q_valid[0, 3:] = False  # those query rows see nothing
   kv_valid = np.ones((B, S), bool)
-  kv_valid[1] = False                       # batch row 1: no valid key at all
+  kv_valid[1] = False  # batch row 1: no valid key at all
   mask = attention_mask(None, None, jnp.asarray(q_valid), jnp.asarray(kv_valid), causal=False, sliding_window=0)
   out = np.asarray(dot_product_attention(q, k, v, mask))
   assert np.all(np.isfinite(out))
@@ -121,8 +122,16 @@ def test_multi_head_attention_is_permutation_equivariant():
 
 
 def test_encoder_block_is_permutation_equivariant():
-  cfg = ModelConfig(vocab_size=37, d_model=D_MODEL, num_heads=N, d_ff=24, num_encoder_layers=1,
-                    num_decoder_layers=1, dropout_rate=0.0, max_length=16)
+  cfg = ModelConfig(
+    vocab_size=37,
+    d_model=D_MODEL,
+    num_heads=N,
+    d_ff=24,
+    num_encoder_layers=1,
+    num_decoder_layers=1,
+    dropout_rate=0.0,
+    max_length=16,
+  )
   block = EncoderBlock(cfg)
   x = _normal(5, (2, S, D_MODEL))
   valid = jnp.ones((2, S), bool)
@@ -207,7 +216,7 @@ def test_layer_norm_bfloat16_uses_float32_statistics():
   assert y.dtype == jnp.bfloat16
   ref = (x32 - x32.mean(-1, keepdims=True)) / np.sqrt(x32.var(-1, keepdims=True) + 1e-6)
   # Output equals the float32 result rounded to bfloat16 (relative error <= 2^-8).
-  np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=2 ** -8, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=2**-8, atol=1e-6)
   np.testing.assert_allclose(np.asarray(y, np.float32).mean(-1), 0.0, atol=2e-2)
 
   # The check above is discriminative: statistics computed in bfloat16 are far off.
@@ -223,7 +232,7 @@ def test_rms_norm_matches_hand_computation():
   scale = np.linspace(0.5, 2.0, 12).astype(np.float32)
   y = np.asarray(RMSNorm().apply({"params": {"scale": jnp.asarray(scale)}}, x))
   xn = np.asarray(x, np.float64)
-  ref = xn / np.sqrt(np.mean(xn ** 2, axis=-1, keepdims=True) + 1e-6) * scale
+  ref = xn / np.sqrt(np.mean(xn**2, axis=-1, keepdims=True) + 1e-6) * scale
   np.testing.assert_allclose(y, ref, rtol=1e-5)
   assert abs(y.mean()) > 0.1  # not centred, unlike LayerNorm
   assert isinstance(make_norm("rmsnorm", jnp.float32), RMSNorm)
@@ -252,11 +261,10 @@ def _gelu(h):
   return 0.5 * h * (1.0 + np.vectorize(math.erf)(h / math.sqrt(2.0)))
 
 
-@pytest.mark.parametrize("activation, act, gated", [
-    ("gelu", _gelu, False),
-    ("swiglu", lambda h: h / (1.0 + np.exp(-h)), True),
-    ("geglu", _gelu, True),
-])
+@pytest.mark.parametrize(
+  "activation, act, gated",
+  [("gelu", _gelu, False), ("swiglu", lambda h: h / (1.0 + np.exp(-h)), True), ("geglu", _gelu, True)],
+)
 def test_feed_forward_variants_match_hand_computation(activation, act, gated):
   ffn = FeedForward(d_ff=24, activation=activation)
   x = _normal(12, (2, S, D_MODEL))
@@ -273,6 +281,7 @@ def test_feed_forward_variants_match_hand_computation(activation, act, gated):
 def test_vocab_major_logits_equal_tokens_first():
   """`Embed.attend(vocab_major=True)` (decode steps of few tokens) gives the tokens-first logits."""
   from jaxformer.layers.embedding import Embed
+
   embed = Embed(vocab_size=37, d_model=16)
   x = jax.random.normal(jax.random.PRNGKey(1), (3, 2, 16))
   params = embed.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))

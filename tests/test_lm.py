@@ -24,8 +24,17 @@ from jaxformer.tasks.masked_lm import mlm_mask, random_ids
 from jaxformer.train.optim import cosine_schedule, decay_mask, make_optimizer
 
 V, T = 37, 11
-CFG = ModelConfig(vocab_size=V, d_model=24, num_heads=3, d_ff=40, num_encoder_layers=2, num_decoder_layers=2,
-                  dropout_rate=0.0, pre_norm=True, max_length=16)
+CFG = ModelConfig(
+  vocab_size=V,
+  d_model=24,
+  num_heads=3,
+  d_ff=40,
+  num_encoder_layers=2,
+  num_decoder_layers=2,
+  dropout_rate=0.0,
+  pre_norm=True,
+  max_length=16,
+)
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +80,13 @@ def test_cached_decoding_equals_full_forward(decoder):
 
 
 OPTION_CASES = {
-    "rope": dict(position="rope"),
-    "alibi-window3": dict(position="alibi", sliding_window=3),
-    "mqa-swiglu-rmsnorm": dict(num_kv_heads=1, ffn="swiglu", norm="rmsnorm"),
-    "blockwise-learned": dict(attention="blockwise", attention_block_size=4, position="learned"),
-    "softcap-geglu-nopos-untied": dict(attn_logit_softcap=5.0, ffn="geglu", position="none", tie_embeddings=False),
-    "scan-remat-rope": dict(scan_layers=True, remat="full", position="rope"),
-    "moe-no-capacity-limit": dict(num_experts=4, experts_per_token=2, expert_capacity_factor=0.0),
+  "rope": dict(position="rope"),
+  "alibi-window3": dict(position="alibi", sliding_window=3),
+  "mqa-swiglu-rmsnorm": dict(num_kv_heads=1, ffn="swiglu", norm="rmsnorm"),
+  "blockwise-learned": dict(attention="blockwise", attention_block_size=4, position="learned"),
+  "softcap-geglu-nopos-untied": dict(attn_logit_softcap=5.0, ffn="geglu", position="none", tie_embeddings=False),
+  "scan-remat-rope": dict(scan_layers=True, remat="full", position="rope"),
+  "moe-no-capacity-limit": dict(num_experts=4, experts_per_token=2, expert_capacity_factor=0.0),
 }
 
 
@@ -141,7 +150,7 @@ def test_window_batches_values_and_determinism():
 
 
 def test_eval_windows_cover_the_split_once():
-  tokens = np.arange(1, 15, dtype=np.int32)            # 14 tokens -> 13 predictions
+  tokens = np.arange(1, 15, dtype=np.int32)  # 14 tokens -> 13 predictions
   batches = window_eval_batches(tokens, batch_size=2, context=4)
   inputs = np.concatenate([b["inputs"] for b in batches])
   targets = np.concatenate([b["targets"] for b in batches])
@@ -158,7 +167,7 @@ def test_cosine_schedule_values():
   assert value(0) == pytest.approx(1e-5)
   assert value(49) == pytest.approx(5e-4)
   assert value(99) == pytest.approx(1e-3) and value(100) == pytest.approx(1e-3)
-  assert value(1050) == pytest.approx(5.5e-4, rel=1e-5)           # halfway: (peak + min) / 2
+  assert value(1050) == pytest.approx(5.5e-4, rel=1e-5)  # halfway: (peak + min) / 2
   assert value(2000) == pytest.approx(1e-4) and value(5000) == pytest.approx(1e-4)
 
 
@@ -188,14 +197,14 @@ def test_weight_decay_needs_adamw():
 
 
 def test_mlm_masking_proportions_and_weights():
-  tokens = jax.random.randint(jax.random.key(0), (64, 512), 1, 60).at[:, 400:].set(0)   # 400 real per row
+  tokens = jax.random.randint(jax.random.key(0), (64, 512), 1, 60).at[:, 400:].set(0)  # 400 real per row
   keys = jax.random.split(jax.random.key(1), 64)
   corrupted, weights = mlm_mask(keys, tokens, mask_id=60, vocab_size=61, never_drawn=(0, 60))
   tokens, corrupted, weights = map(np.asarray, (tokens, corrupted, weights))
   real = tokens > 0
   selected = weights > 0
   assert not selected[~real].any()
-  np.testing.assert_array_equal(corrupted[~selected], tokens[~selected])   # only selected positions change
+  np.testing.assert_array_equal(corrupted[~selected], tokens[~selected])  # only selected positions change
   assert selected[real].mean() == pytest.approx(0.15, abs=0.005)
   n = selected.sum()
   is_mask = corrupted[selected] == 60
@@ -214,20 +223,37 @@ def test_random_replacements_skip_special_ids_uniformly():
   counts = np.bincount(ids, minlength=120)
   assert counts[list(never)].sum() == 0 and ids.max() == 119
   allowed = np.delete(counts, never)
-  assert allowed.min() > 0 and np.abs(allowed / len(ids) - 1 / 115).max() < 0.001   # uniform over the other 115
+  assert allowed.min() > 0 and np.abs(allowed / len(ids) - 1 / 115).max() < 0.001  # uniform over the other 115
 
 
 @pytest.fixture(scope="module")
 def uniform_lm(tmp_path_factory):
   """A char LM with zero parameters: zero logits, i.e. a uniform next-character distribution."""
   from jaxformer import sharding as sh
-  config = config_from_dict({
-      "model": {"kind": "decoder_only", "vocab_size": 66, "d_model": 8, "num_heads": 2, "d_ff": 8,
-                "num_decoder_layers": 1, "max_length": 64, "pre_norm": True},
+
+  config = config_from_dict(
+    {
+      "model": {
+        "kind": "decoder_only",
+        "vocab_size": 66,
+        "d_model": 8,
+        "num_heads": 2,
+        "d_ff": 8,
+        "num_decoder_layers": 1,
+        "max_length": 64,
+        "pre_norm": True,
+      },
       "optim": {"schedule": "constant", "learning_rate": 0.1},
-      "data": {"dataset": "tinyshakespeare", "tokenizer": "char", "max_length": 16,
-               "data_dir": str(tmp_path_factory.mktemp("data"))},
-      "train": {"batch_size": 2048}, "mesh": {"data": 1}})
+      "data": {
+        "dataset": "tinyshakespeare",
+        "tokenizer": "char",
+        "max_length": 16,
+        "data_dir": str(tmp_path_factory.mktemp("data")),
+      },
+      "train": {"batch_size": 2048},
+      "mesh": {"data": 1},
+    }
+  )
   model = DecoderOnly(config.model)
   params = jax.tree.map(jnp.zeros_like, model.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32))["params"])
   tokenizer = CharTokenizer.from_text(read_text())
@@ -237,7 +263,8 @@ def uniform_lm(tmp_path_factory):
 def test_perplexity_is_exp_mean_nll_of_uniform_model(uniform_lm):
   from jaxformer.tasks import get_task
   from jaxformer.tasks.base import EvalOptions
-  result = get_task(uniform_lm.config).evaluate(lambda: uniform_lm, EvalOptions())   # NLL ln(66) on every token
+
+  result = get_task(uniform_lm.config).evaluate(lambda: uniform_lm, EvalOptions())  # NLL ln(66) on every token
   assert result["num_tokens"] == 1115394 - 1003854 - 1
   assert result["loss"] == pytest.approx(math.log(66), rel=1e-6)
   assert result["perplexity"] == pytest.approx(66.0, rel=1e-5)
@@ -245,6 +272,7 @@ def test_perplexity_is_exp_mean_nll_of_uniform_model(uniform_lm):
 
 def test_generate_is_seeded_and_spans_several_context_windows(uniform_lm):
   from jaxformer.inference.generate import generate
+
   # 40 new characters with a 16-token context: three prefill + sample rounds.
   a, b = (generate(uniform_lm, "ROMEO:", 40, seed=3, num_samples=2) for _ in range(2))
   assert a == b and len(a[0]) == len(a[1]) == 40 and a[0] != a[1]
@@ -262,27 +290,43 @@ def test_generate_keeps_the_space_between_prompt_and_sentencepiece_continuation(
   from jaxformer.config import load_config
   from jaxformer.data.tokenizer import train_tokenizer
   from jaxformer.inference.generate import generate
-  config = load_config("configs/shakespeare_bpe.yaml", ["model.d_model=8", "model.num_heads=2", "model.d_ff=8",
-                                                         "model.num_decoder_layers=1", "mesh.data=1"])
-  tokenizer = train_tokenizer(split_text(read_text())[0].splitlines()[:8000], config.model.vocab_size,
-                              config.data.tokenizer)
+
+  config = load_config(
+    "configs/shakespeare_bpe.yaml",
+    ["model.d_model=8", "model.num_heads=2", "model.d_ff=8", "model.num_decoder_layers=1", "mesh.data=1"],
+  )
+  tokenizer = train_tokenizer(
+    split_text(read_text())[0].splitlines()[:8000], config.model.vocab_size, config.data.tokenizer
+  )
   [we] = tokenizer.encode("we")
   model = DecoderOnly(config.model)
   params = nn.meta.unbox(model.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32))["params"])
   params = jax.tree.map(jnp.zeros_like, params)
   params["final_norm"]["bias"] = jnp.ones(8)
   params["embed"]["embedding"] = params["embed"]["embedding"].at[we].set(1.0)
-  restored = Restored(config, tokenizer, model, sh.make_mesh(config.mesh, jax.devices()[:1]), params, 0,
-                      sh.LOGICAL_RULES)
+  restored = Restored(
+    config, tokenizer, model, sh.make_mesh(config.mesh, jax.devices()[:1]), params, 0, sh.LOGICAL_RULES
+  )
   assert generate(restored, "First Citizen:", 3, top_k=1) == [" we we we"]
 
 
 def _tiny_run(layers_key: str, length: int, steps: int) -> list[str]:
   """Overrides for a one-layer d_model 32 run of `steps` steps on `length`-token windows."""
-  return ["model.d_model=32", "model.num_heads=2", "model.d_ff=48", f"model.{layers_key}=1",
-          f"model.max_length={length}", f"data.max_length={length}", "train.batch_size=8",
-          f"train.num_steps={steps}", f"train.log_every={steps // 2}", f"train.eval_every={steps}",
-          f"train.checkpoint_every={steps}", "optim.warmup_steps=2", f"optim.decay_steps={steps}"]
+  return [
+    "model.d_model=32",
+    "model.num_heads=2",
+    "model.d_ff=48",
+    f"model.{layers_key}=1",
+    f"model.max_length={length}",
+    f"data.max_length={length}",
+    "train.batch_size=8",
+    f"train.num_steps={steps}",
+    f"train.log_every={steps // 2}",
+    f"train.eval_every={steps}",
+    f"train.checkpoint_every={steps}",
+    "optim.warmup_steps=2",
+    f"optim.decay_steps={steps}",
+  ]
 
 
 @pytest.mark.slow
@@ -294,8 +338,9 @@ def test_cli_causal_lm_train_eval_generate(tmp_path):
   assert result["step"] == 6 and result["num_tokens"] == 1115394 - 1003854 - 1
   assert result["perplexity"] == pytest.approx(math.exp(result["loss"]), rel=1e-9)
   assert result["loss"] < math.log(66) + 1.0
-  text = run_cli("generate", "--workdir", workdir, "--prompt", "ROMEO:", "--max-new-tokens", "40", "--seed", "3",
-                 "--top-k", "5").stdout
+  text = run_cli(
+    "generate", "--workdir", workdir, "--prompt", "ROMEO:", "--max-new-tokens", "40", "--seed", "3", "--top-k", "5"
+  ).stdout
   assert text.startswith("ROMEO:") and len(text) == len("ROMEO:") + 40 + 1
 
 
@@ -307,5 +352,5 @@ def test_cli_masked_lm_train_eval(tmp_path):
   result = json.loads(run_cli("eval", "--workdir", workdir).stdout.strip().splitlines()[-1])
   assert result["step"] == 4 and result["kind"] == "encoder_only"
   val_tokens = 1115394 - 1003854
-  assert 0.14 * val_tokens < result["num_tokens"] < 0.16 * val_tokens   # about 15% of tokens masked
+  assert 0.14 * val_tokens < result["num_tokens"] < 0.16 * val_tokens  # about 15% of tokens masked
   assert 0.0 <= result["accuracy"] <= 1.0 and result["loss"] > 0

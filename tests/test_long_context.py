@@ -50,22 +50,27 @@ def test_t5_scores_depend_only_on_relative_position():
   params = _random_params(attn, 2, x, None, deterministic=True, positions=pos, bias_table=table)
 
   @jax.jit
-  def outputs(table):   # shifted by 0 and by 37, and without the bias
+  def outputs(table):  # shifted by 0 and by 37, and without the bias
     def out(shift, table=table):
       return attn.apply(params, x, None, deterministic=True, positions=pos + shift, bias_table=table)
+
     return out(0), out(37), out(0, jnp.zeros_like(table)), T5Bias(8, 16)(table, pos[:1], pos[:1])
+
   base, shifted, unbiased, bias = map(np.asarray, outputs(table))
-  np.testing.assert_allclose(shifted, base, atol=1e-5)                # same offsets, same output
-  assert np.abs(unbiased - base).max() > 1e-2                         # the bias acts
+  np.testing.assert_allclose(shifted, base, atol=1e-5)  # same offsets, same output
+  assert np.abs(unbiased - base).max() > 1e-2  # the bias acts
   buckets = np.asarray(t5_buckets(jnp.arange(-T + 1, T), True, 8, 16))
-  for d in range(-T + 1, T):   # the bias [1, N, T, T] is constant along every diagonal: the row of its bucket
-    diagonal = np.diagonal(bias[0], offset=d, axis1=1, axis2=2)      # [N, T - |d|]
-    np.testing.assert_array_equal(diagonal, np.repeat(np.asarray(table)[buckets[d + T - 1]][:, None],
-                                                      diagonal.shape[1], axis=1))
+  for d in range(-T + 1, T):  # the bias [1, N, T, T] is constant along every diagonal: the row of its bucket
+    diagonal = np.diagonal(bias[0], offset=d, axis1=1, axis2=2)  # [N, T - |d|]
+    np.testing.assert_array_equal(
+      diagonal, np.repeat(np.asarray(table)[buckets[d + T - 1]][:, None], diagonal.shape[1], axis=1)
+    )
 
 
-GLOBAL_CASES = {"bidirectional-t5": dict(causal=False, window=0, global_tokens=0),
-                "causal-window-global-t5": dict(causal=True, window=3, global_tokens=2)}
+GLOBAL_CASES = {
+  "bidirectional-t5": dict(causal=False, window=0, global_tokens=0),
+  "causal-window-global-t5": dict(causal=True, window=3, global_tokens=2),
+}
 
 
 @pytest.mark.parametrize("case", GLOBAL_CASES, ids=list(GLOBAL_CASES))
@@ -82,9 +87,20 @@ def test_blockwise_equals_dense_with_t5_bias_and_global_tokens(case):
     return dot_product_attention(q, k, v, mask, bias=t5(table, pos, pos))
 
   def blockwise(q, k, v, table):
-    return blockwise_attention(q, k, v, q_positions=pos, kv_positions=pos, q_valid=valid, kv_valid=valid,
-                               causal=c["causal"], sliding_window=c["window"], global_tokens=c["global_tokens"],
-                               position_bias=(t5, table), block_size=4)
+    return blockwise_attention(
+      q,
+      k,
+      v,
+      q_positions=pos,
+      kv_positions=pos,
+      q_valid=valid,
+      kv_valid=valid,
+      causal=c["causal"],
+      sliding_window=c["window"],
+      global_tokens=c["global_tokens"],
+      position_bias=(t5, table),
+      block_size=4,
+    )
 
   @jax.jit
   def outputs_and_grads(q, k, v, table):
@@ -100,16 +116,33 @@ def test_blockwise_equals_dense_with_t5_bias_and_global_tokens(case):
     np.testing.assert_allclose(np.asarray(x_b), np.asarray(x_d), atol=2e-5, rtol=1e-5, err_msg=name)
 
 
-@pytest.mark.parametrize("options", [dict(position="t5", relative_buckets=6, relative_max_distance=8,
-                                           sliding_window=3, global_tokens=2),
-                                      dict(position="rope", rope_scaling="yarn", rope_scaling_factor=4.0,
-                                           attention="blockwise", attention_block_size=4)], ids=["t5-global", "yarn"])
+@pytest.mark.parametrize(
+  "options",
+  [
+    dict(position="t5", relative_buckets=6, relative_max_distance=8, sliding_window=3, global_tokens=2),
+    dict(position="rope", rope_scaling="yarn", rope_scaling_factor=4.0, attention="blockwise", attention_block_size=4),
+  ],
+  ids=["t5-global", "yarn"],
+)
 def test_decoder_only_cached_decoding_equals_full_forward(options):
   """The decoder-only model (its stack's shared T5 table, or YaRN-scaled RoPE): a prefill of 5
   tokens, then one token per step, gives the full forward's logits; the first 5 are causal."""
-  config = config_from_dict({"model": dict(kind="decoder_only", vocab_size=37, d_model=16, num_heads=4, d_ff=24,
-                                           num_decoder_layers=2, dropout_rate=0.0, max_length=16, **options),
-                             "data": {"max_length": 16}}).model
+  config = config_from_dict(
+    {
+      "model": dict(
+        kind="decoder_only",
+        vocab_size=37,
+        d_model=16,
+        num_heads=4,
+        d_ff=24,
+        num_decoder_layers=2,
+        dropout_rate=0.0,
+        max_length=16,
+        **options,
+      ),
+      "data": {"max_length": 16},
+    }
+  ).model
   model = DecoderOnly(config)
   tokens = jnp.asarray(np.random.default_rng(6).integers(4, 37, (B, 9)), jnp.int32)
   params = _random_params(model, 7, tokens)["params"]
@@ -123,8 +156,9 @@ def test_decoder_only_cached_decoding_equals_full_forward(options):
       logits, cache = kv.step(model, params, cache, tokens[:, i])
       steps.append(logits)
     return full, jnp.stack([first, *steps], axis=1), model.apply({"params": params}, tokens[:, :5])
+
   full, cached, prefix = map(np.asarray, run(params, tokens))
-  np.testing.assert_allclose(cached, full[:, 4:], atol=1e-4, rtol=1e-5)   # a wrong slot or mask moves them by > 1e-2
+  np.testing.assert_allclose(cached, full[:, 4:], atol=1e-4, rtol=1e-5)  # a wrong slot or mask moves them by > 1e-2
   np.testing.assert_allclose(prefix, full[:, :5], atol=2e-5, rtol=1e-5)
   assert np.abs(full[:, 4:]).std() > 0.1
 
@@ -151,21 +185,21 @@ def test_rope_scaling_frequencies():
   # Linear interpolation of position 2p is position p unscaled.
   x = _normal(3, (B, T, N, 16))
   pos = jnp.broadcast_to(jnp.arange(T), (B, T))
-  np.testing.assert_allclose(np.asarray(apply_rope(x, 2 * pos, scaling=RopeScaling("linear", 2.0))),
-                             np.asarray(apply_rope(x, pos)), atol=1e-5)
-
+  np.testing.assert_allclose(
+    np.asarray(apply_rope(x, 2 * pos, scaling=RopeScaling("linear", 2.0))), np.asarray(apply_rope(x, pos)), atol=1e-5
+  )
 
 
 def test_dynamic_rope_base_is_per_row():
   # Base b * (s L'/L - (s - 1))^(H/(H-2)) from each row's own length L' (trained L = 8, factor s = 2).
   scaling = RopeScaling("dynamic", 2.0, 8)
-  pos = jnp.asarray([np.arange(12), np.minimum(np.arange(12), 5)])                 # L' = 12 and 6
+  pos = jnp.asarray([np.arange(12), np.minimum(np.arange(12), 5)])  # L' = 12 and 6
   base = np.asarray(dynamic_base(scaling, 16, pos))
   np.testing.assert_allclose(base, [10000.0 * (2 * 12 / 8 - 1) ** (16 / 14), 10000.0], rtol=1e-5)
   x = _normal(4, (2, 12, N, 16))
   both = np.asarray(apply_rope(x, pos, scaling))
-  for r in range(2):   # a row alone gives the same rotation as beside the other
-    np.testing.assert_allclose(both[r], np.asarray(apply_rope(x[r:r + 1], pos[r:r + 1], scaling))[0], atol=1e-6)
+  for r in range(2):  # a row alone gives the same rotation as beside the other
+    np.testing.assert_allclose(both[r], np.asarray(apply_rope(x[r : r + 1], pos[r : r + 1], scaling))[0], atol=1e-6)
 
 
 # --- global tokens ------------------------------------------------------------------------------
@@ -183,13 +217,24 @@ def test_global_tokens_mask_matches_a_hand_built_one(causal):
   # Per-row positions (packed segments restart at 0): global is by position, not by index.
   seg_pos = jnp.asarray([[0, 1, 2, 0, 1, 2, 3]])
   got = np.asarray(position_mask(seg_pos, seg_pos, causal, 1, 1))[0]
-  assert got[5, 3] and got[3, 6] != causal and not got[5, 1]   # position 0 of row index 3 is global
+  assert got[5, 3] and got[3, 6] != causal and not got[5, 1]  # position 0 of row index 3 is global
 
 
 # --- Linformer -----------------------------------------------------------------------------------
 
-LIN = dict(vocab_size=37, d_model=16, num_heads=4, d_ff=24, num_encoder_layers=1, dropout_rate=0.0, max_length=16,
-           attention="linformer", linformer_k=5, kind="encoder_only", position="learned")
+LIN = dict(
+  vocab_size=37,
+  d_model=16,
+  num_heads=4,
+  d_ff=24,
+  num_encoder_layers=1,
+  dropout_rate=0.0,
+  max_length=16,
+  attention="linformer",
+  linformer_k=5,
+  kind="encoder_only",
+  position="learned",
+)
 
 
 @pytest.fixture(scope="module")
@@ -210,14 +255,15 @@ def test_linformer_shapes_and_padding(linformer_model):
   padded = np.asarray(model.apply(params, jnp.pad(tokens, ((0, 0), (0, 5)), constant_values=PAD_ID)))
   np.testing.assert_allclose(padded[:, :11], logits, atol=1e-5)
   changed = np.asarray(model.apply(params, tokens.at[:, 10].set(4 + (tokens[:, 10] - 3) % 33)))
-  assert np.abs(changed[:, 0] - logits[:, 0]).max() > 1e-3     # non-causal: the first position sees the last
+  assert np.abs(changed[:, 0] - logits[:, 0]).max() > 1e-3  # non-causal: the first position sees the last
 
 
 def test_linformer_errors():
   x = _normal(5, (1, 6, 16))
   for kw in (dict(causal=True), dict(decode=True)):
-    attn = MultiHeadAttention(num_heads=2, head_dim=8, implementation="linformer", max_length=8,
-                              causal=kw.get("causal", False))
+    attn = MultiHeadAttention(
+      num_heads=2, head_dim=8, implementation="linformer", max_length=8, causal=kw.get("causal", False)
+    )
     with pytest.raises(ConfigError, match="linformer is for non-causal self-attention without a KV cache"):
       attn.init(jax.random.key(0), x, None, deterministic=True, decode=kw.get("decode", False))
   with pytest.raises(ConfigError, match="linformer is non-causal"):
@@ -229,8 +275,9 @@ def test_linformer_errors():
 def _temp_bytes(attention: MultiHeadAttention, length: int) -> int:
   """XLA's temporary buffer size for the input gradient of `attention` at `length` tokens (compile only)."""
   x = jax.ShapeDtypeStruct((1, length, 16), jnp.float32)
-  params = jax.eval_shape(lambda: attention.init(jax.random.key(0), jnp.zeros((1, length, 16)), None,
-                                                 deterministic=True))
+  params = jax.eval_shape(
+    lambda: attention.init(jax.random.key(0), jnp.zeros((1, length, 16)), None, deterministic=True)
+  )
   grad = jax.jit(jax.grad(lambda p, x: attention.apply(p, x, None, deterministic=True).sum(), argnums=1))
   return grad.lower(params, x).compile().memory_analysis().temp_size_in_bytes
 
@@ -241,31 +288,47 @@ def test_linformer_gradient_memory_grows_linearly():
   for small, large in zip(temps, temps[1:]):
     assert large / small < 2.2, temps
   dense_1k, dense_2k = (_temp_bytes(dataclasses.replace(linformer, implementation="dense"), n) for n in (1024, 2048))
-  assert dense_2k / dense_1k > 2.2 and dense_2k > 4 * temps[1], (dense_1k, dense_2k, temps)   # dense: [T, T] scores
+  assert dense_2k / dense_1k > 2.2 and dense_2k > 4 * temps[1], (dense_1k, dense_2k, temps)  # dense: [T, T] scores
 
 
 # --- config errors and the sharded mesh -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("overrides, message", [
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
     (["model.rope_scaling=yarn"], "model.rope_scaling=yarn rescales RoPE frequencies; it needs model.position=rope"),
-    (["model.position=rope", "model.rope_scaling=linear", "model.rope_scaling_factor=0.5"],
-     "model.rope_scaling_factor must be a finite number >= 1"),
+    (
+      ["model.position=rope", "model.rope_scaling=linear", "model.rope_scaling_factor=0.5"],
+      "model.rope_scaling_factor must be a finite number >= 1",
+    ),
     (["model.global_tokens=2"], "model.global_tokens=2 acts on top of a sliding window"),
     (["model.relative_buckets=7"], "model.relative_buckets must be an even number >= 4"),
     (["model.attention=linformer", "model.position=t5"], "model.position=t5 biases scores by token distance"),
-])
+  ],
+)
 def test_option_errors_are_one_line(overrides, message):
   with pytest.raises(ConfigError, match=message):
     config_from_dict({}, overrides)
 
 
 SHARDED_OPTIONS = {
-    "t5-blockwise-global": ("model.position=t5", "model.relative_buckets=8", "model.relative_max_distance=16",
-                            "model.attention=blockwise", "model.attention_block_size=4", "model.sliding_window=3",
-                            "model.global_tokens=2"),
-    "yarn-linformer": ("model.position=rope", "model.rope_scaling=yarn", "model.rope_scaling_factor=4",
-                       "model.attention=linformer", "model.linformer_k=8"),
+  "t5-blockwise-global": (
+    "model.position=t5",
+    "model.relative_buckets=8",
+    "model.relative_max_distance=16",
+    "model.attention=blockwise",
+    "model.attention_block_size=4",
+    "model.sliding_window=3",
+    "model.global_tokens=2",
+  ),
+  "yarn-linformer": (
+    "model.position=rope",
+    "model.rope_scaling=yarn",
+    "model.rope_scaling_factor=4",
+    "model.attention=linformer",
+    "model.linformer_k=8",
+  ),
 }
 
 

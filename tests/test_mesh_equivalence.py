@@ -47,7 +47,7 @@ def _batches():
 def _run(mesh_shape, dropout, rules="", overrides=(), length=13, steps=STEPS):
   # One layer per stack: every sharded weight and collective of a layer, at half the compile time.
   config = _config(dropout, "model.num_encoder_layers=1", "model.num_decoder_layers=1", *overrides)
-  devices = jax.devices()[:int(np.prod(mesh_shape))]
+  devices = jax.devices()[: int(np.prod(mesh_shape))]
   config = dataclasses.replace(config, mesh=MeshConfig(*mesh_shape, rules=rules))
   mesh = sh.make_mesh(config.mesh, devices)
   model = EncoderDecoder(config.model)
@@ -73,8 +73,7 @@ def references():
 CASES = [(shape, 0.0) for shape in MESHES[1:4]] + [(shape, 0.1) for shape in MESHES[4:]]
 
 
-@pytest.mark.parametrize("mesh_shape, dropout", CASES,
-                         ids=[f"{'x'.join(map(str, s))}-dropout{d}" for s, d in CASES])
+@pytest.mark.parametrize("mesh_shape, dropout", CASES, ids=[f"{'x'.join(map(str, s))}-dropout{d}" for s, d in CASES])
 def test_same_losses_and_params_on_every_mesh(references, mesh_shape, dropout):
   ref_losses, ref_state = references[dropout]
   losses, state = _run(mesh_shape, dropout)
@@ -91,8 +90,9 @@ def test_rules_overridden_from_config_change_placement_not_values(references):
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   wi = state.params["encoder_0"]["ffn"]["wi"]
   assert wi.sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
-  np.testing.assert_allclose(jax.device_get(wi), jax.device_get(ref_state.params["encoder_0"]["ffn"]["wi"]),
-                             atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(
+    jax.device_get(wi), jax.device_get(ref_state.params["encoder_0"]["ffn"]["wi"]), atol=1e-5, rtol=1e-5
+  )
 
 
 @pytest.mark.slow
@@ -100,7 +100,7 @@ def test_context_axis_changes_placement_not_values():
   """mesh.context=2 splits the length of the batch and of every activation (12 tokens: 6 per
   device); attention gathers keys/values across it. Two steps, as on one device."""
   ref_losses, ref_state = _run((1, 1, 1), 0.0, length=12, steps=2)
-  losses, state = _run((2, 1, 2, 1, 2), 0.0, length=12, steps=2)   # data=2, tensor=2, context=2
+  losses, state = _run((2, 1, 2, 1, 2), 0.0, length=12, steps=2)  # data=2, tensor=2, context=2
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(jax.device_get(ref_state.params))):
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
@@ -112,7 +112,7 @@ def test_dropout_changes_the_loss(references):
 
 def _specs(mesh_shape, *overrides):
   config = _config(0.0, *overrides)
-  mesh = sh.make_mesh(MeshConfig(*mesh_shape), jax.devices()[:int(np.prod(mesh_shape))])
+  mesh = sh.make_mesh(MeshConfig(*mesh_shape), jax.devices()[: int(np.prod(mesh_shape))])
   model = EncoderDecoder(config.model)
   abstract, logical = abstract_state(model, make_optimizer(config.optim, config.model.d_model))
   return abstract, sh.logical_to_sharding(logical, mesh)
@@ -120,13 +120,15 @@ def _specs(mesh_shape, *overrides):
 
 # (data, fsdp, tensor, stage, context, expert): the new axes split no parameter of the unrolled
 # model (stage splits scanned layers, below), so the specs of a mesh with any of them are the 2x2x2 golden ones.
-@pytest.mark.parametrize("mesh_shape", [(2, 2, 2), (1, 2, 2, 2), (1, 2, 2, 1, 2), (1, 2, 2, 1, 1, 2)],
-                         ids=["2x2x2", "stage2", "context2", "expert2"])
+@pytest.mark.parametrize(
+  "mesh_shape",
+  [(2, 2, 2), (1, 2, 2, 2), (1, 2, 2, 1, 2), (1, 2, 2, 1, 1, 2)],
+  ids=["2x2x2", "stage2", "context2", "expert2"],
+)
 def test_golden_partition_specs_for_tiny(mesh_shape):
   _, shardings = _specs(mesh_shape)
   flat = jax.tree_util.tree_flatten_with_path(shardings.params)[0]
-  got = {"/".join(k.key for k in path): [list(a) if isinstance(a, tuple) else a for a in s.spec]
-         for path, s in flat}
+  got = {"/".join(k.key for k in path): [list(a) if isinstance(a, tuple) else a for a in s.spec] for path, s in flat}
   golden = json.loads((ROOT / "tests/golden/tiny_specs_2x2x2.json").read_text())
   assert got == golden
 
@@ -136,6 +138,7 @@ def test_golden_partition_specs_for_a_mixture_of_experts():
   `[experts, ...]` split over expert (and like the dense FFN's over fsdp and tensor); the
   batch splits over data, fsdp and expert."""
   from jaxformer.tasks import get_task
+
   config = _config(0.0, "model.kind=decoder_only", "model.num_experts=4", "model.num_decoder_layers=1")
   mesh = sh.make_mesh(MeshConfig(1, 2, 2, expert=2), jax.devices()[:8])
   model = get_task(config).make_model()
@@ -151,8 +154,7 @@ def test_golden_partition_specs_for_scanned_tiny_on_stages():
   blocks, each layer's dimensions as unscanned; embeddings and logits replicated over stage."""
   _, shardings = _specs((1, 2, 2, 2), "model.scan_layers=true")
   flat = jax.tree_util.tree_flatten_with_path(shardings.params)[0]
-  got = {"/".join(k.key for k in path): [list(a) if isinstance(a, tuple) else a for a in s.spec]
-         for path, s in flat}
+  got = {"/".join(k.key for k in path): [list(a) if isinstance(a, tuple) else a for a in s.spec] for path, s in flat}
   golden = json.loads((ROOT / "tests/golden/tiny_scanned_specs_stage2x2x2.json").read_text())
   assert got == golden
 
@@ -189,11 +191,15 @@ def test_base_per_device_bytes_shrink_at_least_six_fold():
     assert sharded * 6 <= total_bytes(getattr(abstract, part))
 
 
-@pytest.mark.parametrize("fsdp, tensor, message", [
+@pytest.mark.parametrize(
+  "fsdp, tensor, message",
+  [
     (1, 3, "mesh.tensor=3 does not divide model.num_heads=8; use mesh.tensor in [1, 2, 4, 8]"),
     (3, 1, "mesh.fsdp=3 does not divide model.d_model=64"),
-])
+  ],
+)
 def test_indivisible_mesh_fails_before_compiling(fsdp, tensor, message):
   from jaxformer.config import ConfigError
+
   with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
     check_model_fits_mesh(_config(0.0), fsdp, tensor)

@@ -15,8 +15,16 @@ SRC_LEN, TGT_LEN = 11, 9
 
 
 def _config(**kw):
-  base = dict(vocab_size=VOCAB, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=2,
-              num_decoder_layers=2, dropout_rate=0.0, max_length=32)
+  base = dict(
+    vocab_size=VOCAB,
+    d_model=16,
+    num_heads=2,
+    d_ff=24,
+    num_encoder_layers=2,
+    num_decoder_layers=2,
+    dropout_rate=0.0,
+    max_length=32,
+  )
   base.update(kw)
   return ModelConfig(**base)
 
@@ -44,6 +52,7 @@ def _random_params(model, src, tgt, seed=0, scale=0.3):
     if jax.tree_util.keystr(path).endswith("['scale']"):
       x = x + 1.0
     return jnp.asarray(x, jnp.float32)
+
   return jax.tree_util.tree_map_with_path(fill, shapes)
 
 
@@ -87,14 +96,14 @@ def test_decoder_is_causal(model_and_params, jitted, i):
   dec_in = rng.integers(4, VOCAB, (3, TGT_LEN))
   dec_in[:, 0] = BOS_ID
   changed = dec_in.copy()
-  later = dec_in[:, i + 1:]
-  changed[:, i + 1:] = (later - 4 + rng.integers(1, VOCAB - 4, later.shape)) % (VOCAB - 4) + 4  # != later
-  assert np.all(changed[:, i + 1:] != dec_in[:, i + 1:])
+  later = dec_in[:, i + 1 :]
+  changed[:, i + 1 :] = (later - 4 + rng.integers(1, VOCAB - 4, later.shape)) % (VOCAB - 4) + 4  # != later
+  assert np.all(changed[:, i + 1 :] != dec_in[:, i + 1 :])
   enc = encode(params, src)
   a = np.asarray(decode(params, enc, src, jnp.asarray(dec_in, jnp.int32)))
   b = np.asarray(decode(params, enc, src, jnp.asarray(changed, jnp.int32)))
-  np.testing.assert_allclose(a[:, :i + 1], b[:, :i + 1], atol=1e-5, rtol=1e-5)
-  assert np.abs(a[:, i + 1:] - b[:, i + 1:]).max() > 1e-3
+  np.testing.assert_allclose(a[:, : i + 1], b[:, : i + 1], atol=1e-5, rtol=1e-5)
+  assert np.abs(a[:, i + 1 :] - b[:, i + 1 :]).max() > 1e-3
 
 
 def test_teacher_forcing_is_causal(model_and_params, jitted):
@@ -108,11 +117,11 @@ def test_teacher_forcing_is_causal(model_and_params, jitted):
   tgt = rng.integers(4, VOCAB, (3, TGT_LEN))
   i = 4
   changed = tgt.copy()
-  changed[:, i + 1:] = np.where(tgt[:, i + 1:] == 4, 5, 4)
+  changed[:, i + 1 :] = np.where(tgt[:, i + 1 :] == 4, 5, 4)
   a = np.asarray(forward(params, src, jnp.asarray(tgt, jnp.int32)))
   b = np.asarray(forward(params, src, jnp.asarray(changed, jnp.int32)))
-  np.testing.assert_allclose(a[:, :i + 2], b[:, :i + 2], atol=1e-5, rtol=1e-5)
-  assert np.abs(a[:, i + 2:] - b[:, i + 2:]).max() > 1e-3
+  np.testing.assert_allclose(a[:, : i + 2], b[:, : i + 2], atol=1e-5, rtol=1e-5)
+  assert np.abs(a[:, i + 2 :] - b[:, i + 2 :]).max() > 1e-3
 
 
 def test_source_padding_invariance(model_and_params, jitted):
@@ -126,8 +135,7 @@ def test_source_padding_invariance(model_and_params, jitted):
   valid = np.asarray(tgt) != PAD_ID
   for extra in (1, 5):
     padded = jnp.pad(src, ((0, 0), (0, extra)), constant_values=PAD_ID)
-    np.testing.assert_allclose(np.asarray(forward(params, padded, tgt))[valid], logits[valid],
-                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(forward(params, padded, tgt))[valid], logits[valid], atol=1e-5, rtol=1e-5)
   # Sanity: the source matters (a real token change moves the logits).
   other = src.at[0, 0].set(jnp.where(src[0, 0] == 4, 5, 4))
   assert not np.allclose(np.asarray(forward(params, other, tgt))[0], logits[0], atol=1e-3)
@@ -194,8 +202,11 @@ def test_unshared_embeddings_and_pre_norm(model_and_params, jitted):
   pre_model = EncoderDecoder(_config(pre_norm=True))
   pre_shapes = nn.meta.unbox(jax.eval_shape(lambda k: pre_model.init(k, src, tgt), jax.random.key(0)))["params"]
   assert set(pre_shapes) - set(post_params) == {"encoder_norm", "decoder_norm"}
-  pre_params = dict(post_params, encoder_norm={"scale": jnp.ones(16), "bias": jnp.zeros(16)},
-                    decoder_norm={"scale": jnp.ones(16), "bias": jnp.zeros(16)})
+  pre_params = dict(
+    post_params,
+    encoder_norm={"scale": jnp.ones(16), "bias": jnp.zeros(16)},
+    decoder_norm={"scale": jnp.ones(16), "bias": jnp.zeros(16)},
+  )
   assert jax.tree.structure(pre_params) == jax.tree.structure(pre_shapes)
   post = np.asarray(forward(post_params, src, tgt))
   pre = np.asarray(jax.jit(lambda p: pre_model.apply({"params": p}, src, tgt))(pre_params))

@@ -26,8 +26,13 @@ from jaxformer.train.step import make_train_step
 
 ROOT = Path(__file__).parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
-MOE = ["model.kind=decoder_only", "model.num_experts=4", "model.experts_per_token=2",
-       "model.expert_capacity_factor=1.0", "model.dropout_rate=0.0"]
+MOE = [
+  "model.kind=decoder_only",
+  "model.num_experts=4",
+  "model.experts_per_token=2",
+  "model.expert_capacity_factor=1.0",
+  "model.dropout_rate=0.0",
+]
 
 
 def _reference(params, x, valid, k, capacity):
@@ -72,15 +77,17 @@ def test_layer_equals_per_token_reference(factor, k):
   valid = np.ones((batch, length), bool)
   valid[1, 5:] = False
   params = nn.meta.unbox(jax.jit(layer.init)(jax.random.key(0), x, valid)["params"])
-  params = {name: v + 0.3 * rng.normal(size=v.shape).astype(np.float32) if name.startswith("b") else v
-            for name, v in params.items()}   # nonzero biases
+  params = {
+    name: v + 0.3 * rng.normal(size=v.shape).astype(np.float32) if name.startswith("b") else v
+    for name, v in params.items()
+  }  # nonzero biases
   y, state = jax.jit(lambda p: layer.apply({"params": p}, x, valid, mutable=[AUX]))(params)
   capacity = expert_capacity(length, experts, k, factor)
   ref, stats = _reference(params, x.astype(np.float64), valid, k, capacity)
   np.testing.assert_allclose(y, ref, atol=1e-5)
   for name, value in stats.items():
     np.testing.assert_allclose(state[AUX][name], value, rtol=1e-5, err_msg=name)
-  assert (stats["router_dropped"] > 0) == (factor > 0)   # the cases do exercise the capacity
+  assert (stats["router_dropped"] > 0) == (factor > 0)  # the cases do exercise the capacity
   assert capacity == {0.6: 3, 0.0: 7, 0.5: 1}[factor]
 
 
@@ -93,12 +100,12 @@ def test_router_losses_and_drops_by_hand():
   stats = {k: float(v) for k, v in routing.stats.items() if k != "router_load"}
   # f = (0, 1), P = (1/4, 3/4): E * sum f P = 2 * 3/4 = 1.5 per token, times 2 real tokens.
   assert stats["router_balance"] == pytest.approx(3.0)
-  assert stats["router_z"] == pytest.approx(2 * math.log(4.0) ** 2)      # logsumexp = ln(1 + 3)
+  assert stats["router_z"] == pytest.approx(2 * math.log(4.0) ** 2)  # logsumexp = ln(1 + 3)
   assert stats["router_dropped"] == 1.0
   np.testing.assert_array_equal(routing.stats["router_load"], [0.0, 2.0])
-  np.testing.assert_allclose(routing.combine[0, :, :, 0], [[0.0, 0.75], [0.0, 0.0], [0.0, 0.0]])   # raw top-1 gate
+  np.testing.assert_allclose(routing.combine[0, :, :, 0], [[0.0, 0.75], [0.0, 0.0], [0.0, 0.0]])  # raw top-1 gate
   top2 = route_jit(jnp.log(jnp.array([[[0.5, 0.3, 0.2]]])), None, k=2, capacity=1)
-  np.testing.assert_allclose(top2.combine[0, 0, :, 0], [0.625, 0.375, 0.0], rtol=1e-6)   # renormalised over 2
+  np.testing.assert_allclose(top2.combine[0, 0, :, 0], [0.625, 0.375, 0.0], rtol=1e-6)  # renormalised over 2
 
 
 def test_capacity_drops_keep_a_decoder_causal():
@@ -153,7 +160,7 @@ def test_auxiliary_losses_enter_loss_and_gradient():
   task, model, params = _lm("model.router_aux_loss=0.5", "model.router_z_loss=0.25")
   batch = _lm_batch()
 
-  def parts(p):   # (the loss, its NLL part, its router part), label smoothing and logit z-loss off
+  def parts(p):  # (the loss, its NLL part, its router part), label smoothing and logit z-loss off
     loss, s = loss_fn(task, model, p, batch, None, 0.0)
     return loss, s["nll"] / s["num_tokens"], (0.5 * s["router_balance"] + 0.25 * s["router_z"]) / s["num_tokens"]
 
@@ -165,14 +172,19 @@ def test_auxiliary_losses_enter_loss_and_gradient():
   assert float(jnp.abs(from_router).max()) > 1e-3
 
 
-@pytest.mark.parametrize("overrides, message", [
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
     (["model.experts_per_token=5"], r"model.experts_per_token=5 must be in \[1, model.num_experts=4\]"),
     (["model.expert_capacity_factor=-1"], "model.expert_capacity_factor must be a finite number >= 0"),
     (["model.expert_capacity_factor=nan"], "model.expert_capacity_factor must be a finite number >= 0"),
     (["model.router_aux_loss=-0.1"], "model.router_aux_loss must be a finite number >= 0"),
-    (["model.num_experts=6", "mesh.expert=4", "mesh.data=2"],
-     r"mesh.expert=4 does not divide model.num_experts=6; use mesh.expert in \[1, 2, 3, 6\]"),
-])
+    (
+      ["model.num_experts=6", "mesh.expert=4", "mesh.data=2"],
+      r"mesh.expert=4 does not divide model.num_experts=6; use mesh.expert in \[1, 2, 3, 6\]",
+    ),
+  ],
+)
 def test_config_errors_are_one_line(overrides, message):
   with pytest.raises(ConfigError, match=message) as error:
     build_mesh(load_config(TINY, [*MOE, *overrides]))
@@ -180,10 +192,12 @@ def test_config_errors_are_one_line(overrides, message):
 
 
 def _train(mesh: MeshConfig, steps: int = 2, accum: int = 1):
-  config = load_config(TINY, [*MOE, "model.num_decoder_layers=1", "optim.warmup_steps=10", "optim.eps=1e-4",
-                              f"train.grad_accum_steps={accum}"])
+  config = load_config(
+    TINY,
+    [*MOE, "model.num_decoder_layers=1", "optim.warmup_steps=10", "optim.eps=1e-4", f"train.grad_accum_steps={accum}"],
+  )
   config = dataclasses.replace(config, mesh=mesh)
-  devices = jax.devices()[:math.prod(v for v in mesh.sizes.values())]
+  devices = jax.devices()[: math.prod(v for v in mesh.sizes.values())]
   mesh_ = sh.make_mesh(config.mesh, devices)
   rules = sh.rules_for(config.mesh)
   model = get_task(config).make_model()
@@ -204,16 +218,21 @@ def one_device():
   return _train(MeshConfig(data=1))
 
 
-@pytest.mark.parametrize("mesh", [pytest.param(MeshConfig(data=4, expert=2), marks=pytest.mark.slow),
-                                  pytest.param(MeshConfig(data=2, expert=4), marks=pytest.mark.slow),
-                                  pytest.param(MeshConfig(data=2, context=2, expert=2), marks=pytest.mark.slow),
-                                  MeshConfig(data=1, fsdp=2, tensor=2, expert=2)],
-                         ids=["e2d4", "e4d2", "e2c2d2", "e2f2t2"])
+@pytest.mark.parametrize(
+  "mesh",
+  [
+    pytest.param(MeshConfig(data=4, expert=2), marks=pytest.mark.slow),
+    pytest.param(MeshConfig(data=2, expert=4), marks=pytest.mark.slow),
+    pytest.param(MeshConfig(data=2, context=2, expert=2), marks=pytest.mark.slow),
+    MeshConfig(data=1, fsdp=2, tensor=2, expert=2),
+  ],
+  ids=["e2d4", "e4d2", "e2c2d2", "e2f2t2"],
+)
 def test_same_losses_and_params_on_expert_meshes(one_device, mesh):
   ref_losses, ref_params = one_device
   losses, params = _train(mesh)
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-  assert ref_losses[:, 3].min() > 0   # tokens were dropped for capacity
+  assert ref_losses[:, 3].min() > 0  # tokens were dropped for capacity
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
@@ -235,22 +254,28 @@ def test_router_fields_in_the_log(tmp_path):
 
   from jaxformer.tasks.router import summarise_router
   from jaxformer.train.loop import _Logger
-  history = [{"router_load": np.array([[3.0, 1.0], [2.0, 2.0]]), "router_balance": 5.0, "router_z": 6.0,
-              "router_dropped": 1.0},
-             {"router_load": np.array([[3.0, 1.0], [1.0, 0.0]]), "router_balance": 3.0, "router_z": 2.0,
-              "router_dropped": 2.0}]
+
+  history = [
+    {"router_load": np.array([[3.0, 1.0], [2.0, 2.0]]), "router_balance": 5.0, "router_z": 6.0, "router_dropped": 1.0},
+    {"router_load": np.array([[3.0, 1.0], [1.0, 0.0]]), "router_balance": 3.0, "router_z": 2.0, "router_dropped": 2.0},
+  ]
   out = summarise_router(history, num_tokens=4.0)
-  assert out == {"router_balance_loss": 2.0, "router_z_loss": 2.0, "router_dropped": 3.0 / 13.0,
-                 "router_load": [[0.75, 0.25], [0.6, 0.4]], "router_max_load": [1.5, 1.2]}
+  assert out == {
+    "router_balance_loss": 2.0,
+    "router_z_loss": 2.0,
+    "router_dropped": 3.0 / 13.0,
+    "router_load": [[0.75, 0.25], [0.6, 0.4]],
+    "router_max_load": [1.5, 1.2],
+  }
   logger = _Logger(tmp_path, 0)
   logger.write({"step": 3, **out})
   logger.close()
   assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 3, **out}
   data, tags = next((tmp_path / "tensorboard").iterdir()).read_bytes(), set()
-  while data:   # TFRecord framing: length (8 bytes), its CRC (4), the event, its CRC (4)
+  while data:  # TFRecord framing: length (8 bytes), its CRC (4), the event, its CRC (4)
     size = int.from_bytes(data[:8], "little")
-    tags |= {v.tag for v in event_pb2.Event.FromString(data[12:12 + size]).summary.value}
-    data = data[16 + size:]
+    tags |= {v.tag for v in event_pb2.Event.FromString(data[12 : 12 + size]).summary.value}
+    data = data[16 + size :]
   assert {"train/router_load/1/0", "train/router_max_load/1", "train/router_dropped"} <= tags
 
 
@@ -259,10 +284,13 @@ def test_int8_quantization_scales_each_expert(scan):
   """Expert kernels `[(layers,) experts, in, out]` get one scale per expert and output column; the
   router stays float; the attention kernels beside them keep their usual scales."""
   from jaxformer.inference.quantize import QuantizedArray, quantize_params
+
   _, model, params = _lm(f"model.scan_layers={scan}", "model.d_model=64", "model.d_ff=64")
   quantized = quantize_params(params, min_size=1024)
-  ffn, attention = (quantized["layer"] if scan else quantized["layer_0"])["ffn"], \
-      (quantized["layer"] if scan else quantized["layer_0"])["self_attention"]
+  ffn, attention = (
+    (quantized["layer"] if scan else quantized["layer_0"])["ffn"],
+    (quantized["layer"] if scan else quantized["layer_0"])["self_attention"],
+  )
   lead = (2,) if scan else ()
   assert isinstance(ffn["wi"], QuantizedArray) and ffn["wi"].scale.shape == (*lead, 4, 1, 64)
   assert ffn["wo"].scale.shape == (*lead, 4, 1, 64) and not isinstance(ffn["router"], QuantizedArray)
@@ -271,6 +299,7 @@ def test_int8_quantization_scales_each_expert(scan):
 
 def test_model_flops_count_the_routed_experts_and_the_router():
   from jaxformer.bench.step import forward_flops_per_pair
+
   dense, moe = (load_config(TINY, ["model.kind=decoder_only", f"model.num_experts={e}"]).model for e in (0, 4))
   # Per token and layer: one more FFN (2 of 4 experts, 2 * 2 * d_model * d_ff) and the router (2 * d_model * 4).
   extra = 10 * 2 * (2 * 2 * 64 * 128 + 2 * 64 * 4)

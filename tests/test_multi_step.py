@@ -61,8 +61,17 @@ VOCAB = 40
 def steps_on_two_devices():
   """A tiny encoder-decoder with dropout on a 2-device data mesh: the same 3 steps run as
   three single-step calls and as one 3-step call."""
-  model_cfg = ModelConfig(vocab_size=VOCAB, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1,
-                          num_decoder_layers=1, dropout_rate=0.1, attention_dropout_rate=0.1, max_length=16)
+  model_cfg = ModelConfig(
+    vocab_size=VOCAB,
+    d_model=16,
+    num_heads=2,
+    d_ff=24,
+    num_encoder_layers=1,
+    num_decoder_layers=1,
+    dropout_rate=0.1,
+    attention_dropout_rate=0.1,
+    max_length=16,
+  )
   cfg = Config(model=model_cfg, optim=OptimConfig(schedule="constant", learning_rate=1e-2))
   mesh = sh.make_mesh(MeshConfig(data=2), jax.devices()[:2])
   model = EncoderDecoder(cfg.model)
@@ -73,8 +82,8 @@ def steps_on_two_devices():
   for i in range(3):
     src = rng.integers(3, VOCAB, (4, 9)).astype(np.int32)
     tgt = rng.integers(3, VOCAB, (4, 9)).astype(np.int32)
-    src[0, 3 + i:] = PAD_ID
-    tgt[1, 2 + i:] = PAD_ID
+    src[0, 3 + i :] = PAD_ID
+    tgt[1, 2 + i :] = PAD_ID
     batches.append({"inputs": src, "targets": tgt})
   key = jax.random.key(7)
 
@@ -113,12 +122,27 @@ def test_multi_step_call_equals_single_steps(steps_on_two_devices):
 def _lm_run(workdir, steps_per_call: int, num_steps: int = 7):
   """A tiny character LM trained in-process (data parallel over the 8 test devices); returns
   its logged metrics."""
-  config = load_config("configs/shakespeare_char.yaml", [
-      "model.d_model=16", "model.num_heads=2", "model.d_ff=32", "model.num_decoder_layers=1",
-      "model.max_length=16", "data.max_length=16", "train.batch_size=8", f"train.num_steps={num_steps}",
-      "train.log_every=2", "train.eval_every=5", "train.checkpoint_every=5", "model.dropout_rate=0.1",
-      "optim.warmup_steps=2", "optim.decay_steps=7", f"train.steps_per_call={steps_per_call}",
-      "train.async_checkpoint=false"])
+  config = load_config(
+    "configs/shakespeare_char.yaml",
+    [
+      "model.d_model=16",
+      "model.num_heads=2",
+      "model.d_ff=32",
+      "model.num_decoder_layers=1",
+      "model.max_length=16",
+      "data.max_length=16",
+      "train.batch_size=8",
+      f"train.num_steps={num_steps}",
+      "train.log_every=2",
+      "train.eval_every=5",
+      "train.checkpoint_every=5",
+      "model.dropout_rate=0.1",
+      "optim.warmup_steps=2",
+      "optim.decay_steps=7",
+      f"train.steps_per_call={steps_per_call}",
+      "train.async_checkpoint=false",
+    ],
+  )
   train(config, workdir)
   return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
@@ -141,11 +165,26 @@ def _pairs_run(workdir, data_dir, num_steps: int):
   """A tiny encoder-decoder with dropout on Multi30k, 3 steps per call, trained in-process;
   returns its validation loss at the last step. Three buckets: batches 6, 7 and 8 (at most 12,
   13 and 14 tokens) get buckets 12, 14 and 14 of their own, the rest 64 (fewer shapes to compile)."""
-  config = load_config("configs/tiny.yaml", [
-      f"data.data_dir={data_dir}", "data.buckets=[12,14,64]", "model.d_model=16", "model.num_heads=2", "model.d_ff=32",
-      "model.num_encoder_layers=1", "model.num_decoder_layers=1", "train.batch_size=8", "train.log_every=6",
-      "train.eval_every=1000", "train.checkpoint_every=1000", f"train.num_steps={num_steps}",
-      "optim.warmup_steps=2", "train.steps_per_call=3", "train.async_checkpoint=false"])
+  config = load_config(
+    "configs/tiny.yaml",
+    [
+      f"data.data_dir={data_dir}",
+      "data.buckets=[12,14,64]",
+      "model.d_model=16",
+      "model.num_heads=2",
+      "model.d_ff=32",
+      "model.num_encoder_layers=1",
+      "model.num_decoder_layers=1",
+      "train.batch_size=8",
+      "train.log_every=6",
+      "train.eval_every=1000",
+      "train.checkpoint_every=1000",
+      f"train.num_steps={num_steps}",
+      "optim.warmup_steps=2",
+      "train.steps_per_call=3",
+      "train.async_checkpoint=false",
+    ],
+  )
   train(config, workdir)
   lines = (workdir / "metrics.jsonl").read_text().splitlines()
   return [json.loads(line) for line in lines if "val_loss" in line][-1]["val_loss"]

@@ -2,9 +2,10 @@
 
 Launches `scripts/launch_local_multihost.sh`, compares the loss with a single-process run on
 the same mesh (both run two steps per jitted call, `train.steps_per_call=2`, so each process
-feeds its rows of a stacked `[steps, batch, length]` global array), restores the multi-process checkpoint in a single-device `eval`, and
-checks that the launcher fails fast and leaves no process behind. (That each process loads
-only its rows of the global batch is tested in test_data_pipeline.py::test_process_shards_union.)
+feeds its rows of a stacked `[steps, batch, length]` global array), restores the multi-process
+checkpoint in a single-device `eval`, and checks that the launcher fails fast and leaves no
+process behind. (That each process loads only its rows of the global batch is tested in
+test_data_pipeline.py::test_process_shards_union.)
 """
 
 import json
@@ -33,8 +34,13 @@ def _env(tmp: Path) -> dict:
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHON"] = sys.executable
   env["JAXFORMER_LOG_DIR"] = str(tmp / "logs")
-  for k in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID,
-            "SLURM_NTASKS", "SLURM_PROCID"):
+  for k in (
+    distributed.ENV_COORDINATOR,
+    distributed.ENV_NUM_PROCESSES,
+    distributed.ENV_PROCESS_ID,
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+  ):
     env.pop(k, None)
   return env
 
@@ -54,8 +60,9 @@ def _group_members(pgid: int) -> list[int]:
 
 def _run(cmd: list[str], env: dict, timeout: float = 1800) -> tuple[subprocess.CompletedProcess, int]:
   """Runs `cmd` in a new process group (killed as a whole on timeout); returns (result, pgid)."""
-  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-                          start_new_session=True)
+  proc = subprocess.Popen(
+    cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=True
+  )
   try:
     out, err = proc.communicate(timeout=timeout)
   except subprocess.TimeoutExpired:
@@ -73,11 +80,24 @@ def _check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 def _train_args(data_dir, workdir) -> list[str]:
   # SentencePiece learns from a sample of 4000 sentences: the data_dir is prepared afresh here.
-  return ["--config", TINY, "--workdir", str(workdir), f"data.data_dir={data_dir}", "data.buckets=[64]",
-          "data.input_sentence_size=4000", "model.num_encoder_layers=1", "model.num_decoder_layers=1",
-          "train.batch_size=16", f"train.log_every={PER_CALL}", f"train.num_steps={STEPS}", "train.eval_every=1000",
-          f"train.steps_per_call={PER_CALL}",
-          "train.checkpoint_every=1000", *MESH]
+  return [
+    "--config",
+    TINY,
+    "--workdir",
+    str(workdir),
+    f"data.data_dir={data_dir}",
+    "data.buckets=[64]",
+    "data.input_sentence_size=4000",
+    "model.num_encoder_layers=1",
+    "model.num_decoder_layers=1",
+    "train.batch_size=16",
+    f"train.log_every={PER_CALL}",
+    f"train.num_steps={STEPS}",
+    "train.eval_every=1000",
+    f"train.steps_per_call={PER_CALL}",
+    "train.checkpoint_every=1000",
+    *MESH,
+  ]
 
 
 def _losses(workdir) -> dict[int, tuple[float, float]]:
@@ -91,12 +111,15 @@ def runs(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("multihost")
   env, data_dir = _env(tmp), tmp / "data"
   # Both processes start on an unprepared data_dir: process 0 builds it, process 1 waits.
-  multi, pgid = _run(["bash", LAUNCH, "2", "--", "train", *_train_args(data_dir, tmp / "multi"),
-                      "runtime.num_cpu_devices=4"], env)
+  multi, pgid = _run(
+    ["bash", LAUNCH, "2", "--", "train", *_train_args(data_dir, tmp / "multi"), "runtime.num_cpu_devices=4"], env
+  )
   _check(multi)
   assert _group_members(pgid) == []
-  single, _ = _run([sys.executable, "-m", "jaxformer", "train",
-                    *_train_args(data_dir, tmp / "single"), "runtime.num_cpu_devices=8"], env)
+  single, _ = _run(
+    [sys.executable, "-m", "jaxformer", "train", *_train_args(data_dir, tmp / "single"), "runtime.num_cpu_devices=8"],
+    env,
+  )
   _check(single)
   return tmp, env, multi
 
@@ -111,8 +134,9 @@ def test_two_processes_match_one_process(runs):
   for step, values in single_losses.items():
     assert multi_losses[step] == pytest.approx(values, rel=1e-5), step
   # Only process 0 printed metrics / wrote run files; process 1's log holds no JSON lines.
-  assert ([json.loads(line)["step"] for line in multi.stdout.splitlines() if '"loss"' in line]
-          == list(range(PER_CALL, STEPS + 1, PER_CALL)))
+  assert [json.loads(line)["step"] for line in multi.stdout.splitlines() if '"loss"' in line] == list(
+    range(PER_CALL, STEPS + 1, PER_CALL)
+  )
   assert not [line for line in (tmp / "logs" / "process_1.log").read_text().splitlines() if line.startswith("{")]
   assert (tmp / "multi" / "config.yaml").is_file() and (tmp / "multi" / "tokenizer.model").is_file()
 
@@ -124,9 +148,27 @@ def test_multiprocess_checkpoint_restores_in_single_process_eval(runs):
   src, ref = tmp / "src.en", tmp / "ref.de"
   src.write_text("A man is riding a bike.\nTwo dogs play in the snow.\n")
   ref.write_text("Ein Mann fährt Fahrrad.\nZwei Hunde spielen im Schnee.\n")
-  result, _ = _run([sys.executable, "-m", "jaxformer", "eval", "--workdir", str(tmp / "multi"),
-                    "--src", str(src), "--ref", str(ref), "--max-length", "4", "runtime.num_cpu_devices=1",
-                    "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"], env)
+  result, _ = _run(
+    [
+      sys.executable,
+      "-m",
+      "jaxformer",
+      "eval",
+      "--workdir",
+      str(tmp / "multi"),
+      "--src",
+      str(src),
+      "--ref",
+      str(ref),
+      "--max-length",
+      "4",
+      "runtime.num_cpu_devices=1",
+      "mesh.data=1",
+      "mesh.fsdp=1",
+      "mesh.tensor=1",
+    ],
+    env,
+  )
   out = json.loads(_check(result).stdout.strip().splitlines()[-1])
   assert out["step"] == STEPS and out["num_sentences"] == 2
 
@@ -134,8 +176,11 @@ def test_multiprocess_checkpoint_restores_in_single_process_eval(runs):
 @pytest.mark.slow
 def test_launcher_config_error_fails_fast(tmp_path):
   start = time.monotonic()
-  result, pgid = _run(["bash", LAUNCH, "2", "--", "train", "--config", TINY, "--workdir",
-                       str(tmp_path / "w"), "train.no_such_key=1"], _env(tmp_path), timeout=120)
+  result, pgid = _run(
+    ["bash", LAUNCH, "2", "--", "train", "--config", TINY, "--workdir", str(tmp_path / "w"), "train.no_such_key=1"],
+    _env(tmp_path),
+    timeout=120,
+  )
   assert result.returncode == 2
   assert "error:" in result.stderr and "no_such_key" in result.stderr
   assert _group_members(pgid) == []
@@ -169,8 +214,13 @@ def test_resolve_layout_from_flags_env_and_slurm():
   spec = distributed.resolve("127.0.0.1:1234", 2, 1, environ={})
   assert (spec.coordinator, spec.num_processes, spec.process_id, spec.source) == ("127.0.0.1:1234", 2, 1, "flags")
   assert distributed.resolve("h:1", 1, 0, environ={}) is None  # one process: nothing to join
-  env = {distributed.ENV_COORDINATOR: "host:99", distributed.ENV_NUM_PROCESSES: "4",
-         distributed.ENV_PROCESS_ID: "3", "SLURM_NTASKS": "8", "SLURM_PROCID": "0"}
+  env = {
+    distributed.ENV_COORDINATOR: "host:99",
+    distributed.ENV_NUM_PROCESSES: "4",
+    distributed.ENV_PROCESS_ID: "3",
+    "SLURM_NTASKS": "8",
+    "SLURM_PROCID": "0",
+  }
   assert distributed.resolve(environ=env).source == "env"  # explicit variables beat SLURM
   slurm = distributed.resolve(environ={"SLURM_NTASKS": "8", "SLURM_PROCID": "5"})
   assert (slurm.coordinator, slurm.num_processes, slurm.process_id, slurm.source) == (None, 8, 5, "slurm")
@@ -187,8 +237,9 @@ def test_resolve_layout_from_flags_env_and_slurm():
 
 def _text(path: Path, lines: int, offset: int) -> str:
   words = "cat dog bird fish horse cow sheep goat duck frog".split()
-  path.write_text("".join(" ".join(words[(i * k + offset) % 10] for k in range(1, 2 + i % 5)) + "\n"
-                          for i in range(lines)))
+  path.write_text(
+    "".join(" ".join(words[(i * k + offset) % 10] for k in range(1, 2 + i % 5)) + "\n" for i in range(lines))
+  )
   return str(path)
 
 
@@ -198,18 +249,55 @@ def test_expert_parallel_two_processes_match_one_process(tmp_path):
   processes): the losses, router losses and per-layer router load of 2 processes x 4 devices equal
   1 x 8, and the load is in metrics.jsonl."""
   env = _env(tmp_path)
-  args = ["--config", str(ROOT / "configs" / "shakespeare_char.yaml"), "data.dataset=files",
-          f"data.train_files={_text(tmp_path / 'train.txt', 300, 0)}",
-          f"data.validation_files={_text(tmp_path / 'val.txt', 10, 3)}", f"data.data_dir={tmp_path / 'data'}",
-          "model.vocab_size=32", "model.d_model=32", "model.num_heads=2", "model.d_ff=48", "model.num_decoder_layers=2",
-          "model.max_length=16", "data.max_length=16", "model.num_experts=4", "model.expert_capacity_factor=1.0",
-          "train.batch_size=8", f"train.num_steps={STEPS}", f"train.log_every={PER_CALL}", f"train.eval_every={STEPS}",
-          f"train.checkpoint_every={STEPS}", f"train.steps_per_call={PER_CALL}", "optim.warmup_steps=2",
-          f"optim.decay_steps={STEPS}", "mesh.data=2", "mesh.fsdp=2", "mesh.expert=2"]
-  _check(_run(["bash", LAUNCH, "2", "--", "train", "--workdir", str(tmp_path / "multi"), *args,
-               "runtime.num_cpu_devices=4"], env)[0])
-  _check(_run([sys.executable, "-m", "jaxformer", "train", "--workdir", str(tmp_path / "single"), *args,
-               "runtime.num_cpu_devices=8"], env)[0])
+  args = [
+    "--config",
+    str(ROOT / "configs" / "shakespeare_char.yaml"),
+    "data.dataset=files",
+    f"data.train_files={_text(tmp_path / 'train.txt', 300, 0)}",
+    f"data.validation_files={_text(tmp_path / 'val.txt', 10, 3)}",
+    f"data.data_dir={tmp_path / 'data'}",
+    "model.vocab_size=32",
+    "model.d_model=32",
+    "model.num_heads=2",
+    "model.d_ff=48",
+    "model.num_decoder_layers=2",
+    "model.max_length=16",
+    "data.max_length=16",
+    "model.num_experts=4",
+    "model.expert_capacity_factor=1.0",
+    "train.batch_size=8",
+    f"train.num_steps={STEPS}",
+    f"train.log_every={PER_CALL}",
+    f"train.eval_every={STEPS}",
+    f"train.checkpoint_every={STEPS}",
+    f"train.steps_per_call={PER_CALL}",
+    "optim.warmup_steps=2",
+    f"optim.decay_steps={STEPS}",
+    "mesh.data=2",
+    "mesh.fsdp=2",
+    "mesh.expert=2",
+  ]
+  _check(
+    _run(
+      ["bash", LAUNCH, "2", "--", "train", "--workdir", str(tmp_path / "multi"), *args, "runtime.num_cpu_devices=4"],
+      env,
+    )[0]
+  )
+  _check(
+    _run(
+      [
+        sys.executable,
+        "-m",
+        "jaxformer",
+        "train",
+        "--workdir",
+        str(tmp_path / "single"),
+        *args,
+        "runtime.num_cpu_devices=8",
+      ],
+      env,
+    )[0]
+  )
   keys = ("loss", "grad_norm", "router_balance_loss", "router_z_loss", "router_dropped")
   rows = {}
   for run in ("multi", "single"):
@@ -229,15 +317,37 @@ def test_context_parallel_two_processes_match_one_process(tmp_path):
   """mesh.context=4 x mesh.data=2 over 2 processes x 4 devices: each process holds two context groups' shards of
   a decoder-only model's sequences, attention gathers keys/values over them; losses equal one 8-device process."""
   env = _env(tmp_path)
-  overrides = [f"data.data_dir={tmp_path / 'data'}", "model.d_model=32", "model.num_heads=2", "model.d_ff=64",
-               "model.num_decoder_layers=1", "model.position=rope", "model.attention=blockwise",
-               "model.attention_block_size=16", "model.max_length=128", "data.max_length=128", "train.batch_size=8",
-               f"train.num_steps={STEPS}", f"train.log_every={PER_CALL}", f"train.steps_per_call={PER_CALL}",
-               "train.eval_every=1000", "train.checkpoint_every=1000", "mesh.data=2", "mesh.context=4"]
+  overrides = [
+    f"data.data_dir={tmp_path / 'data'}",
+    "model.d_model=32",
+    "model.num_heads=2",
+    "model.d_ff=64",
+    "model.num_decoder_layers=1",
+    "model.position=rope",
+    "model.attention=blockwise",
+    "model.attention_block_size=16",
+    "model.max_length=128",
+    "data.max_length=128",
+    "train.batch_size=8",
+    f"train.num_steps={STEPS}",
+    f"train.log_every={PER_CALL}",
+    f"train.steps_per_call={PER_CALL}",
+    "train.eval_every=1000",
+    "train.checkpoint_every=1000",
+    "mesh.data=2",
+    "mesh.context=4",
+  ]
 
   def args(name: str, devices: int) -> list[str]:
-    return ["train", "--config", str(ROOT / "configs" / "shakespeare_char.yaml"), "--workdir", str(tmp_path / name),
-            *overrides, f"runtime.num_cpu_devices={devices}"]
+    return [
+      "train",
+      "--config",
+      str(ROOT / "configs" / "shakespeare_char.yaml"),
+      "--workdir",
+      str(tmp_path / name),
+      *overrides,
+      f"runtime.num_cpu_devices={devices}",
+    ]
 
   _check(_run(["bash", LAUNCH, "2", "--", *args("multi", 4)], env)[0])
   _check(_run([sys.executable, "-m", "jaxformer", *args("single", 8)], env)[0])

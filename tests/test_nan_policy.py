@@ -23,7 +23,7 @@ from jaxformer.train.state import create_state, state_shardings
 from jaxformer.train.step import make_train_step
 
 VOCAB = 37
-POISON = 10 ** 6   # a target id past the vocabulary: its log-probability, hence the loss, is NaN
+POISON = 10**6  # a target id past the vocabulary: its log-probability, hence the loss, is NaN
 
 
 def _batch(seed: int, poison: bool = False) -> dict[str, np.ndarray]:
@@ -38,8 +38,16 @@ def _batch(seed: int, poison: bool = False) -> dict[str, np.ndarray]:
 
 def _steps(learning_rate: float, batches):
   """Host (state, metrics) after each single-step call of a tiny encoder-decoder on `batches`."""
-  model_cfg = ModelConfig(vocab_size=VOCAB, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1,
-                          num_decoder_layers=1, dropout_rate=0.0, max_length=16)
+  model_cfg = ModelConfig(
+    vocab_size=VOCAB,
+    d_model=16,
+    num_heads=2,
+    d_ff=24,
+    num_encoder_layers=1,
+    num_decoder_layers=1,
+    dropout_rate=0.0,
+    max_length=16,
+  )
   config = Config(model=model_cfg, optim=OptimConfig(schedule="constant", learning_rate=learning_rate))
   mesh = sh.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
   model = EncoderDecoder(config.model)
@@ -64,7 +72,7 @@ def test_a_non_finite_loss_is_flagged_and_its_update_not_applied():
   assert math.isnan(float(m2["loss"]))
   assert [float(m["nonfinite"]) for m in (m1, m2, m3)] == [0.0, 1.0, 0.0]
   assert [float(m["skipped"]) for m in (m1, m2, m3)] == [0.0, 1.0, 0.0]
-  assert int(s2.step) == 2   # the step still counts, so the next batch and dropout key follow
+  assert int(s2.step) == 2  # the step still counts, so the next batch and dropout key follow
   _assert_trees_identical((s2.params, s2.opt_state), (s1.params, s1.opt_state))
   moved = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(s3.params), jax.tree.leaves(s2.params)))
   assert moved > 1e-3 and all(np.isfinite(x).all() for x in jax.tree.leaves(s3.params))
@@ -79,8 +87,17 @@ def test_an_update_that_overflows_the_params_is_not_applied():
 
 
 def test_summary_leaves_non_finite_steps_out_of_the_averages():
-  good = {"loss": 6.0, "nll": 5.0, "correct": 1.0, "num_tokens": 3.0, "grad_norm": 2.0, "skipped": 0.0,
-          "nonfinite": 0.0, "learning_rate": 0.1, "loss_scale": 1.0}
+  good = {
+    "loss": 6.0,
+    "nll": 5.0,
+    "correct": 1.0,
+    "num_tokens": 3.0,
+    "grad_norm": 2.0,
+    "skipped": 0.0,
+    "nonfinite": 0.0,
+    "learning_rate": 0.1,
+    "loss_scale": 1.0,
+  }
   bad = dict(good, loss=math.nan, nll=math.nan, grad_norm=math.nan, skipped=1.0, nonfinite=1.0)
   record = loop._summarise([good, bad, good], 3, 1.0, [0.0])
   assert (record["loss"], record["nll"], record["accuracy"]) == (2.0, 10 / 6, 1 / 3)
@@ -88,12 +105,13 @@ def test_summary_leaves_non_finite_steps_out_of_the_averages():
   assert record["tokens_per_sec"] == 9.0
   empty = loop._summarise([bad], 1, 1.0, [0.0])
   assert empty["loss"] is None and empty["grad_norm"] is None and empty["nonfinite_skips"] == 1
-  json.dumps(empty, allow_nan=False)   # valid JSON: no NaN
+  json.dumps(empty, allow_nan=False)  # valid JSON: no NaN
 
 
 def test_config_keys_and_their_checks():
-  config = load_config("configs/tiny.yaml", ["train.nan_policy=skip", "train.max_consecutive_skips=3",
-                                             "train.grad_accum_steps=4"])
+  config = load_config(
+    "configs/tiny.yaml", ["train.nan_policy=skip", "train.max_consecutive_skips=3", "train.grad_accum_steps=4"]
+  )
   assert (config.train.nan_policy, config.train.max_consecutive_skips, config.train.grad_accum_steps) == ("skip", 3, 4)
   assert (TrainConfig().nan_policy, TrainConfig().max_consecutive_skips) == ("abort", 10)
   with pytest.raises(ConfigError, match="train.nan_policy='warn' is unknown; use abort or skip"):
@@ -105,6 +123,7 @@ def test_config_keys_and_their_checks():
 def test_cli_prints_the_error_as_one_line(monkeypatch, tmp_path, capsys):
   def diverge(args):
     raise NonFiniteError("step 3 has a non-finite loss, gradient or update (train.nan_policy=abort)")
+
   monkeypatch.setitem(cli.train.COMMANDS, "train", diverge)
   assert cli.main(["train", "--config", "configs/tiny.yaml", "--workdir", str(tmp_path)]) == 2
   assert capsys.readouterr().err == "error: step 3 has a non-finite loss, gradient or update (train.nan_policy=abort)\n"
@@ -123,12 +142,13 @@ def _poisoning(monkeypatch, bad_steps: set[int]):
     def poisoned(state, batch, rng):
       first = int(state.step)
       targets = np.array(jax.device_get(batch["targets"]))
-      rows = targets if targets.ndim == 3 else targets[None]   # [n, batch, length]
+      rows = targets if targets.ndim == 3 else targets[None]  # [n, batch, length]
       for i in range(rows.shape[0]):
         if first + i + 1 in bad_steps:
           rows[i] = POISON
       batch = dict(batch, targets=jax.device_put(targets, batch["targets"].sharding))
       return call(state, batch, rng)
+
     return poisoned
 
   monkeypatch.setattr(loop, "make_train_call", factory)
@@ -136,11 +156,28 @@ def _poisoning(monkeypatch, bad_steps: set[int]):
 
 def _lm_config(num_steps: int, *overrides: str):
   # The vocabulary size is given (Tiny Shakespeare's 66 character ids), so `_params` builds the saved shapes.
-  return load_config("configs/shakespeare_char.yaml", [
-      "model.vocab_size=66", "model.d_model=16", "model.num_heads=2", "model.d_ff=32", "model.num_decoder_layers=1",
-      "model.max_length=16", "data.max_length=16", "train.batch_size=8", f"train.num_steps={num_steps}",
-      "train.eval_every=1000", "train.keep_checkpoints=10", "optim.warmup_steps=2", "optim.decay_steps=20",
-      "train.async_checkpoint=false", "train.log_every=1000", "train.steps_per_call=1", *overrides])
+  return load_config(
+    "configs/shakespeare_char.yaml",
+    [
+      "model.vocab_size=66",
+      "model.d_model=16",
+      "model.num_heads=2",
+      "model.d_ff=32",
+      "model.num_decoder_layers=1",
+      "model.max_length=16",
+      "data.max_length=16",
+      "train.batch_size=8",
+      f"train.num_steps={num_steps}",
+      "train.eval_every=1000",
+      "train.keep_checkpoints=10",
+      "optim.warmup_steps=2",
+      "optim.decay_steps=20",
+      "train.async_checkpoint=false",
+      "train.log_every=1000",
+      "train.steps_per_call=1",
+      *overrides,
+    ],
+  )
 
 
 def _params(workdir, config, step: int):
@@ -179,13 +216,14 @@ def test_skip_drops_the_bad_update_and_counts_it(monkeypatch, tmp_path):
   assert math.isfinite(record["loss"])
   _assert_trees_identical(_params(tmp_path, config, 3), _params(tmp_path, config, 2))
   after, skipped = jax.tree.leaves(_params(tmp_path, config, 4)), jax.tree.leaves(_params(tmp_path, config, 3))
-  assert any(not np.array_equal(a, b) for a, b in zip(after, skipped))   # step 4 applied
+  assert any(not np.array_equal(a, b) for a, b in zip(after, skipped))  # step 4 applied
 
 
 def test_skip_stops_after_max_consecutive_skips_counted_across_calls(monkeypatch, tmp_path):
   """Two steps per call; steps 2 and 4 are isolated skips, 4 and 5 (two calls) make two in a row."""
-  config = _lm_config(8, "train.checkpoint_every=4", "train.nan_policy=skip", "train.max_consecutive_skips=2",
-                      "train.steps_per_call=2")
+  config = _lm_config(
+    8, "train.checkpoint_every=4", "train.nan_policy=skip", "train.max_consecutive_skips=2", "train.steps_per_call=2"
+  )
   _poisoning(monkeypatch, {2, 4, 5})
   with pytest.raises(NonFiniteError, match=r"^steps 4 to 5 all had a non-finite .*train.max_consecutive_skips=2"):
     loop.train(config, tmp_path)

@@ -38,8 +38,10 @@ def test_api_key_is_required_on_v1_routes_only(served):
 def test_serve_flags_and_the_open_address_warning(monkeypatch):
   from jaxformer.cli import _parser
   from jaxformer.serve.auth import open_warning, resolve_api_key
-  args = _parser().parse_args(["serve", "--workdir", "w", "--api-key", "k", "--max-request-bytes", "2048",
-                               "--model-name", "m"])
+
+  args = _parser().parse_args(
+    ["serve", "--workdir", "w", "--api-key", "k", "--max-request-bytes", "2048", "--model-name", "m"]
+  )
   assert (args.api_key, args.max_request_bytes, args.model_name) == ("k", 2048, "m")
   assert _parser().parse_args(["serve", "--workdir", "w"]).max_request_bytes == 1 << 20
   monkeypatch.setenv("JAXFORMER_API_KEY", "from-env")
@@ -54,111 +56,110 @@ def test_serve_flags_and_the_open_address_warning(monkeypatch):
 
 
 TOO_LONG = " ".join(["cat"] * 60)
-FULL = " ".join(["cat"] * (WINDOW - 1))   # with <s>: exactly the context
+FULL = " ".join(["cat"] * (WINDOW - 1))  # with <s>: exactly the context
 MSG = [{"role": "user", "content": "hello"}]
 C, CHAT = "/v1/completions", "/v1/chat/completions"
-BAD = [   # (method, path, body: dict or raw bytes, extra headers, status)
-    ("POST", C, b"{not json", None, 400),
-    ("POST", C, b'{"prompt": "\xff\xfe"}', None, 400),
-    ("POST", C, b"[1, 2]", None, 400),
-    ("POST", C, b'"hello"', None, 400),
-    ("POST", C, b"null", None, 400),
-    ("POST", C, b"", None, 400),
-    ("POST", C, b"[" * 100000, None, 400),
-    ("POST", C, b'{"prompt": "cat", "max_tokens": NaN}', None, 400),
-    ("POST", C, b'{"prompt": "cat", "temperature": NaN}', None, 400),
-    ("POST", C, b'{"prompt": "cat", "top_p": Infinity}', None, 400),
-    ("POST", C, b'{"prompt": "\\ud800 cat"}', None, 400),
-    ("POST", C, {}, None, 400),
-    ("POST", C, {"prompt": ""}, None, 400),
-    ("POST", C, {"prompt": []}, None, 400),
-    ("POST", C, {"prompt": 5}, None, 400),
-    ("POST", C, {"prompt": None}, None, 400),
-    ("POST", C, {"prompt": [""]}, None, 400),
-    ("POST", C, {"prompt": [["cat"]]}, None, 400),
-    ("POST", C, {"prompt": [1, "cat"]}, None, 400),
-    ("POST", C, {"prompt": [[]]}, None, 400),
-    ("POST", C, {"prompt": [-1]}, None, 400),
-    ("POST", C, {"prompt": [10 ** 9]}, None, 400),
-    ("POST", C, {"prompt": [True, 5]}, None, 400),
-    ("POST", C, {"prompt": [ID["<pad>"], 12]}, None, 400),
-    ("POST", C, {"prompt": {"text": "cat"}}, None, 400),
-    ("POST", C, {"prompt": TOO_LONG}, None, 400),
-    ("POST", C, {"prompt": FULL}, None, 400),
-    ("POST", C, {"prompt": "cat", "max_tokens": 0}, None, 400),
-    ("POST", C, {"prompt": "cat", "max_tokens": -5}, None, 400),
-    ("POST", C, {"prompt": "cat", "max_tokens": 10 ** 12}, None, 400),
-    ("POST", C, {"prompt": "cat", "max_tokens": WINDOW}, None, 400),
-    ("POST", C, {"prompt": "cat", "max_tokens": "16"}, None, 400),
-    ("POST", C, {"prompt": "cat", "max_tokens": 16.5}, None, 400),
-    ("POST", C, {"prompt": "cat", "max_tokens": True}, None, 400),
-    ("POST", C, {"prompt": "cat", "temperature": -1}, None, 400),
-    ("POST", C, {"prompt": "cat", "temperature": 3}, None, 400),
-    ("POST", C, {"prompt": "cat", "temperature": 1e308}, None, 400),
-    ("POST", C, {"prompt": "cat", "temperature": "hot"}, None, 400),
-    ("POST", C, {"prompt": "cat", "top_p": 0}, None, 400),
-    ("POST", C, {"prompt": "cat", "top_p": 1.5}, None, 400),
-    ("POST", C, {"prompt": "cat", "top_p": -0.1}, None, 400),
-    ("POST", C, {"prompt": "cat", "top_k": -2}, None, 400),
-    ("POST", C, {"prompt": "cat", "top_k": 2.5}, None, 400),
-    ("POST", C, {"prompt": "cat", "seed": -1}, None, 400),
-    ("POST", C, {"prompt": "cat", "seed": 2 ** 64}, None, 400),
-    ("POST", C, {"prompt": "cat", "seed": "x"}, None, 400),
-    ("POST", C, {"prompt": "cat", "n": 0}, None, 400),
-    ("POST", C, {"prompt": "cat", "n": 10 ** 6}, None, 400),
-    ("POST", C, {"prompt": "cat", "n": "2"}, None, 400),
-    ("POST", C, {"prompt": ["cat"] * 20, "n": 4}, None, 400),
-    ("POST", C, {"prompt": "cat", "stop": 5}, None, 400),
-    ("POST", C, {"prompt": "cat", "stop": [""]}, None, 400),
-    ("POST", C, {"prompt": "cat", "stop": ["a", "b", "c", "d", "e"]}, None, 400),
-    ("POST", C, {"prompt": "cat", "stop": [1]}, None, 400),
-    ("POST", C, {"prompt": "cat", "stream": "yes"}, None, 400),
-    ("POST", C, {"prompt": "cat", "stream_options": {"include_usage": True}}, None, 400),
-    ("POST", C, {"prompt": "cat", "stream": True, "stream_options": "x"}, None, 400),
-    ("POST", C, {"prompt": "cat", "stream": True, "stream_options": {"include_usage": "y"}}, None, 400),
-    ("POST", C, {"prompt": "cat", "echo": 1}, None, 400),
-    ("POST", C, {"prompt": "cat", "logprobs": 6}, None, 400),
-    ("POST", C, {"prompt": "cat", "logprobs": -1}, None, 400),
-    ("POST", C, {"prompt": "cat", "logprobs": True}, None, 400),
-    ("POST", C, {"prompt": "cat", "best_of": 3}, None, 400),
-    ("POST", C, {"prompt": "cat", "suffix": "x"}, None, 400),
-    ("POST", C, {"prompt": "cat", "logit_bias": {"5": 10}}, None, 400),
-    ("POST", C, {"prompt": "cat", "presence_penalty": 1}, None, 400),
-    ("POST", C, {"prompt": "cat", "model": "gpt-4"}, None, 404),
-    ("POST", C, {"prompt": "cat", "model": 5}, None, 400),
-    ("POST", C, b'{"prompt": "cat"}', {"Content-Length": "2000000"}, 413),
-    ("POST", C, b'{"prompt": "' + b"cat " * 300000 + b'"}', None, 413),
-    ("POST", CHAT, {}, None, 400),
-    ("POST", CHAT, {"messages": []}, None, 400),
-    ("POST", CHAT, {"messages": "hello"}, None, 400),
-    ("POST", CHAT, {"messages": [5]}, None, 400),
-    ("POST", CHAT, {"messages": [{"role": "wizard", "content": "hello"}]}, None, 400),
-    ("POST", CHAT, {"messages": [{"content": "hello"}]}, None, 400),
-    ("POST", CHAT, {"messages": [{"role": "user", "content": 5}]}, None, 400),
-    ("POST", CHAT, {"messages": [{"role": "user"}]}, None, 400),
-    ("POST", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, None, 400),
-    ("POST", CHAT, {"messages": [{"role": "user", "content": TOO_LONG}]}, None, 400),
-    ("POST", CHAT, b'{"messages": [{"role": "user", "content": "cat \\udc00"}]}', None, 400),
-    ("POST", CHAT, {"messages": [{"role": "user", "content": "cat"}], "stop": {"a": 1}}, None, 400),
-    ("POST", CHAT, {"messages": MSG, "top_logprobs": 2}, None, 400),
-    ("POST", CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 9}, None, 400),
-    ("POST", CHAT, {"messages": MSG, "logprobs": 3}, None, 400),
-    ("POST", CHAT, {"messages": MSG, "max_completion_tokens": 0}, None, 400),
-    ("POST", CHAT, {"messages": MSG, "max_tokens": 10 ** 9}, None, 400),
-    ("POST", CHAT, {"messages": MSG, "temperature": -0.5}, None, 400),
-    ("POST", CHAT, {"messages": MSG, "n": -1}, None, 400),
-    ("POST", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, None, 400),
-    ("POST", CHAT, {"messages": MSG, "model": "other"}, None, 404),
-    ("GET", C, None, None, 405),
-    ("POST", "/v1/models", {}, None, 405),
-    ("GET", "/v1/nothing", None, None, 404),
-    ("GET", "/v1/models/other-model", None, None, 404),
+BAD = [  # (method, path, body: dict or raw bytes, extra headers, status)
+  ("POST", C, b"{not json", None, 400),
+  ("POST", C, b'{"prompt": "\xff\xfe"}', None, 400),
+  ("POST", C, b"[1, 2]", None, 400),
+  ("POST", C, b'"hello"', None, 400),
+  ("POST", C, b"null", None, 400),
+  ("POST", C, b"", None, 400),
+  ("POST", C, b"[" * 100000, None, 400),
+  ("POST", C, b'{"prompt": "cat", "max_tokens": NaN}', None, 400),
+  ("POST", C, b'{"prompt": "cat", "temperature": NaN}', None, 400),
+  ("POST", C, b'{"prompt": "cat", "top_p": Infinity}', None, 400),
+  ("POST", C, b'{"prompt": "\\ud800 cat"}', None, 400),
+  ("POST", C, {}, None, 400),
+  ("POST", C, {"prompt": ""}, None, 400),
+  ("POST", C, {"prompt": []}, None, 400),
+  ("POST", C, {"prompt": 5}, None, 400),
+  ("POST", C, {"prompt": None}, None, 400),
+  ("POST", C, {"prompt": [""]}, None, 400),
+  ("POST", C, {"prompt": [["cat"]]}, None, 400),
+  ("POST", C, {"prompt": [1, "cat"]}, None, 400),
+  ("POST", C, {"prompt": [[]]}, None, 400),
+  ("POST", C, {"prompt": [-1]}, None, 400),
+  ("POST", C, {"prompt": [10**9]}, None, 400),
+  ("POST", C, {"prompt": [True, 5]}, None, 400),
+  ("POST", C, {"prompt": [ID["<pad>"], 12]}, None, 400),
+  ("POST", C, {"prompt": {"text": "cat"}}, None, 400),
+  ("POST", C, {"prompt": TOO_LONG}, None, 400),
+  ("POST", C, {"prompt": FULL}, None, 400),
+  ("POST", C, {"prompt": "cat", "max_tokens": 0}, None, 400),
+  ("POST", C, {"prompt": "cat", "max_tokens": -5}, None, 400),
+  ("POST", C, {"prompt": "cat", "max_tokens": 10**12}, None, 400),
+  ("POST", C, {"prompt": "cat", "max_tokens": WINDOW}, None, 400),
+  ("POST", C, {"prompt": "cat", "max_tokens": "16"}, None, 400),
+  ("POST", C, {"prompt": "cat", "max_tokens": 16.5}, None, 400),
+  ("POST", C, {"prompt": "cat", "max_tokens": True}, None, 400),
+  ("POST", C, {"prompt": "cat", "temperature": -1}, None, 400),
+  ("POST", C, {"prompt": "cat", "temperature": 3}, None, 400),
+  ("POST", C, {"prompt": "cat", "temperature": 1e308}, None, 400),
+  ("POST", C, {"prompt": "cat", "temperature": "hot"}, None, 400),
+  ("POST", C, {"prompt": "cat", "top_p": 0}, None, 400),
+  ("POST", C, {"prompt": "cat", "top_p": 1.5}, None, 400),
+  ("POST", C, {"prompt": "cat", "top_p": -0.1}, None, 400),
+  ("POST", C, {"prompt": "cat", "top_k": -2}, None, 400),
+  ("POST", C, {"prompt": "cat", "top_k": 2.5}, None, 400),
+  ("POST", C, {"prompt": "cat", "seed": -1}, None, 400),
+  ("POST", C, {"prompt": "cat", "seed": 2**64}, None, 400),
+  ("POST", C, {"prompt": "cat", "seed": "x"}, None, 400),
+  ("POST", C, {"prompt": "cat", "n": 0}, None, 400),
+  ("POST", C, {"prompt": "cat", "n": 10**6}, None, 400),
+  ("POST", C, {"prompt": "cat", "n": "2"}, None, 400),
+  ("POST", C, {"prompt": ["cat"] * 20, "n": 4}, None, 400),
+  ("POST", C, {"prompt": "cat", "stop": 5}, None, 400),
+  ("POST", C, {"prompt": "cat", "stop": [""]}, None, 400),
+  ("POST", C, {"prompt": "cat", "stop": ["a", "b", "c", "d", "e"]}, None, 400),
+  ("POST", C, {"prompt": "cat", "stop": [1]}, None, 400),
+  ("POST", C, {"prompt": "cat", "stream": "yes"}, None, 400),
+  ("POST", C, {"prompt": "cat", "stream_options": {"include_usage": True}}, None, 400),
+  ("POST", C, {"prompt": "cat", "stream": True, "stream_options": "x"}, None, 400),
+  ("POST", C, {"prompt": "cat", "stream": True, "stream_options": {"include_usage": "y"}}, None, 400),
+  ("POST", C, {"prompt": "cat", "echo": 1}, None, 400),
+  ("POST", C, {"prompt": "cat", "logprobs": 6}, None, 400),
+  ("POST", C, {"prompt": "cat", "logprobs": -1}, None, 400),
+  ("POST", C, {"prompt": "cat", "logprobs": True}, None, 400),
+  ("POST", C, {"prompt": "cat", "best_of": 3}, None, 400),
+  ("POST", C, {"prompt": "cat", "suffix": "x"}, None, 400),
+  ("POST", C, {"prompt": "cat", "logit_bias": {"5": 10}}, None, 400),
+  ("POST", C, {"prompt": "cat", "presence_penalty": 1}, None, 400),
+  ("POST", C, {"prompt": "cat", "model": "gpt-4"}, None, 404),
+  ("POST", C, {"prompt": "cat", "model": 5}, None, 400),
+  ("POST", C, b'{"prompt": "cat"}', {"Content-Length": "2000000"}, 413),
+  ("POST", C, b'{"prompt": "' + b"cat " * 300000 + b'"}', None, 413),
+  ("POST", CHAT, {}, None, 400),
+  ("POST", CHAT, {"messages": []}, None, 400),
+  ("POST", CHAT, {"messages": "hello"}, None, 400),
+  ("POST", CHAT, {"messages": [5]}, None, 400),
+  ("POST", CHAT, {"messages": [{"role": "wizard", "content": "hello"}]}, None, 400),
+  ("POST", CHAT, {"messages": [{"content": "hello"}]}, None, 400),
+  ("POST", CHAT, {"messages": [{"role": "user", "content": 5}]}, None, 400),
+  ("POST", CHAT, {"messages": [{"role": "user"}]}, None, 400),
+  ("POST", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, None, 400),
+  ("POST", CHAT, {"messages": [{"role": "user", "content": TOO_LONG}]}, None, 400),
+  ("POST", CHAT, b'{"messages": [{"role": "user", "content": "cat \\udc00"}]}', None, 400),
+  ("POST", CHAT, {"messages": [{"role": "user", "content": "cat"}], "stop": {"a": 1}}, None, 400),
+  ("POST", CHAT, {"messages": MSG, "top_logprobs": 2}, None, 400),
+  ("POST", CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 9}, None, 400),
+  ("POST", CHAT, {"messages": MSG, "logprobs": 3}, None, 400),
+  ("POST", CHAT, {"messages": MSG, "max_completion_tokens": 0}, None, 400),
+  ("POST", CHAT, {"messages": MSG, "max_tokens": 10**9}, None, 400),
+  ("POST", CHAT, {"messages": MSG, "temperature": -0.5}, None, 400),
+  ("POST", CHAT, {"messages": MSG, "n": -1}, None, 400),
+  ("POST", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, None, 400),
+  ("POST", CHAT, {"messages": MSG, "model": "other"}, None, 404),
+  ("GET", C, None, None, 405),
+  ("POST", "/v1/models", {}, None, 405),
+  ("GET", "/v1/nothing", None, None, 404),
+  ("GET", "/v1/models/other-model", None, None, 404),
 ]
 
 
 @pytest.mark.parametrize("method, path, body, headers, status", BAD, ids=[f"{i}-{b[1]}" for i, b in enumerate(BAD)])
-def test_bad_requests_answer_4xx_openai_errors_and_the_server_serves_on(served, method, path, body, headers,
-                                                                        status):
+def test_bad_requests_answer_4xx_openai_errors_and_the_server_serves_on(served, method, path, body, headers, status):
   code, answer, _ = served.request(method, path, body, headers)
   assert code == status, answer
   assert isinstance(answer, dict) and list(answer) == ["error"], answer
@@ -173,15 +174,16 @@ def test_bad_request_kinds_are_many_and_name_their_fields(served):
   code, answer, _ = served.request("POST", C, {"prompt": TOO_LONG})
   assert answer["error"]["param"] == "prompt" and "61 tokens long" in answer["error"]["message"]
   assert f"context is {WINDOW} tokens" in answer["error"]["message"]
-  code, answer, _ = served.request("POST", C, {"prompt": "cat", "max_tokens": 10 ** 12})
+  code, answer, _ = served.request("POST", C, {"prompt": "cat", "max_tokens": 10**12})
   assert answer["error"]["param"] == "max_tokens" and answer["error"]["code"] == "context_length_exceeded"
   code, answer, _ = served.request("POST", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]})
   assert answer["error"]["param"] == "messages[0].role" and "system, user, assistant" in answer["error"]["message"]
   # A chunked body over the limit (no Content-Length) is refused as it arrives.
   conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
   chunks = (b"x" * 65536 for _ in range(20))
-  conn.request("POST", C, chunks, {"Authorization": f"Bearer {KEY}", "Transfer-Encoding": "chunked"},
-               encode_chunked=True)
+  conn.request(
+    "POST", C, chunks, {"Authorization": f"Bearer {KEY}", "Transfer-Encoding": "chunked"}, encode_chunked=True
+  )
   response = conn.getresponse()
   assert response.status == 413 and json.loads(response.read())["error"]["code"] == "request_too_large"
   conn.close()
@@ -189,8 +191,12 @@ def test_bad_request_kinds_are_many_and_name_their_fields(served):
 
 def test_a_stream_dropped_mid_way_frees_its_slot(served):
   conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
-  conn.request("POST", C, json.dumps({"prompt": "hello", "max_tokens": 40, "temperature": 0, "stream": True}),
-               {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+  conn.request(
+    "POST",
+    C,
+    json.dumps({"prompt": "hello", "max_tokens": 40, "temperature": 0, "stream": True}),
+    {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+  )
   response = conn.getresponse()
   assert response.status == 200 and response.readline().startswith(b"data: {")
   conn.sock.shutdown(socket.SHUT_RDWR)
@@ -206,6 +212,7 @@ def test_a_stream_dropped_mid_way_frees_its_slot(served):
 
 def _metrics(served):
   from prometheus_client.parser import text_string_to_metric_families
+
   code, text, headers = served.request("GET", "/metrics", key=None)
   assert code == 200 and headers["Content-Type"].startswith("text/plain")
   values = {}
@@ -221,8 +228,11 @@ def test_metrics_counters_move_by_the_requests_made(served):
   before = _metrics(served)
   client = served.client()
   usages = [client.completions.create(model=NAME, prompt=p, max_tokens=3, temperature=0).usage for p in PROMPTS[:2]]
-  chunks = list(client.chat.completions.create(model=NAME, messages=MSG, max_tokens=4, temperature=0, stream=True,
-                                               stream_options={"include_usage": True}))
+  chunks = list(
+    client.chat.completions.create(
+      model=NAME, messages=MSG, max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+  )
   usages.append(chunks[-1].usage)
   assert served.request("POST", C, {"prompt": ""})[0] == 400
   assert served.request("POST", C, {"prompt": "cat"}, key=None)[0] == 401
@@ -230,9 +240,14 @@ def test_metrics_counters_move_by_the_requests_made(served):
   def moved(name, **labels):
     key = (name, tuple(sorted(labels.items())))
     return _metrics(served).get(key, 0.0) - before.get(key, 0.0)
-  expected = {("jaxformer_requests_total", C, "200"): 2, ("jaxformer_requests_total", C, "400"): 1,
-              ("jaxformer_requests_total", C, "401"): 1, ("jaxformer_requests_total", CHAT, "200"): 1}
-  deadline = time.monotonic() + 10   # a request is counted once its answer has gone out
+
+  expected = {
+    ("jaxformer_requests_total", C, "200"): 2,
+    ("jaxformer_requests_total", C, "400"): 1,
+    ("jaxformer_requests_total", C, "401"): 1,
+    ("jaxformer_requests_total", CHAT, "200"): 1,
+  }
+  deadline = time.monotonic() + 10  # a request is counted once its answer has gone out
   while any(moved(n, route=r, status=s) != v for (n, r, s), v in expected.items()):
     assert time.monotonic() < deadline, {k: moved(k[0], route=k[1], status=k[2]) for k in expected}
     time.sleep(0.05)

@@ -23,7 +23,7 @@ def test_packing_rows_fit_and_cover_every_pair_once(pack):
   rows = pack(src, tgt, 32)
   assert sorted(i for row in rows for i in row) == list(range(500))
   assert all(src[row].sum() <= 32 and tgt[row].sum() <= 32 for row in rows)
-  assert len(rows) < (src.sum() + tgt.sum()) / 64 * 1.2   # close to the total length / row length
+  assert len(rows) < (src.sum() + tgt.sum()) / 64 * 1.2  # close to the total length / row length
   assert pack(src.copy(), tgt.copy(), 32) == rows
   assert pack(src[:0], tgt[:0], 32) == []
   with pytest.raises(ValueError, match="longer than the packed row length"):
@@ -43,7 +43,7 @@ def test_pack_pairs_finds_the_rows_first_fit_misses():
   tgt = np.clip(src + rng.integers(-6, 8, 3000), 2, 40)
   ffd, rows = D.first_fit(src, tgt, 64), pack_pairs(src, tgt, 64)
   assert pack_pairs(src, tgt, 64, rounds=0) == ffd
-  fewest = np.ceil(max(src.sum(), tgt.sum()) / 64)   # the fuller side's tokens / row length
+  fewest = np.ceil(max(src.sum(), tgt.sum()) / 64)  # the fuller side's tokens / row length
   assert len(rows) <= 1.01 * fewest < len(ffd)
   assert sorted(i for row in rows for i in row) == list(range(3000))
   assert all(src[row].sum() <= 64 and tgt[row].sum() <= 64 for row in rows)
@@ -85,12 +85,14 @@ def test_packed_batches_are_pure_in_step_and_shard_by_process():
 def test_packed_epochs_hold_every_pair_once_and_depend_on_seed_and_epoch():
   data = _split(np.random.default_rng(2))
   batches = D.PackedBatches(data, 8, 32, seed=5)
-  plans = {(seed, epoch): D.PackedBatches(data, 8, 32, seed=seed)._epoch_rows(epoch)
-           for seed in (5, 6) for epoch in (0, 1)}
+  plans = {
+    (seed, epoch): D.PackedBatches(data, 8, 32, seed=seed)._epoch_rows(epoch) for seed in (5, 6) for epoch in (0, 1)
+  }
   for (seed, epoch), rows in plans.items():
     assert sorted(i for row in rows for i in row) == list(range(len(data)))
-    assert all(sum(len(data.inputs[i]) for i in row) <= 32 and sum(len(data.targets[i]) for i in row) <= 32
-               for row in rows)
+    assert all(
+      sum(len(data.inputs[i]) for i in row) <= 32 and sum(len(data.targets[i]) for i in row) <= 32 for row in rows
+    )
     if seed == 5:
       assert batches._epoch_rows(epoch) == rows
   assert len({str(rows) for rows in plans.values()}) == 4
@@ -108,7 +110,7 @@ def test_lm_windows_keep_document_boundaries():
     np.testing.assert_array_equal(b["inputs_segment_ids"][row], (doc - doc[0] + 1)[:-1])
     begin = np.maximum(stream.doc_starts[doc], start)
     np.testing.assert_array_equal(b["inputs_positions"][row], (window - begin)[:-1])
-    crossing = doc[1:] != doc[:-1]   # the last token of a document predicts nothing
+    crossing = doc[1:] != doc[:-1]  # the last token of a document predicts nothing
     np.testing.assert_array_equal(b["targets"][row], np.where(crossing, 0, window[1:] + 1))
   plain = D.WindowBatches(stream, 4, 8, seed=0)[2]
   np.testing.assert_array_equal(plain["inputs"], b["inputs"])

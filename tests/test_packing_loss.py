@@ -11,8 +11,16 @@ from jaxformer.config import config_from_dict
 from jaxformer.tasks import get_task
 from jaxformer.tasks.objective import loss_fn
 
-MODEL = {"vocab_size": 41, "d_model": 16, "num_heads": 2, "d_ff": 24, "num_encoder_layers": 2,
-         "num_decoder_layers": 2, "dropout_rate": 0.0, "max_length": 64}
+MODEL = {
+  "vocab_size": 41,
+  "d_model": 16,
+  "num_heads": 2,
+  "d_ff": 24,
+  "num_encoder_layers": 2,
+  "num_decoder_layers": 2,
+  "dropout_rate": 0.0,
+  "max_length": 64,
+}
 
 
 def _sums(config, batch):
@@ -47,10 +55,11 @@ def test_causal_lm_loss_is_the_same_packed_and_unpacked():
   docs = [rng.integers(4, 41, n).astype(np.int32) for n in (5, 8, 3)]
   stream = D.ArrayStream(np.concatenate(docs))
   stream.doc_starts = np.cumsum([0, 5, 8])
-  config = config_from_dict({"model": {**MODEL, "kind": "decoder_only", "position": "alibi"},
-                             "data": {"max_length": 15, "packing": True}})
-  packed = D.window_eval_batches(stream, 1, 15, packing=True)[0]   # one row: the three documents
-  alone = [D.window_eval_batches(d, 1, 15)[0] for d in docs]       # each document in its own row
+  config = config_from_dict(
+    {"model": {**MODEL, "kind": "decoder_only", "position": "alibi"}, "data": {"max_length": 15, "packing": True}}
+  )
+  packed = D.window_eval_batches(stream, 1, 15, packing=True)[0]  # one row: the three documents
+  alone = [D.window_eval_batches(d, 1, 15)[0] for d in docs]  # each document in its own row
   unpacked = {k: np.concatenate([b[k] for b in alone]) for k in ("inputs", "targets")}
   a, b = _sums(config, packed), _sums(config, unpacked)
   assert a["num_tokens"] == b["num_tokens"] == 4 + 7 + 2

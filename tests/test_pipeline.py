@@ -26,7 +26,7 @@ from jaxformer.train.state import abstract_state, create_state
 from jaxformer.train.step import make_train_step
 
 ROOT = Path(__file__).parent.parent
-ROWS, LENGTH = 16, 12   # the length splits over mesh.context=2
+ROWS, LENGTH = 16, 12  # the length splits over mesh.context=2
 
 
 def test_schedule_and_bubble_fraction():
@@ -38,8 +38,15 @@ def test_schedule_and_bubble_fraction():
 
 
 def _config(kind, mesh, *overrides):
-  config = tiny_config(kind, "model.dropout_rate=0.0", "model.scan_layers=true", "optim.warmup_steps=10",
-                       "optim.eps=1e-4", f"train.batch_size={ROWS}", *overrides)
+  config = tiny_config(
+    kind,
+    "model.dropout_rate=0.0",
+    "model.scan_layers=true",
+    "optim.warmup_steps=10",
+    "optim.eps=1e-4",
+    f"train.batch_size={ROWS}",
+    *overrides,
+  )
   return dataclasses.replace(config, mesh=MeshConfig(**dict(mesh)))
 
 
@@ -52,7 +59,7 @@ def _batches(kind, steps=2):
 
 
 def _state(config, model):
-  mesh = sh.make_mesh(config.mesh, jax.devices()[:int(np.prod(list(config.mesh.sizes.values())))])
+  mesh = sh.make_mesh(config.mesh, jax.devices()[: int(np.prod(list(config.mesh.sizes.values())))])
   tx = make_optimizer(config.optim, config.model.d_model)
   rules = sh.rules_for(config.mesh)
   shardings = sh.logical_to_sharding(abstract_state(model, tx)[1], mesh, rules)
@@ -81,23 +88,59 @@ def _reference(kind, *overrides):
 # axis a stage composes with (fsdp, tensor) and remat; the slow ones the rest.
 STAGE2 = (("stage", 2), ("fsdp", 2), ("tensor", 2), ("data", 1))
 CASES = [
-    pytest.param("decoder_only", STAGE2, ("train.microbatches=4",), ("model.remat=full",),
-                 id="dec-stage2-fsdp2-tensor2-remat"),
-    pytest.param("decoder_only", (("data", 4), ("stage", 2)), ("train.microbatches=2",), (),
-                 id="dec-stage2-data4", marks=pytest.mark.slow),
-    pytest.param("decoder_only", (("stage", 4), ("data", 2)), ("train.microbatches=2", "train.grad_accum_steps=2"),
-                 ("model.num_decoder_layers=4",), id="dec-stage4-data2-accum", marks=pytest.mark.slow),
-    pytest.param("encoder_decoder", (("stage", 2), ("data", 4)), ("train.microbatches=2",), (),
-                 id="encdec-stage2-data4", marks=pytest.mark.slow),
-    pytest.param("encoder_only", (("stage", 2), ("data", 4)), ("train.microbatches=2",),
-                 ("data.dataset=tinyshakespeare",), id="enc-stage2-data4", marks=pytest.mark.slow),
-    # Context-parallel attention inside the stages (a map manual over context and stage).
-    pytest.param("decoder_only", (("stage", 2), ("context", 2), ("data", 2)), ("train.microbatches=2",),
-                 ("model.position=rope", "model.attention=blockwise", "model.attention_block_size=4"),
-                 id="dec-stage2-context2-data2-blockwise", marks=pytest.mark.slow),
-    # The router's losses (summed over the microbatches) are part of the loss compared.
-    pytest.param("decoder_only", (("stage", 2), ("expert", 2), ("data", 2)), ("train.microbatches=2",),
-                 ("model.num_experts=4",), id="moe-stage2-expert2-data2", marks=pytest.mark.slow),
+  pytest.param(
+    "decoder_only", STAGE2, ("train.microbatches=4",), ("model.remat=full",), id="dec-stage2-fsdp2-tensor2-remat"
+  ),
+  pytest.param(
+    "decoder_only",
+    (("data", 4), ("stage", 2)),
+    ("train.microbatches=2",),
+    (),
+    id="dec-stage2-data4",
+    marks=pytest.mark.slow,
+  ),
+  pytest.param(
+    "decoder_only",
+    (("stage", 4), ("data", 2)),
+    ("train.microbatches=2", "train.grad_accum_steps=2"),
+    ("model.num_decoder_layers=4",),
+    id="dec-stage4-data2-accum",
+    marks=pytest.mark.slow,
+  ),
+  pytest.param(
+    "encoder_decoder",
+    (("stage", 2), ("data", 4)),
+    ("train.microbatches=2",),
+    (),
+    id="encdec-stage2-data4",
+    marks=pytest.mark.slow,
+  ),
+  pytest.param(
+    "encoder_only",
+    (("stage", 2), ("data", 4)),
+    ("train.microbatches=2",),
+    ("data.dataset=tinyshakespeare",),
+    id="enc-stage2-data4",
+    marks=pytest.mark.slow,
+  ),
+  # Context-parallel attention inside the stages (a map manual over context and stage).
+  pytest.param(
+    "decoder_only",
+    (("stage", 2), ("context", 2), ("data", 2)),
+    ("train.microbatches=2",),
+    ("model.position=rope", "model.attention=blockwise", "model.attention_block_size=4"),
+    id="dec-stage2-context2-data2-blockwise",
+    marks=pytest.mark.slow,
+  ),
+  # The router's losses (summed over the microbatches) are part of the loss compared.
+  pytest.param(
+    "decoder_only",
+    (("stage", 2), ("expert", 2), ("data", 2)),
+    ("train.microbatches=2",),
+    ("model.num_experts=4",),
+    id="moe-stage2-expert2-data2",
+    marks=pytest.mark.slow,
+  ),
 ]
 
 
@@ -130,18 +173,22 @@ def test_pipeline_draws_dropout_per_microbatch():
 @pytest.mark.slow
 def test_bench_reports_the_bubble_of_the_schedule_it_runs():
   from jaxformer.bench import step as bench
+
   config = _config("decoder_only", (("data", 4), ("stage", 2)), "train.microbatches=2", "train.batch_size=8")
   result = bench.run_bench(config, bench.BenchOptions(batch_size=8, tgt_length=7, steps=1, warmup=0, peer=False))
   assert result["bubble_fraction"] == Pipeline(2, 2).bubble_fraction == pytest.approx(1 / 3)
   assert result["mesh"]["stage"] == 2 and all(np.isfinite(result["losses"]))
 
 
-@pytest.mark.parametrize("overrides, message", [
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
     (("model.scan_layers=false",), "mesh.stage=2 pipelines the layer stack, which needs model.scan_layers=true"),
     (("model.num_decoder_layers=3",), "model.num_decoder_layers=3 does not split into mesh.stage=2 pipeline stages"),
     (("train.microbatches=3",), "train.batch_size=16 does not split into train.microbatches=3"),
     (("train.microbatches=4", "train.grad_accum_steps=2"), "use a train.batch_size that is a multiple of 32"),
-])
+  ],
+)
 def test_pipeline_mistakes_fail_in_one_line(overrides, message):
   with pytest.raises(ConfigError, match=message) as error:
     build_mesh(_config("decoder_only", {"data": 4, "stage": 2}, *overrides))
@@ -181,8 +228,9 @@ def test_checkpoint_restores_across_pipelined_and_unpipelined_runs(tmp_path):
   _save(tmp_path / "pipelined", state)
   model, restored = _restore(tmp_path / "pipelined", _config("decoder_only", {"data": 8}, "model.scan_layers=false"))
   saved = jax.device_get(state.params)
-  for a, b in zip(jax.tree.leaves(jax.device_get(restored.params)),
-                  jax.tree.leaves(unstack_layers(saved, layer_stacks(model)))):
+  for a, b in zip(
+    jax.tree.leaves(jax.device_get(restored.params)), jax.tree.leaves(unstack_layers(saved, layer_stacks(model)))
+  ):
     np.testing.assert_array_equal(a, b)
   _save(tmp_path / "unrolled", restored)
   staged = _config("decoder_only", (("data", 4), ("stage", 2)), "train.microbatches=2")
@@ -198,25 +246,79 @@ def test_two_processes_pipelined_match_one_process_unpipelined(tmp_path):
   pipelined; one process on 8 devices trains it data-parallel, unpipelined: the same losses.
   The pipelined checkpoint then evaluates in one process on one device."""
   from test_multihost import LAUNCH, _check, _env, _losses, _run
+
   env = _env(tmp_path)
-  common = ["--config", "configs/shakespeare_char.yaml", f"data.data_dir={tmp_path / 'data'}", "model.d_model=32",
-            "model.num_heads=2", "model.d_ff=48", "model.num_decoder_layers=2", "model.scan_layers=true",
-            "model.max_length=16", "data.max_length=16", "train.batch_size=8", "train.num_steps=4",
-            "train.steps_per_call=2", "train.log_every=2", "train.eval_every=100", "train.checkpoint_every=4",
-            "optim.warmup_steps=2"]
-  multi, _ = _run(["bash", LAUNCH, "2", "--", "train", "--workdir", str(tmp_path / "multi"), *common,
-                   "runtime.num_cpu_devices=4", "mesh.stage=2", "mesh.data=2", "mesh.fsdp=2", "train.microbatches=2"],
-                  env)
+  common = [
+    "--config",
+    "configs/shakespeare_char.yaml",
+    f"data.data_dir={tmp_path / 'data'}",
+    "model.d_model=32",
+    "model.num_heads=2",
+    "model.d_ff=48",
+    "model.num_decoder_layers=2",
+    "model.scan_layers=true",
+    "model.max_length=16",
+    "data.max_length=16",
+    "train.batch_size=8",
+    "train.num_steps=4",
+    "train.steps_per_call=2",
+    "train.log_every=2",
+    "train.eval_every=100",
+    "train.checkpoint_every=4",
+    "optim.warmup_steps=2",
+  ]
+  multi, _ = _run(
+    [
+      "bash",
+      LAUNCH,
+      "2",
+      "--",
+      "train",
+      "--workdir",
+      str(tmp_path / "multi"),
+      *common,
+      "runtime.num_cpu_devices=4",
+      "mesh.stage=2",
+      "mesh.data=2",
+      "mesh.fsdp=2",
+      "train.microbatches=2",
+    ],
+    env,
+  )
   _check(multi)
-  single, _ = _run([sys.executable, "-m", "jaxformer", "train", "--workdir", str(tmp_path / "single"), *common,
-                    "runtime.num_cpu_devices=8", "mesh.data=8"], env)
+  single, _ = _run(
+    [
+      sys.executable,
+      "-m",
+      "jaxformer",
+      "train",
+      "--workdir",
+      str(tmp_path / "single"),
+      *common,
+      "runtime.num_cpu_devices=8",
+      "mesh.data=8",
+    ],
+    env,
+  )
   _check(single)
   multi_losses, single_losses = _losses(tmp_path / "multi"), _losses(tmp_path / "single")
   assert sorted(multi_losses) == sorted(single_losses) == [2, 4]
   for step, values in single_losses.items():
     assert multi_losses[step] == pytest.approx(values, rel=1e-5), step
-  result, _ = _run([sys.executable, "-m", "jaxformer", "eval", "--workdir", str(tmp_path / "multi"),
-                    "runtime.num_cpu_devices=1", "mesh.stage=1", "mesh.data=1", "mesh.fsdp=1"],
-                   env)
+  result, _ = _run(
+    [
+      sys.executable,
+      "-m",
+      "jaxformer",
+      "eval",
+      "--workdir",
+      str(tmp_path / "multi"),
+      "runtime.num_cpu_devices=1",
+      "mesh.stage=1",
+      "mesh.data=1",
+      "mesh.fsdp=1",
+    ],
+    env,
+  )
   out = json.loads(_check(result).stdout.strip().splitlines()[-1])
   assert out["step"] == 4 and math.isfinite(out["loss"]) and out["loss"] < math.log(66) + 1.0

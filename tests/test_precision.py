@@ -2,6 +2,7 @@
 bfloat16 training against float32, and padding safety under every compute dtype."""
 
 import dataclasses
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -50,14 +51,17 @@ def test_parse_policy_values():
   assert str(f16) == _policy("float16") and parse_policy(str(f16)) == f16
 
 
-@pytest.mark.parametrize("policy, message", [
+@pytest.mark.parametrize(
+  "policy, message",
+  [
     ("compute=fp16", "unknown dtype 'fp16' for compute; use float32, bfloat16, float16"),
     ("compute=bfloat16,activations=float32", "unknown key 'activations'; use params, compute, output"),
     ("params=bfloat16,compute=bfloat16", "params=bfloat16: parameters and optimizer state stay float32"),
     ("compute=bfloat16,output=bfloat16", "output=bfloat16: logits and the loss are always float32"),
     ("compute=float16,compute=float32", "compute is given twice"),
     ("bfloat16", "'bfloat16' is not key=dtype; write e.g. params=float32,compute=bfloat16"),
-])
+  ],
+)
 def test_bad_policies_give_one_line_config_errors(policy, message):
   with pytest.raises(ConfigError) as info:
     config_from_dict({}, [f"precision.policy={policy}"])
@@ -65,14 +69,17 @@ def test_bad_policies_give_one_line_config_errors(policy, message):
   assert message in str(info.value) and "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("override, message", [
+@pytest.mark.parametrize(
+  "override, message",
+  [
     ("model.dtype=bfloat16", "model.dtype is not a config key: precision.policy sets it"),
     ("precision.loss_scale=static", "precision.loss_scale='static' is unknown; use auto, dynamic or none"),
     ("precision.initial_scale=0.5", "precision.initial_scale must be in [1, 2**127)"),
     ("precision.growth_interval=0", "precision.growth_interval must be >= 1"),
     ("precision.growth_factor=1", "precision.growth_factor must be a finite number > 1"),
     ("precision.backoff_factor=1", "precision.backoff_factor must be in (0, 1)"),
-])
+  ],
+)
 def test_bad_precision_keys_give_one_line_errors(override, message):
   with pytest.raises(ConfigError) as info:
     config_from_dict({}, [override])
@@ -91,9 +98,16 @@ def test_policy_is_the_only_source_of_the_compute_dtype(tmp_path):
   assert dataclasses.replace(config, precision=PrecisionConfig()).model.dtype == "float32"
 
 
-@pytest.mark.parametrize("compute, loss_scale, dynamic", [
-    ("float16", "auto", True), ("bfloat16", "auto", False), ("float32", "auto", False),
-    ("bfloat16", "dynamic", True), ("float16", "none", False)])
+@pytest.mark.parametrize(
+  "compute, loss_scale, dynamic",
+  [
+    ("float16", "auto", True),
+    ("bfloat16", "auto", False),
+    ("float32", "auto", False),
+    ("bfloat16", "dynamic", True),
+    ("float16", "none", False),
+  ],
+)
 def test_loss_scaling_is_dynamic_for_float16_by_default(compute, loss_scale, dynamic):
   precision = PrecisionConfig(policy=_policy(compute), loss_scale=loss_scale, initial_scale=64.0)
   assert precision.dynamic_loss_scale is dynamic
@@ -101,7 +115,9 @@ def test_loss_scaling_is_dynamic_for_float16_by_default(compute, loss_scale, dyn
 
 
 def test_next_loss_scale_by_hand():
-  update = lambda s, finite: next_loss_scale(s, jnp.asarray(finite), 3, 2.0, 0.5)
+  def update(s, finite):
+    return next_loss_scale(s, jnp.asarray(finite), 3, 2.0, 0.5)
+
   state = LossScale(jnp.float32(8.0), jnp.int32(0))
   seen = []
   for finite in (True, True, True, True, False, True):
@@ -110,16 +126,24 @@ def test_next_loss_scale_by_hand():
   assert seen == [(8.0, 1), (8.0, 2), (16.0, 0), (16.0, 1), (8.0, 0), (8.0, 1)]
   # Backoff stops at MIN_LOSS_SCALE; growth that would overflow float32 keeps the scale.
   assert float(update(LossScale(jnp.float32(1.5), jnp.int32(2)), False).scale) == MIN_LOSS_SCALE
-  top = jnp.float32(2.0 ** 127)
-  assert float(update(LossScale(top, jnp.int32(2)), True).scale) == 2.0 ** 127
+  top = jnp.float32(2.0**127)
+  assert float(update(LossScale(top, jnp.int32(2)), True).scale) == 2.0**127
 
 
 # --- float16 dynamic loss scaling in the train step ----------------------------------------
 
 
 def _small_config(compute: str, **precision) -> Config:
-  model = ModelConfig(vocab_size=VOCAB, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1,
-                      num_decoder_layers=1, dropout_rate=0.0, max_length=16)
+  model = ModelConfig(
+    vocab_size=VOCAB,
+    d_model=16,
+    num_heads=2,
+    d_ff=24,
+    num_encoder_layers=1,
+    num_decoder_layers=1,
+    dropout_rate=0.0,
+    max_length=16,
+  )
   optim = OptimConfig(schedule="constant", learning_rate=1e-3)
   return Config(model=model, optim=optim, precision=PrecisionConfig(policy=_policy(compute), **precision))
 
@@ -193,8 +217,9 @@ def test_scale_grows_after_n_finite_steps(f16_step):
     assert int(state.step) == i and float(metrics["skipped"]) == 0.0
     assert float(metrics["loss_scale"]) == used
     assert (float(state.loss_scale.scale), int(state.loss_scale.good_steps)) == (scale, good)
-    moved = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(state.params),
-                                                          jax.tree.leaves(before.params)))
+    moved = max(
+      float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(before.params))
+    )
     assert moved > 1e-5  # finite steps are applied
 
 
@@ -204,13 +229,13 @@ def test_forced_overflow_skips_the_step_and_halves_the_scale(f16_step):
   state, _ = _run(step, state, batch)
   assert int(state.loss_scale.good_steps) == 2
   # 2**100 times the loss overflows float16 (max 65504) in the backward pass.
-  before = state.replace(loss_scale=state.loss_scale.replace(scale=np.float32(2.0 ** 100)))
+  before = state.replace(loss_scale=state.loss_scale.replace(scale=np.float32(2.0**100)))
   after, metrics = _run(step, before, batch)
-  assert float(metrics["skipped"]) == 1.0 and float(metrics["loss_scale"]) == 2.0 ** 100
+  assert float(metrics["skipped"]) == 1.0 and float(metrics["loss_scale"]) == 2.0**100
   assert not np.isfinite(float(metrics["grad_norm"]))
   assert np.isfinite(float(metrics["loss"]))  # the forward pass is unaffected
   assert int(after.step) == int(before.step) + 1 == 3
-  assert float(after.loss_scale.scale) == 2.0 ** 99 and int(after.loss_scale.good_steps) == 0
+  assert float(after.loss_scale.scale) == 2.0**99 and int(after.loss_scale.good_steps) == 0
   _assert_trees_identical(after.params, before.params)
   _assert_trees_identical(after.opt_state, before.opt_state)
 
@@ -235,7 +260,7 @@ def padded_results(f16_step):
   for compute in ("float32", "bfloat16", "float16"):
     config = _small_config(compute)
     task, model = get_task(config), EncoderDecoder(config.model)
-    grad_fn = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(task, model, p, b, None, 0.1), has_aux=True))
+    grad_fn = jax.jit(jax.value_and_grad(partial(loss_fn, task, model, rng=None, label_smoothing=0.1), has_aux=True))
     (loss, sums), grads = jax.device_get(grad_fn(params, batch))
     results[compute] = (loss, sums, grads)
   return results
@@ -252,7 +277,7 @@ def test_fully_padded_rows_give_finite_loss_and_grads(padded_results, compute):
   ref_loss, _, ref_grads = padded_results["float32"]
   assert float(loss) == pytest.approx(float(ref_loss), rel=1e-2)
   diff = np.sqrt(sum(np.sum((g - r) ** 2) for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads))))
-  norm = np.sqrt(sum(np.sum(r ** 2) for r in jax.tree.leaves(ref_grads)))
+  norm = np.sqrt(sum(np.sum(r**2) for r in jax.tree.leaves(ref_grads)))
   assert diff <= 5e-2 * norm
 
 
@@ -279,8 +304,10 @@ def _tiny_losses(compute: str, batches, state=None) -> tuple[np.ndarray, object]
   """(per-token training loss of each of TRACK_STEPS steps of configs/tiny.yaml with dropout
   off and learning-rate scale 1, cycling through `batches`; the host initial state) from
   `state` or a fresh one."""
-  config = load_config(ROOT / "configs/tiny.yaml", ["model.dropout_rate=0.0", "optim.learning_rate=1.0",
-                                                    f"precision.policy={_policy(compute)}"])
+  config = load_config(
+    ROOT / "configs/tiny.yaml",
+    ["model.dropout_rate=0.0", "optim.learning_rate=1.0", f"precision.policy={_policy(compute)}"],
+  )
   initial, step = _setup(config, state)
   state, losses = initial, []
   for i in range(TRACK_STEPS):

@@ -36,7 +36,7 @@ def _model_and_params(path, overrides=(), abstract=False):
 
 def _tokens(seed, shape, vocab):
   ids = np.random.default_rng(seed).integers(4, vocab, shape).astype(np.int32)
-  ids[1, shape[1] // 2:] = PAD_ID
+  ids[1, shape[1] // 2 :] = PAD_ID
   return jnp.asarray(ids)
 
 
@@ -51,14 +51,18 @@ def _assert_close_logits(got, expected, targets, tolerance):
 
 
 def test_scales_per_output_channel_by_hand():
-  wi = np.array([[1.0, -0.5, 0.0],
-                 [-2.54, 0.1, 0.0]], np.float32)            # [d_model=2, d_ff=3]
+  wi = np.array([[1.0, -0.5, 0.0], [-2.54, 0.1, 0.0]], np.float32)  # [d_model=2, d_ff=3]
   out = np.array([[[1.27, -0.21]], [[-0.64, 0.4]]], np.float32)  # [heads=2, head_dim=1, d_model=2]
   embedding = np.array([[0.3, -1.27], [0.5, 0.2]], np.float32)  # [vocab=2, d_model=2]
-  query = np.array([[[[1.27, 0.1]], [[0.2, -2.54]]],
-                    [[[0.0, 0.5]], [[-0.127, 0.0]]]], np.float32)  # [layers=2, d_model=2, heads=1, head_dim=2]
-  params = {"ffn": {"wi": wi, "bi": np.ones(3, np.float32)}, "attn": {"out": out}, "embed": {"embedding": embedding},
-            "decoder": {"attn": {"query": query}, "norm": {"scale": np.ones((2, 7), np.float32)}}}
+  query = np.array(
+    [[[[1.27, 0.1]], [[0.2, -2.54]]], [[[0.0, 0.5]], [[-0.127, 0.0]]]], np.float32
+  )  # [layers=2, d_model=2, heads=1, head_dim=2]
+  params = {
+    "ffn": {"wi": wi, "bi": np.ones(3, np.float32)},
+    "attn": {"out": out},
+    "embed": {"embedding": embedding},
+    "decoder": {"attn": {"query": query}, "norm": {"scale": np.ones((2, 7), np.float32)}},
+  }
   q = quantize_params(jax.tree.map(jnp.asarray, params), min_size=1)
 
   # FFN kernel: one scale per column (d_ff); an all-zero column gets scale 0 and values 0.
@@ -71,10 +75,10 @@ def test_scales_per_output_channel_by_hand():
   np.testing.assert_allclose(q["embed"]["embedding"].scale, [[0.01], [0.5 / 127]], rtol=1e-6)
   np.testing.assert_array_equal(q["embed"]["embedding"].values, [[30, -127], [127, 51]])
   # Stacked [layers, d_model, heads, head_dim]: per layer and per (head, head_dim).
-  np.testing.assert_allclose(q["decoder"]["attn"]["query"].scale, [[[[0.01, 0.02]]], [[[0.001, 0.5 / 127]]]],
-                             rtol=1e-6)
-  np.testing.assert_array_equal(q["decoder"]["attn"]["query"].values,
-                                [[[[127, 5]], [[20, -127]]], [[[0, 127]], [[-127, 0]]]])
+  np.testing.assert_allclose(q["decoder"]["attn"]["query"].scale, [[[[0.01, 0.02]]], [[[0.001, 0.5 / 127]]]], rtol=1e-6)
+  np.testing.assert_array_equal(
+    q["decoder"]["attn"]["query"].values, [[[[127, 5]], [[20, -127]]], [[[0, 127]], [[-127, 0]]]]
+  )
   # Vectors stay float, also stacked ones ([layers, d_model] norm scales).
   assert q["ffn"]["bi"].dtype == jnp.float32 and q["decoder"]["norm"]["scale"].dtype == jnp.float32
   # A kernel of another name is read as [..., in, out]: scales per column.
@@ -129,7 +133,7 @@ def test_dequantized_logits_match_float32(scan):
 
 
 def test_int8_product_by_hand():
-  x = jnp.asarray([[1.27, -0.635], [0.0, 0.0], [0.1, 0.254]], jnp.float32)   # [rows=3, k=2]
+  x = jnp.asarray([[1.27, -0.635], [0.0, 0.0], [0.1, 0.254]], jnp.float32)  # [rows=3, k=2]
   w = QuantizedArray(values=jnp.asarray([[100, -127], [50, 10]], jnp.int8), scale=jnp.asarray([[0.5, 0.25]]))
   # Row scales 0.01, 0 (an all-zero row), 0.002: x quantizes to [[127, -64], [0, 0], [50, 127]].
   xq, x_scale = int8.quantize_rows(x)
@@ -146,14 +150,17 @@ def test_int8_product_by_hand():
 
 
 def test_int8_products_only_with_ynnpack_dots(monkeypatch):
-  for flags, expected in (("", True), ("--xla_cpu_use_xnnpack=false", True),
-                          ("--xla_cpu_max_isa=AVX2 --xla_cpu_experimental_ynn_fusion_type=", False),
-                          ("--xla_cpu_experimental_ynn_fusion_type=individual_dot,eltwise", True)):
+  for flags, expected in (
+    ("", True),
+    ("--xla_cpu_use_xnnpack=false", True),
+    ("--xla_cpu_max_isa=AVX2 --xla_cpu_experimental_ynn_fusion_type=", False),
+    ("--xla_cpu_experimental_ynn_fusion_type=individual_dot,eltwise", True),
+  ):
     monkeypatch.setenv("XLA_FLAGS", flags)
     assert quantize.int8_products() is expected, flags
   q = quantize_params({"ffn": {"wi": jnp.ones((4, 4))}}, min_size=1)
   assert isinstance(decoding_params(q)["ffn"]["wi"], QuantizedArray)
-  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=")   # dequantized where int8 dots are slow
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=")  # dequantized where int8 dots are slow
   np.testing.assert_array_equal(decoding_params(q)["ffn"]["wi"], np.ones((4, 4)))
 
 
@@ -165,9 +172,15 @@ def int8_dots(monkeypatch):
 
 def test_decoding_keeps_the_layers_int8_kernels(int8_dots):
   e, d, f = 2, 4, 3
-  params = {"layer_0": {"attention": {"query": np.ones((d, 2, 2)), "out": np.ones((2, 2, d))},
-                        "ffn": {"wi": np.ones((d, f))}, "moe": {"wi": np.ones((e, d, f)), "router": np.ones((d, e))}},
-            "embed": {"embedding": np.ones((7, d))}, "relative_bias": {"table": np.ones((5, 2))}}
+  params = {
+    "layer_0": {
+      "attention": {"query": np.ones((d, 2, 2)), "out": np.ones((2, 2, d))},
+      "ffn": {"wi": np.ones((d, f))},
+      "moe": {"wi": np.ones((e, d, f)), "router": np.ones((d, e))},
+    },
+    "embed": {"embedding": np.ones((7, d))},
+    "relative_bias": {"table": np.ones((5, 2))},
+  }
   q = quantize_params(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params), min_size=1)
   got = decoding_params(q)
   layer = got["layer_0"]

@@ -24,8 +24,16 @@ from jaxformer.train.step import make_train_step
 VOCAB = 37
 SRC_LEN, TGT_LEN = 11, 9
 TOL = 1e-6
-BASE = dict(vocab_size=VOCAB, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1,
-            num_decoder_layers=2, dropout_rate=0.0, max_length=32)
+BASE = dict(
+  vocab_size=VOCAB,
+  d_model=16,
+  num_heads=2,
+  d_ff=24,
+  num_encoder_layers=1,
+  num_decoder_layers=2,
+  dropout_rate=0.0,
+  max_length=32,
+)
 DROPOUT = dict(dropout_rate=0.2, attention_dropout_rate=0.3)
 
 
@@ -38,18 +46,20 @@ def _batch(src_len=SRC_LEN, tgt_len=TGT_LEN, seed=0):
   rng = np.random.default_rng(seed)
   src = rng.integers(4, VOCAB, (3, src_len)).astype(np.int32)
   tgt = rng.integers(4, VOCAB, (3, tgt_len)).astype(np.int32)
-  src[1, src_len // 2:] = PAD_ID
-  tgt[2, tgt_len // 3:] = PAD_ID
+  src[1, src_len // 2 :] = PAD_ID
+  tgt[2, tgt_len // 3 :] = PAD_ID
   return jnp.asarray(src), jnp.asarray(tgt)
 
 
 def _loss_fn(model):
   """(params, src, tgt, dropout key or None) -> mean cross-entropy per target token."""
+
   def loss(params, src, tgt, rng):
     rngs = None if rng is None else {"dropout": rng}
     logits = model.apply({"params": params}, src, tgt, deterministic=rng is None, rngs=rngs)
     sums = cross_entropy_sums(logits, tgt, (tgt != PAD_ID).astype(jnp.float32))
     return sums["loss"] / sums["num_tokens"]
+
   return loss
 
 
@@ -80,8 +90,10 @@ def params():
 @pytest.fixture(scope="module")
 def reference(params):
   """Loss and grads without remat, unrolled: {False: deterministic, True: with dropout}."""
-  return {False: _loss_and_grads(_config(), params, None),
-          True: _loss_and_grads(_config(**DROPOUT), params, jax.random.key(3))}
+  return {
+    False: _loss_and_grads(_config(), params, None),
+    True: _loss_and_grads(_config(**DROPOUT), params, jax.random.key(3)),
+  }
 
 
 def test_dropout_reference_really_drops(reference):
@@ -91,8 +103,9 @@ def test_dropout_reference_really_drops(reference):
 
 
 # One policy in the fast suite, the others with the slow tests.
-@pytest.mark.parametrize("policy", [p if p == "full" else pytest.param(p, marks=pytest.mark.slow)
-                                    for p in POLICY_NAMES if p != "none"])
+@pytest.mark.parametrize(
+  "policy", [p if p == "full" else pytest.param(p, marks=pytest.mark.slow) for p in POLICY_NAMES if p != "none"]
+)
 def test_policy_matches_no_remat_with_dropout(params, reference, policy):
   loss, grads = _loss_and_grads(_config(remat=policy, **DROPOUT), params, jax.random.key(3))
   ref_loss, ref_grads = reference[True]
@@ -112,8 +125,7 @@ def test_scan_with_remat_matches_unrolled(params, reference):
 def test_scan_with_dropout_matches_unrolled(params, reference, policy):
   """The scanned layers draw the unrolled layers' dropout masks, and remat inside the scan
   recomputes with the forward pass's masks."""
-  loss, grads = _loss_and_grads(_config(scan_layers=True, remat=policy, **DROPOUT), _stacked(params),
-                                jax.random.key(3))
+  loss, grads = _loss_and_grads(_config(scan_layers=True, remat=policy, **DROPOUT), _stacked(params), jax.random.key(3))
   ref_loss, ref_grads = reference[True]
   np.testing.assert_allclose(float(loss), float(ref_loss), atol=TOL, rtol=TOL)
   _assert_close(grads, _stacked(ref_grads))
@@ -122,8 +134,7 @@ def test_scan_with_dropout_matches_unrolled(params, reference, policy):
 def _temp_bytes(config):
   src, tgt = _batch(src_len=256, tgt_len=256)
   model = EncoderDecoder(config)
-  shapes = jax.eval_shape(lambda k: nn.meta.unbox(model.init(k, src[:, :8], tgt[:, :8]))["params"],
-                          jax.random.key(0))
+  shapes = jax.eval_shape(lambda k: nn.meta.unbox(model.init(k, src[:, :8], tgt[:, :8]))["params"], jax.random.key(0))
   compiled = jax.jit(jax.grad(_loss_fn(model))).lower(shapes, src, tgt, None).compile()
   return compiled.memory_analysis().temp_size_in_bytes
 
@@ -149,9 +160,10 @@ def test_unknown_policy_is_a_one_line_config_error():
 
 @pytest.mark.slow
 def test_scan_checkpoint_round_trip(tmp_path):
-  config = config_from_dict({"model": {**BASE, "dropout_rate": 0.1}, "optim": {"warmup_steps": 5}},
-                            ["model.scan_layers=true", "model.remat=full", "model.vocab_size=40",
-                             "model.max_length=64"])
+  config = config_from_dict(
+    {"model": {**BASE, "dropout_rate": 0.1}, "optim": {"warmup_steps": 5}},
+    ["model.scan_layers=true", "model.remat=full", "model.vocab_size=40", "model.max_length=64"],
+  )
   model = EncoderDecoder(config.model)
   tx = make_optimizer(config.optim, config.model.d_model)
   mesh = sh.make_mesh(MeshConfig(2, 2, 2))
@@ -172,7 +184,7 @@ def test_scan_checkpoint_round_trip(tmp_path):
   _assert_close(jax.device_get(restored), jax.device_get(state), tol=0.0)
   wi = restored.params["encoder"]["ffn"]["wi"]
   assert wi.shape == (BASE["num_encoder_layers"], BASE["d_model"], BASE["d_ff"])
-  assert wi.sharding.spec == PartitionSpec("stage", "fsdp", "tensor")   # layers over stage (size 1 here)
+  assert wi.sharding.spec == PartitionSpec("stage", "fsdp", "tensor")  # layers over stage (size 1 here)
 
 
 DECODE = dict(max_length=16, tie_embeddings=False)
@@ -191,6 +203,7 @@ def decode_params():
     name = jax.tree_util.keystr(path)
     std = 1.0 if "embed" in name or "output_proj" in name else 0.3 if "cross_attention" in name else 0.1
     return jnp.asarray(std * rng.standard_normal(s.shape) + name.endswith("['scale']"), jnp.float32)
+
   return jax.tree_util.tree_map_with_path(fill, shapes)
 
 
@@ -199,19 +212,24 @@ def test_scan_decoding_matches_unrolled(decode_params):
   stacked = _stacked(decode_params)
   src, _ = _batch()
   cache = contiguous_cache(EncoderDecoder(scanned), stacked, 3, SRC_LEN)
-  self_key = cache.layers["decoder"]["self_attention"]["key"]   # segments of positions 0-7 and 8-15
+  self_key = cache.layers["decoder"]["self_attention"]["key"]  # segments of positions 0-7 and 8-15
   assert [x.shape for x in self_key] == [(BASE["num_decoder_layers"], 3, 2, 8, 8)] * 2
   assert [x.shape for x in cache.layers["decoder"]["cross_attention"]["key"]] == [
-      (BASE["num_decoder_layers"], 3, 2, SRC_LEN, 8)]
+    (BASE["num_decoder_layers"], 3, 2, SRC_LEN, 8)
+  ]
   np.testing.assert_array_equal(cache.state.lengths, [0, 0, 0])
   runs = ((unrolled, decode_params), (scanned, stacked))
 
-  greedy = [np.asarray(jax.jit(lambda p, s, c=c: greedy_decode(EncoderDecoder(c), p, s, 12, eos_id=-1))(p, src))
-            for c, p in runs]
+  greedy = [
+    np.asarray(jax.jit(lambda p, s, c=c: greedy_decode(EncoderDecoder(c), p, s, 12, eos_id=-1))(p, src))
+    for c, p in runs
+  ]
   assert len(np.unique(greedy[0])) > 3
   np.testing.assert_array_equal(greedy[0], greedy[1])
 
-  beams = [jax.jit(lambda p, s, c=c: beam_search(EncoderDecoder(c), p, s, beam_size=3, max_decode_len=10))(p, src)
-           for c, p in runs]
+  beams = [
+    jax.jit(lambda p, s, c=c: beam_search(EncoderDecoder(c), p, s, beam_size=3, max_decode_len=10))(p, src)
+    for c, p in runs
+  ]
   np.testing.assert_array_equal(np.asarray(beams[0][0]), np.asarray(beams[1][0]))
   np.testing.assert_allclose(np.asarray(beams[0][1]), np.asarray(beams[1][1]), atol=1e-5, rtol=1e-5)

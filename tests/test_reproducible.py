@@ -56,12 +56,22 @@ def _one_cpu():
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
 def test_training_is_bitwise_reproducible_across_cpu_counts_under_load():
   env = {k: v for k, v in os.environ.items() if k not in ("NPROC", "JAX_COMPILATION_CACHE_DIR")}
-  env["JAX_ENABLE_COMPILATION_CACHE"] = "false"   # each process compiles for its own CPUs
-  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"   # one device: the whole batch in each kernel
+  env["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # each process compiles for its own CPUs
+  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # one device: the whole batch in each kernel
   busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
   try:
-    runs = [subprocess.Popen([sys.executable, "-c", TRAIN], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=env, cwd=ROOT, preexec_fn=fn) for fn in (None, _one_cpu)]
+    runs = [
+      subprocess.Popen(
+        [sys.executable, "-c", TRAIN],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        preexec_fn=fn,
+      )
+      for fn in (None, _one_cpu)
+    ]
     outs = [run.communicate(timeout=600) for run in runs]
   finally:
     busy.kill()
@@ -79,9 +89,9 @@ def test_pin_cpu_numerics_sets_the_pool_and_keeps_user_flags(monkeypatch):
   pin_cpu_numerics(3)
   assert os.environ["NPROC"] == "3"
   flags = os.environ["XLA_FLAGS"].split()
-  assert flags[:2] == ["--xla_cpu_max_isa=AVX512", "--xla_backend_optimization_level=0"]   # the user's ISA wins
+  assert flags[:2] == ["--xla_cpu_max_isa=AVX512", "--xla_backend_optimization_level=0"]  # the user's ISA wins
   assert flags[2:] == list(DETERMINISTIC_XLA_FLAGS[1:])
-  pin_cpu_numerics(3)   # idempotent
+  pin_cpu_numerics(3)  # idempotent
   assert os.environ["XLA_FLAGS"].split() == flags
 
 

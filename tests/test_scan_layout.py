@@ -16,25 +16,28 @@ from jaxformer.config import ModelConfig, load_config
 from jaxformer.inference import restore as inference_restore
 from jaxformer.models.decoder_only import DecoderOnly
 from jaxformer.models.encoder_only import EncoderOnly
-from jaxformer.models.layout import (
-  is_scanned,
-  layer_stacks,
-  saved_layout_is_scanned,
-  stack_layers,
-  unstack_layers,
-)
+from jaxformer.models.layout import is_scanned, layer_stacks, saved_layout_is_scanned, stack_layers, unstack_layers
 from jaxformer.models.transformer import PAD_ID, EncoderDecoder
 from jaxformer.train.loop import train
 
 VOCAB = 37
-BASE = dict(vocab_size=VOCAB, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=2, num_decoder_layers=3,
-            max_length=16, dropout_rate=0.2, attention_dropout_rate=0.3)
+BASE = dict(
+  vocab_size=VOCAB,
+  d_model=16,
+  num_heads=2,
+  d_ff=24,
+  num_encoder_layers=2,
+  num_decoder_layers=3,
+  max_length=16,
+  dropout_rate=0.2,
+  attention_dropout_rate=0.3,
+)
 KINDS = {"encoder_decoder": EncoderDecoder, "decoder_only": DecoderOnly, "encoder_only": EncoderOnly}
 
 
 def _tokens(seed, shape):
   ids = np.random.default_rng(seed).integers(4, VOCAB, shape).astype(np.int32)
-  ids[1, shape[1] // 2:] = PAD_ID
+  ids[1, shape[1] // 2 :] = PAD_ID
   return jnp.asarray(ids)
 
 
@@ -50,7 +53,7 @@ def _args(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_scanned_init_is_the_stacked_unrolled_init(kind):
   unrolled, scanned = _models(kind)
-  boxed = jax.jit(scanned.init)(jax.random.key(4), *_args(kind))["params"]   # jitted: one compile, not one per op
+  boxed = jax.jit(scanned.init)(jax.random.key(4), *_args(kind))["params"]  # jitted: one compile, not one per op
   u = nn.meta.unbox(jax.jit(unrolled.init)(jax.random.key(4), *_args(kind))["params"])
   s = nn.meta.unbox(boxed)
   stacks = layer_stacks(unrolled)
@@ -76,8 +79,10 @@ def test_scanned_logits_with_dropout_equal_unrolled(kind):
   stacked = stack_layers(params, layer_stacks(unrolled))
 
   def logits(model, p, key):
-    return np.asarray(jax.jit(lambda p, k: model.apply({"params": p}, *_args(kind), deterministic=False,
-                                                       rngs={"dropout": k}))(p, key))
+    return np.asarray(
+      jax.jit(lambda p, k: model.apply({"params": p}, *_args(kind), deterministic=False, rngs={"dropout": k}))(p, key)
+    )
+
   key = jax.random.key(9)
   ref, ours = logits(unrolled, params, key), logits(scanned, stacked, key)
   # Dropout acts (another key moves the logits by far more than rounding), and with the
@@ -88,12 +93,28 @@ def test_scanned_logits_with_dropout_equal_unrolled(kind):
 
 def _lm_run(workdir, num_steps, *overrides):
   """A tiny character LM with dropout trained in-process; returns its logged train losses by step."""
-  config = load_config("configs/shakespeare_char.yaml", [
-      "model.d_model=16", "model.num_heads=2", "model.d_ff=32", "model.num_decoder_layers=2",
-      "model.max_length=16", "data.max_length=16", "train.batch_size=8", f"train.num_steps={num_steps}",
-      "train.log_every=1", "train.eval_every=1000", "train.checkpoint_every=2", "model.dropout_rate=0.1",
-      "optim.warmup_steps=2", "optim.decay_steps=6", "train.async_checkpoint=false", "train.steps_per_call=1",
-      *overrides])
+  config = load_config(
+    "configs/shakespeare_char.yaml",
+    [
+      "model.d_model=16",
+      "model.num_heads=2",
+      "model.d_ff=32",
+      "model.num_decoder_layers=2",
+      "model.max_length=16",
+      "data.max_length=16",
+      "train.batch_size=8",
+      f"train.num_steps={num_steps}",
+      "train.log_every=1",
+      "train.eval_every=1000",
+      "train.checkpoint_every=2",
+      "model.dropout_rate=0.1",
+      "optim.warmup_steps=2",
+      "optim.decay_steps=6",
+      "train.async_checkpoint=false",
+      "train.steps_per_call=1",
+      *overrides,
+    ],
+  )
   train(config, workdir)
   rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   return config, {r["step"]: r["loss"] for r in rows if "loss" in r}
@@ -108,7 +129,7 @@ def test_resume_switches_layout(tmp_path):
   _, straight = _lm_run(tmp_path / "straight", 4)
   _lm_run(tmp_path / "switched", 2)
   config, resumed = _lm_run(tmp_path / "switched", 4, "model.scan_layers=true", "model.remat=full")
-  for step in (3, 4):   # train steps of the scanned model, from the unrolled step-2 checkpoint
+  for step in (3, 4):  # train steps of the scanned model, from the unrolled step-2 checkpoint
     assert resumed[step] == pytest.approx(straight[step], rel=1e-5), step
   stacks = layer_stacks(DecoderOnly(config.model))
   ref = jax.device_get(_restored(tmp_path / "straight", 4))

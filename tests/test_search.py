@@ -39,6 +39,7 @@ VOCAB, MAX_LEN = 37, 16
 
 # --- a tiny random model ----------------------------------------------------------------------
 
+
 def _sources(seed=0, lengths=(11, 4, 7, 2)):
   rng = np.random.default_rng(seed)
   src = rng.integers(4, VOCAB, (len(lengths), max(lengths)))
@@ -48,8 +49,16 @@ def _sources(seed=0, lengths=(11, 4, 7, 2)):
 
 @pytest.fixture(scope="module")
 def model_and_params():
-  cfg = ModelConfig(vocab_size=VOCAB, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1,
-                    num_decoder_layers=1, dropout_rate=0.0, max_length=MAX_LEN)
+  cfg = ModelConfig(
+    vocab_size=VOCAB,
+    d_model=16,
+    num_heads=2,
+    d_ff=24,
+    num_encoder_layers=1,
+    num_decoder_layers=1,
+    dropout_rate=0.0,
+    max_length=MAX_LEN,
+  )
   model = EncoderDecoder(cfg)
   src = _sources()
   shapes = nn.meta.unbox(jax.eval_shape(lambda k: model.init(k, src, src), jax.random.key(0)))["params"]
@@ -60,6 +69,7 @@ def model_and_params():
     if jax.tree_util.keystr(path).endswith("['scale']"):
       x = x + 1.0
     return jnp.asarray(x, jnp.float32)
+
   params = jax.tree_util.tree_map_with_path(fill, shapes)
   # Point EOS's (tied) embedding along the decoder's final LayerNorm bias so EOS is likely
   # in some rows: with these params beam search ends row 0 of `_sources()` with EOS at once
@@ -91,12 +101,13 @@ def rescore(model_and_params):
       n = eos[0] + 1 if eos.size else len(row)
       assert (row[n:] == PAD_ID).all() and (row[:n] != PAD_ID).all()
     return np.asarray(scores(src, tokens, alpha))
+
   return fn
 
 
 def test_length_penalty_formula():
   np.testing.assert_allclose(length_penalty(2, 0.6), (7 / 6) ** 0.6, rtol=1e-6)
-  np.testing.assert_allclose(length_penalty(jnp.array([1, 10]), 0.6), [1.0, 2.5 ** 0.6], rtol=1e-6)
+  np.testing.assert_allclose(length_penalty(jnp.array([1, 10]), 0.6), [1.0, 2.5**0.6], rtol=1e-6)
   assert float(length_penalty(30, 0.0)) == 1.0
 
 
@@ -106,7 +117,7 @@ def test_beam_one_equals_greedy(model_and_params, fns):
   src = _sources()
   tokens, scores = beam[1, 0.0](params, src)
   np.testing.assert_array_equal(tokens, greedy(params, src))
-  assert np.all(np.asarray(scores) < 0)                                # log-probs
+  assert np.all(np.asarray(scores) < 0)  # log-probs
 
 
 def test_beam_hypotheses_and_greedy_under_the_same_objective(model_and_params, fns, rescore):
@@ -128,7 +139,7 @@ def test_beam_scores_match_teacher_forced_rescoring(model_and_params, fns, resco
   _, params = model_and_params
   _, beam, _ = fns
   src = _sources()
-  for (k, alpha) in ((1, 0.0), (3, 0.6)):
+  for k, alpha in ((1, 0.0), (3, 0.6)):
     tokens, scores = beam[k, alpha](params, src)
     np.testing.assert_allclose(scores, rescore(src, tokens, alpha), rtol=1e-4, atol=1e-4, err_msg=f"beam {k}")
   model, params = reversal_model
@@ -150,8 +161,8 @@ def _reversal_pairs(n, seed):
   tgt = np.zeros_like(src)
   for i in range(n):
     tokens = rng.integers(4, VOCAB, rng.integers(3, REV_LEN + 1))
-    src[i, :len(tokens) + 1] = np.append(tokens, EOS_ID)
-    tgt[i, :len(tokens) + 1] = np.append(tokens[::-1], EOS_ID)
+    src[i, : len(tokens) + 1] = np.append(tokens, EOS_ID)
+    tgt[i, : len(tokens) + 1] = np.append(tokens[::-1], EOS_ID)
   return src, tgt
 
 
@@ -159,9 +170,19 @@ def _reversal_pairs(n, seed):
 def reversal_model():
   """A 1+1-layer model trained for REV_STEPS steps (fresh batches of 64) to reverse sequences,
   with the library's train step on one device. Returns (model, params)."""
-  cfg = Config(model=ModelConfig(vocab_size=VOCAB, d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,
-                                 num_decoder_layers=1, dropout_rate=0.0, max_length=MAX_LEN),
-               optim=OptimConfig(schedule="constant", learning_rate=3e-3, label_smoothing=0.0))
+  cfg = Config(
+    model=ModelConfig(
+      vocab_size=VOCAB,
+      d_model=32,
+      num_heads=2,
+      d_ff=64,
+      num_encoder_layers=1,
+      num_decoder_layers=1,
+      dropout_rate=0.0,
+      max_length=MAX_LEN,
+    ),
+    optim=OptimConfig(schedule="constant", learning_rate=3e-3, label_smoothing=0.0),
+  )
   model = EncoderDecoder(cfg.model)
   tx = make_optimizer(cfg.optim, cfg.model.d_model)
   mesh = sh.make_mesh(MeshConfig(data=1), jax.devices()[:1])
@@ -183,7 +204,7 @@ def test_beam_beats_greedy_on_its_objective_after_training(reversal_model):
   greedy_tokens = jax.jit(lambda p, x: greedy_decode(model, p, x, 12))(params, src)
   beam_tokens, _ = jax.jit(lambda p, x: beam_search(model, p, x, 4, 12, 0.6))(params, src)
   # Trained but not perfect (about 70% exact), so beam and greedy outputs sometimes differ.
-  assert np.mean(np.all(np.asarray(greedy_tokens)[:, :REV_LEN + 1] == tgt, axis=1)) >= 0.5
+  assert np.mean(np.all(np.asarray(greedy_tokens)[:, : REV_LEN + 1] == tgt, axis=1)) >= 0.5
   score = jax.jit(lambda p, x, t: hypothesis_scores(model, p, x, t, 0.6))
   beam_scores = np.asarray(score(params, src, beam_tokens))
   greedy_scores = np.asarray(score(params, src, greedy_tokens))
@@ -209,6 +230,7 @@ def _fake_logits_fn(table):
 
   def fn(tokens, cache, position):
     return table[tokens], {"prev": tokens, "index": cache["index"] + 1}
+
   return fn
 
 
@@ -218,15 +240,22 @@ def _fake_cache(batch):
 
 #                   PAD     UNK     BOS     EOS   A     B
 INIT = np.log([_OTHER, _OTHER, _OTHER, 0.07, 0.5, 0.4])
-TRAP = _table({A: [_OTHER, _OTHER, _OTHER, 0.37, 0.3, 0.3],    # greedy: A (0.5) then EOS: 0.185
-               B: [_OTHER, _OTHER, _OTHER, 0.9, 0.03, 0.04]})  # better: B (0.4) then EOS: 0.36
+TRAP = _table(
+  {
+    A: [_OTHER, _OTHER, _OTHER, 0.37, 0.3, 0.3],  # greedy: A (0.5) then EOS: 0.185
+    B: [_OTHER, _OTHER, _OTHER, 0.9, 0.03, 0.04],
+  }
+)  # better: B (0.4) then EOS: 0.36
 
 
 def _jit_beam(fn, beam_size, max_decode_len, alpha):
   """`beam_search_core` over `fn` jitted, `(init_logits [batch, 6]) -> (tokens, scores)`: one compile
   rather than one per op of the search's set-up."""
-  return jax.jit(lambda init: beam_search_core(fn, init, _fake_cache(init.shape[0]), beam_size=beam_size,
-                                               max_decode_len=max_decode_len, alpha=alpha))
+  return jax.jit(
+    lambda init: beam_search_core(
+      fn, init, _fake_cache(init.shape[0]), beam_size=beam_size, max_decode_len=max_decode_len, alpha=alpha
+    )
+  )
 
 
 def test_beam_finds_hypothesis_greedy_misses():
@@ -235,8 +264,16 @@ def test_beam_finds_hypothesis_greedy_misses():
   g_tokens, g_score = _jit_beam(fn, beam_size=1, max_decode_len=5, alpha=0.0)(init)
   np.testing.assert_array_equal(g_tokens, [[A, EOS_ID, 0, 0, 0]])
   np.testing.assert_allclose(g_score, [np.log(0.5 * 0.37)], rtol=1e-5)
-  s_tokens = jax.jit(lambda init: sample_core(fn, init, _fake_cache(1), source_row_keys(
-      jax.random.key(0), jnp.ones((1, 2), jnp.int32)), max_decode_len=5, top_k=1))(init)
+  s_tokens = jax.jit(
+    lambda init: sample_core(
+      fn,
+      init,
+      _fake_cache(1),
+      source_row_keys(jax.random.key(0), jnp.ones((1, 2), jnp.int32)),
+      max_decode_len=5,
+      top_k=1,
+    )
+  )(init)
   np.testing.assert_array_equal(s_tokens, g_tokens)
 
   tokens, score = _jit_beam(fn, beam_size=2, max_decode_len=5, alpha=0.6)(init)
@@ -249,8 +286,8 @@ def test_finished_hypothesis_beats_a_truncated_one_with_a_higher_score():
   `A A A A <eos>` scores (4 log 0.8 + log 0.15) / (10/6)^2 = -1.004 at alpha = 2 and
   `A A A A A`, which never ended, would score 5 log 0.8 / (10/6)^2 = -0.402."""
   #                          PAD   UNK   BOS   EOS   A    B
-  init = jnp.log(jnp.array([[.01, .01, .01, .07, .8, .1]], jnp.float32))
-  fn = _fake_logits_fn(_table({A: [.01, .01, .01, .15, .8, .02]}))   # B's row: uniform
+  init = jnp.log(jnp.array([[0.01, 0.01, 0.01, 0.07, 0.8, 0.1]], jnp.float32))
+  fn = _fake_logits_fn(_table({A: [0.01, 0.01, 0.01, 0.15, 0.8, 0.02]}))  # B's row: uniform
   tokens, score = _jit_beam(fn, beam_size=2, max_decode_len=5, alpha=2.0)(init)
   np.testing.assert_array_equal(tokens, [[A, A, A, A, EOS_ID]])
   np.testing.assert_allclose(score, [(4 * np.log(0.8) + np.log(0.15)) / (10 / 6) ** 2], rtol=1e-5)
@@ -263,8 +300,12 @@ def test_finished_hypothesis_beats_a_truncated_one_with_a_higher_score():
 
 def test_eos_stops_one_row_while_the_other_runs_to_max_length():
   cycle = _table({A: [1e-4, 1e-4, 1e-4, 1e-4, 0.01, 0.9], B: [1e-4, 1e-4, 1e-4, 1e-4, 0.9, 0.01]})
-  init = np.stack([np.log([1e-4, 1e-4, 1e-4, 0.9, 0.05, 0.05]),     # row 0: EOS at once
-                   np.log([1e-4, 1e-4, 1e-4, 1e-4, 0.9, 0.05])])    # row 1: A B A B ... never EOS
+  init = np.stack(
+    [
+      np.log([1e-4, 1e-4, 1e-4, 0.9, 0.05, 0.05]),  # row 0: EOS at once
+      np.log([1e-4, 1e-4, 1e-4, 1e-4, 0.9, 0.05]),
+    ]
+  )  # row 1: A B A B ... never EOS
   calls = []
 
   def fn(tokens, cache, position):
@@ -283,10 +324,11 @@ def test_eos_stops_one_row_while_the_other_runs_to_max_length():
 
   calls.clear()  # a batch whose rows all stop early ends the loop early
   _jit_beam(fn, beam_size=3, max_decode_len=6, alpha=LENGTH_PENALTY)(jnp.asarray(init[:1], jnp.float32))
-  assert calls == []   # the first token (from the prefill's logits) already finished it
+  assert calls == []  # the first token (from the prefill's logits) already finished it
 
 
 # --- sampling -------------------------------------------------------------------------------
+
 
 def test_sampling_top_k_one_is_greedy_and_seeds_reproduce(model_and_params, fns):
   _, params = model_and_params
@@ -305,21 +347,22 @@ def test_filter_logits_top_k_top_p_and_temperature():
   logits = jnp.log(jnp.array([0.05, 0.4, 0.3, 0.15, 0.1]))
   kept = lambda x: np.flatnonzero(np.isfinite(np.asarray(x))).tolist()  # noqa: E731
   assert kept(filter_logits(logits, top_k=2)) == [1, 2]
-  assert kept(filter_logits(logits, top_p=0.7)) == [1, 2]          # 0.4 + 0.3 reaches 0.7
+  assert kept(filter_logits(logits, top_p=0.7)) == [1, 2]  # 0.4 + 0.3 reaches 0.7
   assert kept(filter_logits(logits, top_p=0.71)) == [1, 2, 3]
-  assert kept(filter_logits(logits, top_p=1e-6)) == [1]            # top-1 always kept
+  assert kept(filter_logits(logits, top_p=1e-6)) == [1]  # top-1 always kept
   assert kept(filter_logits(logits, top_k=3, top_p=0.8)) == [1, 2]  # p over the renormalised top 3
   np.testing.assert_allclose(filter_logits(logits, temperature=2.0), logits / 2, rtol=1e-6)
 
 
 # --- batch safety ---------------------------------------------------------------------------
 
+
 def test_sentence_alone_equals_sentence_in_batch(model_and_params, fns):
   """A sentence decodes identically alone and between a longer and a shorter neighbour
   (more padding, another batch position), for beam search and for sampling."""
   _, params = model_and_params
   _, beam, sample = fns
-  batch = _sources()                                     # lengths 11, 4, 7, 2: probe row 2
+  batch = _sources()  # lengths 11, 4, 7, 2: probe row 2
   alone = batch[2:3, :7]
   tokens_b, scores_b = beam[3, 0.6](params, batch)
   tokens_a, scores_a = beam[3, 0.6](params, alone)
@@ -328,22 +371,36 @@ def test_sentence_alone_equals_sentence_in_batch(model_and_params, fns):
   rng = jax.random.key(0)
   in_batch = sample(params, batch, rng, 2.0, 0)[2]
   np.testing.assert_array_equal(sample(params, alone, rng, 2.0, 0)[0], in_batch)
-  moved = batch[jnp.array([2, 0, 1, 3])]                 # the probe first: same draws
+  moved = batch[jnp.array([2, 0, 1, 3])]  # the probe first: same draws
   np.testing.assert_array_equal(sample(params, moved, rng, 2.0, 0)[0], in_batch)
 
 
 # --- factory, options and errors ------------------------------------------------------------
 
+
 def test_search_options_strategy_rule():
   assert SearchOptions().strategy == "greedy"
   assert SearchOptions(beam_size=4).strategy == "beam"
   assert SearchOptions(top_p=0.9).strategy == "sample"
-  assert SearchOptions(temperature=1.0).summary() == {"strategy": "sample", "extra_tokens": 50, "temperature": 1.0,
-                                                      "top_k": 0, "top_p": 1.0, "seed": 0}
+  assert SearchOptions(temperature=1.0).summary() == {
+    "strategy": "sample",
+    "extra_tokens": 50,
+    "temperature": 1.0,
+    "top_k": 0,
+    "top_p": 1.0,
+    "seed": 0,
+  }
   with pytest.raises(ValueError, match="cannot be combined with sampling"):
     SearchOptions(beam_size=4, top_k=5).validate()
-  for bad in (dict(beam_size=0), dict(length_penalty=-1.0), dict(temperature=0.0), dict(top_p=0.0),
-              dict(top_p=1.5), dict(top_k=-1), dict(extra_tokens=-1)):
+  for bad in (
+    dict(beam_size=0),
+    dict(length_penalty=-1.0),
+    dict(temperature=0.0),
+    dict(top_p=0.0),
+    dict(top_p=1.5),
+    dict(top_k=-1),
+    dict(extra_tokens=-1),
+  ):
     with pytest.raises(ValueError):
       SearchOptions(**bad).validate()
 
@@ -352,13 +409,14 @@ def test_bad_inputs_raise_one_line_errors(model_and_params):
   model, params = model_and_params
   src = _sources()
   for call, match in [
-      (lambda: beam_search(model, params, src, 0, 5), "beam_size"),
-      (lambda: beam_search(model, params, src, 2, MAX_LEN + 1), "max_decode_len"),
-      (lambda: beam_search(model, params, src[0], 2, 5), "inputs"),
-      (lambda: beam_search(model, params, src, 2, 5, alpha=-0.5), "alpha"),
-      (lambda: sample_decode(model, params, src, 5, jax.random.key(0), temperature=0.0), "greedy"),
-      (lambda: sample_decode(model, params, src, 5, jax.random.key(0), top_p=0.0), "top_p"),
-      (lambda: sample_decode(model, params, src.astype(jnp.float32), 5, jax.random.key(0)), "integer")]:
+    (lambda: beam_search(model, params, src, 0, 5), "beam_size"),
+    (lambda: beam_search(model, params, src, 2, MAX_LEN + 1), "max_decode_len"),
+    (lambda: beam_search(model, params, src[0], 2, 5), "inputs"),
+    (lambda: beam_search(model, params, src, 2, 5, alpha=-0.5), "alpha"),
+    (lambda: sample_decode(model, params, src, 5, jax.random.key(0), temperature=0.0), "greedy"),
+    (lambda: sample_decode(model, params, src, 5, jax.random.key(0), top_p=0.0), "top_p"),
+    (lambda: sample_decode(model, params, src.astype(jnp.float32), 5, jax.random.key(0)), "integer"),
+  ]:
     with pytest.raises(ValueError, match=match) as e:
       call()
     assert "\n" not in str(e.value)
@@ -368,8 +426,8 @@ def test_make_decode_fn_matches_direct_calls_on_a_mesh(model_and_params):
   _, params = model_and_params
   mesh = sh.make_mesh(MeshConfig(data=2), jax.devices()[:2])
   model = model_and_params[0]
-  src = _sources()                                       # [4, 11]; 11 + 1 extra = 12 tokens
-  limits = source_limits(src, PAD_ID, 1, MAX_LEN)        # each row: its length + 1
+  src = _sources()  # [4, 11]; 11 + 1 extra = 12 tokens
+  limits = source_limits(src, PAD_ID, 1, MAX_LEN)  # each row: its length + 1
   np.testing.assert_array_equal(limits, [12, 5, 8, 3])
   out = make_decode_fn(model, mesh, MAX_LEN, SearchOptions(beam_size=3, extra_tokens=1))(params, src)
   assert out.shape == (4, 12)
@@ -382,8 +440,14 @@ def test_make_decode_fn_matches_direct_calls_on_a_mesh(model_and_params):
   assert default_decode_len(11, MAX_LEN) == MAX_LEN and default_decode_len(3, 100) == 53
 
 
-@pytest.mark.parametrize("options", [SearchOptions(beam_size=3, extra_tokens=1), SearchOptions(extra_tokens=2),
-                                     SearchOptions(temperature=2.0, seed=0, extra_tokens=1)])
+@pytest.mark.parametrize(
+  "options",
+  [
+    SearchOptions(beam_size=3, extra_tokens=1),
+    SearchOptions(extra_tokens=2),
+    SearchOptions(temperature=2.0, seed=0, extra_tokens=1),
+  ],
+)
 def test_make_decode_fn_reuses_its_cache_memory_without_reading_it(model_and_params, options):
   """On one device the decode function donates the last call's KV cache to the next call of
   that shape: its buffers are consumed (so their memory can be reused), one shape's cache is
@@ -392,54 +456,72 @@ def test_make_decode_fn_reuses_its_cache_memory_without_reading_it(model_and_par
   decode = make_decode_fn(model, sh.make_mesh(MeshConfig(), jax.devices()[:1]), MAX_LEN, options)
   a, b = _sources(0), _sources(1, lengths=(3, 9, 5))
 
-  def want(src):   # a fresh cache every call
+  def want(src):  # a fresh cache every call
     out_len = default_decode_len(src.shape[1], MAX_LEN, options.extra_tokens)
     limits = source_limits(src, PAD_ID, options.extra_tokens, MAX_LEN)
     return jax.jit(lambda p, x: decode_with(model, p, x, out_len, options, row_limits=limits))(params, src)
 
   np.testing.assert_array_equal(decode(params, a), want(a))
-  (key, kept), = decode.workspace.items()
+  ((key, kept),) = decode.workspace.items()
   garbage = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan if jnp.issubdtype(x.dtype, jnp.floating) else 7), kept)
   decode.workspace[key] = garbage
   np.testing.assert_array_equal(decode(params, a), want(a))
-  assert all(x.is_deleted() for x in jax.tree.leaves(garbage))          # donated
-  np.testing.assert_array_equal(decode(params, b), want(b))              # another shape
+  assert all(x.is_deleted() for x in jax.tree.leaves(garbage))  # donated
+  np.testing.assert_array_equal(decode(params, b), want(b))  # another shape
   assert [k[0] for k in decode.workspace] == [b.shape]
   np.testing.assert_array_equal(decode(params, a), want(a))
 
 
-@pytest.mark.parametrize("options", [SearchOptions(extra_tokens=3), SearchOptions(beam_size=3, extra_tokens=3),
-                                     SearchOptions(temperature=2.0, seed=0, extra_tokens=3)])
+@pytest.mark.parametrize(
+  "options",
+  [
+    SearchOptions(extra_tokens=3),
+    SearchOptions(beam_size=3, extra_tokens=3),
+    SearchOptions(temperature=2.0, seed=0, extra_tokens=3),
+  ],
+)
 def test_each_sentence_is_capped_at_its_own_length(model_and_params, options):
   """Section 6.1's "input length + 50" is per sentence: beside a longer source (a wider batch), a
   sentence gets exactly what decoding it alone with max_decode_len = its length + extra gives."""
   model, params = model_and_params
   decode = make_decode_fn(model, sh.make_mesh(MeshConfig(), jax.devices()[:1]), MAX_LEN, options)
-  src = _sources()                                       # lengths 11, 4, 7, 2
+  src = _sources()  # lengths 11, 4, 7, 2
   out = np.asarray(decode(params, src))
-  assert out.shape == (4, 14)                            # the widest source + 3
+  assert out.shape == (4, 14)  # the widest source + 3
   for row, n in enumerate((11, 4, 7, 2)):
     cap = min(n + 3, MAX_LEN)
     alone_fn = jax.jit(lambda p, x, cap=cap: decode_with(model, p, x, cap, options))
-    alone = np.asarray(alone_fn(params, src[row:row + 1, :n]))
+    alone = np.asarray(alone_fn(params, src[row : row + 1, :n]))
     np.testing.assert_array_equal(out[row, :cap], alone[0])
     assert (out[row, cap:] == PAD_ID).all()
-  assert (out[1:, :5] != PAD_ID).all() and (out[:, -1] == PAD_ID).any()   # rows ran to their caps
+  assert (out[1:, :5] != PAD_ID).all() and (out[:, -1] == PAD_ID).any()  # rows ran to their caps
 
 
 def test_cli_decoding_flags_pick_the_strategy():
   from jaxformer.cli import _parser
   from jaxformer.cli.args import search_options as _search_options
+
   parse = lambda *a: _search_options(_parser().parse_args(["translate", "--workdir", "w", *a]))  # noqa: E731
   assert parse() == SearchOptions()
   assert parse("--beam-size", "4", "--length-penalty", "1.0", "--max-length", "10").summary() == {
-      "strategy": "beam", "extra_tokens": 10, "beam_size": 4, "length_penalty": 1.0}
+    "strategy": "beam",
+    "extra_tokens": 10,
+    "beam_size": 4,
+    "length_penalty": 1.0,
+  }
   assert parse("--top-p", "0.9", "--seed", "3").summary() == {
-      "strategy": "sample", "extra_tokens": 50, "temperature": 1.0, "top_k": 0, "top_p": 0.9, "seed": 3}
+    "strategy": "sample",
+    "extra_tokens": 50,
+    "temperature": 1.0,
+    "top_k": 0,
+    "top_p": 0.9,
+    "seed": 3,
+  }
   with pytest.raises(ValueError, match="speculative decoding .* is greedy; drop it or the beam options"):
     parse("--beam-size", "2", "--draft-workdir", "d")
   with pytest.raises(ValueError, match="--beam-size 2 cannot be combined with --temperature/--top-k"):
-    _search_options(_parser().parse_args(["eval", "--workdir", "w", "--beam-size", "2", "--temperature", "1",
-                                          "--top-k", "3"]))
+    _search_options(
+      _parser().parse_args(["eval", "--workdir", "w", "--beam-size", "2", "--temperature", "1", "--top-k", "3"])
+    )
   with pytest.raises(ValueError, match="beam size must be"):
     parse("--beam-size", "0")

@@ -37,30 +37,66 @@ from jaxformer.tasks import evaluate
 ONE_DEVICE = "runtime.num_cpu_devices=1"
 # model.max_length 96 leaves each sentence its own cap, source length + 50 (the paper, section 6.1),
 # in the server and in `translate` alike, whatever its batch-mates.
-TRANSLATION = ["model.vocab_size=96", "model.d_model=32", "model.num_heads=2", "model.d_ff=48",
-               "model.num_encoder_layers=1", "model.num_decoder_layers=1", "model.max_length=96", "model.dropout_rate=0",
-               "data.max_length=32", "data.buckets=[16,32]", "data.tokenizer=bpe", "optim.schedule=constant",
-               "optim.learning_rate=0.003", "train.num_steps=200", "train.log_every=200", "train.eval_every=1000",
-               "train.checkpoint_every=200", "train.batch_size=8", ONE_DEVICE]
-LANGUAGE_MODEL = ["model.vocab_size=96", "model.d_model=32", "model.num_heads=2", "model.d_ff=48",
-                  "model.num_decoder_layers=1", "model.max_length=16", "data.max_length=16", "data.tokenizer=bpe",
-                  "train.num_steps=2", "train.log_every=2", "train.eval_every=1000", "train.checkpoint_every=2",
-                  "train.batch_size=8", "train.steps_per_call=1", ONE_DEVICE]
+TRANSLATION = [
+  "model.vocab_size=96",
+  "model.d_model=32",
+  "model.num_heads=2",
+  "model.d_ff=48",
+  "model.num_encoder_layers=1",
+  "model.num_decoder_layers=1",
+  "model.max_length=96",
+  "model.dropout_rate=0",
+  "data.max_length=32",
+  "data.buckets=[16,32]",
+  "data.tokenizer=bpe",
+  "optim.schedule=constant",
+  "optim.learning_rate=0.003",
+  "train.num_steps=200",
+  "train.log_every=200",
+  "train.eval_every=1000",
+  "train.checkpoint_every=200",
+  "train.batch_size=8",
+  ONE_DEVICE,
+]
+LANGUAGE_MODEL = [
+  "model.vocab_size=96",
+  "model.d_model=32",
+  "model.num_heads=2",
+  "model.d_ff=48",
+  "model.num_decoder_layers=1",
+  "model.max_length=16",
+  "data.max_length=16",
+  "data.tokenizer=bpe",
+  "train.num_steps=2",
+  "train.log_every=2",
+  "train.eval_every=1000",
+  "train.checkpoint_every=2",
+  "train.batch_size=8",
+  "train.steps_per_call=1",
+  ONE_DEVICE,
+]
 SENTENCES = ["cat dog", "bird fish horse", "goat", "cow sheep duck frog", "horse cat bird dog fish", "sheep"]
-LOOPING = "cow sheep duck frog"    # the trained model repeats a word here: an answer of many tokens
-LONG = "horse cat bird dog fish sheep goat cow duck frog horse cat"   # a much longer source
-NEVER = 95                         # a token the trained model does not emit: EOS moved there never comes
+LOOPING = "cow sheep duck frog"  # the trained model repeats a word here: an answer of many tokens
+LONG = "horse cat bird dog fish sheep goat cow duck frog horse cat"  # a much longer source
+NEVER = 95  # a token the trained model does not emit: EOS moved there never comes
 
 
 def _env():
   env = dict(os.environ)
-  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"   # fast compiles; the device count comes from ONE_DEVICE
+  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # fast compiles; the device count comes from ONE_DEVICE
   return env
 
 
 def _cli(*args, stdin=subprocess.DEVNULL):
-  return subprocess.Popen([sys.executable, "-m", "jaxformer", *args], cwd=ROOT, env=_env(), text=True, stdin=stdin,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  return subprocess.Popen(
+    [sys.executable, "-m", "jaxformer", *args],
+    cwd=ROOT,
+    env=_env(),
+    text=True,
+    stdin=stdin,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+  )
 
 
 def _finish(proc):
@@ -78,9 +114,26 @@ class Served:
       self.port = s.getsockname()[1]
     self.log = log
     with open(log, "w") as out:
-      self.proc = subprocess.Popen([sys.executable, "-m", "jaxformer", "serve", "--workdir", str(workdir), "--host",
-                                    "127.0.0.1", "--port", str(self.port), *flags, ONE_DEVICE], cwd=ROOT, env=_env(),
-                                   stdout=out, stderr=subprocess.STDOUT)
+      self.proc = subprocess.Popen(
+        [
+          sys.executable,
+          "-m",
+          "jaxformer",
+          "serve",
+          "--workdir",
+          str(workdir),
+          "--host",
+          "127.0.0.1",
+          "--port",
+          str(self.port),
+          *flags,
+          ONE_DEVICE,
+        ],
+        cwd=ROOT,
+        env=_env(),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+      )
 
   def wait_ready(self, timeout=240.0):
     deadline = time.monotonic() + timeout
@@ -129,10 +182,28 @@ def workdirs(tmp_path_factory):
   (root / "train.yy").write_text("".join(_reverse(s) + "\n" for s in train))
   (root / "docs.txt").write_text("\n\n".join("\n".join(_sentences(3, i)) for i in range(150)) + "\n")
   data = [f"data.data_dir={root}/cache", "data.dataset=files"]
-  mt = _cli("train", "--config", "configs/tiny.yaml", "--workdir", str(root / "mt"), *TRANSLATION, *data,
-            f"data.train_files={root}/train.xx,{root}/train.yy", "data.source_lang=xx", "data.target_lang=yy")
-  lm = _cli("train", "--config", "configs/shakespeare_char.yaml", "--workdir", str(root / "lm"), *LANGUAGE_MODEL,
-            *data, f"data.train_files={root}/docs.txt")
+  mt = _cli(
+    "train",
+    "--config",
+    "configs/tiny.yaml",
+    "--workdir",
+    str(root / "mt"),
+    *TRANSLATION,
+    *data,
+    f"data.train_files={root}/train.xx,{root}/train.yy",
+    "data.source_lang=xx",
+    "data.target_lang=yy",
+  )
+  lm = _cli(
+    "train",
+    "--config",
+    "configs/shakespeare_char.yaml",
+    "--workdir",
+    str(root / "lm"),
+    *LANGUAGE_MODEL,
+    *data,
+    f"data.train_files={root}/docs.txt",
+  )
   _finish(mt)
   _finish(lm)
   return root / "mt", root / "lm"
@@ -146,8 +217,11 @@ def launched(workdirs, tmp_path_factory):
   (logs / "sentences.txt").write_text("".join(t + "\n" for t in SENTENCES))
   with open(logs / "sentences.txt") as sentences:
     translate = _cli("translate", "--workdir", str(workdirs[0]), ONE_DEVICE, stdin=sentences)
-  started = {"mt": Served(workdirs[0], logs / "mt.log"), "lm": Served(workdirs[1], logs / "lm.log"),
-             "translate": translate}
+  started = {
+    "mt": Served(workdirs[0], logs / "mt.log"),
+    "lm": Served(workdirs[1], logs / "lm.log"),
+    "translate": translate,
+  }
   try:
     yield started
   finally:
@@ -166,8 +240,7 @@ def test_int8_weights_and_a_draft_model_on_the_trained_workdir(workdirs, referen
   config = inference_restore.workdir_config(mt, [ONE_DEVICE])
   plain = inference_restore.restore(mt, config)
   int8 = inference_restore.restore(mt, config, quantize="int8")
-  assert int8.quantized == "int8" and any(type(x).__name__ == "QuantizedArray"
-                                          for x in _leaves_and_nodes(int8.params))
+  assert int8.quantized == "int8" and any(type(x).__name__ == "QuantizedArray" for x in _leaves_and_nodes(int8.params))
   floats, _ = evaluate.translate(plain, SENTENCES, 8)
   assert floats == [reference[s] for s in SENTENCES]
   quantized, _ = evaluate.translate(int8, SENTENCES, 8)
@@ -193,7 +266,7 @@ def servers(launched):
 def reference(launched):
   """{sentence: `jaxformer translate` (greedy) of it} on the same workdir as the server."""
   lines = _finish(launched["translate"]).splitlines()
-  assert len(lines) == len(SENTENCES) and sum(bool(line) for line in lines) >= 3   # mostly non-empty answers
+  assert len(lines) == len(SENTENCES) and sum(bool(line) for line in lines) >= 3  # mostly non-empty answers
   return dict(zip(SENTENCES, lines))
 
 
@@ -221,19 +294,20 @@ def test_each_sentence_is_capped_at_its_own_length(workdirs, tmp_path):
   exactly its own source length + 50 tokens, the same alone, beside the much longer LONG
   (`translate` of a batch) and over HTTP."""
   from jaxformer.data.pipeline import sentence_ids
+
   mt = tmp_path / "mt"
   shutil.copytree(workdirs[0], mt)
   settings = yaml.safe_load((mt / "config.yaml").read_text())
   settings["model"]["eos_id"] = NEVER
   (mt / "config.yaml").write_text(yaml.safe_dump(settings))
-  served = Served(mt, tmp_path / "serve.log")   # compiles while the library decodes
+  served = Served(mt, tmp_path / "serve.log")  # compiles while the library decodes
   try:
     restored = inference_restore.restore(mt, inference_restore.workdir_config(mt, [ONE_DEVICE]))
     batches, _ = evaluate.decode_sources(restored, [LOOPING, LONG], 8)
     row = next(b["tokens"][i] for b in batches for i, index in enumerate(b["index"]) if index == 0)
     (plain,), _ = sentence_ids(restored.source_tokenizer, [LOOPING])
     assert NEVER not in row and int((row != restored.config.model.pad_id).sum()) == len(plain) + 1 + 50
-    assert len(sentence_ids(restored.source_tokenizer, [LONG])[0][0]) > len(plain) + 5   # a much wider batch
+    assert len(sentence_ids(restored.source_tokenizer, [LONG])[0][0]) > len(plain) + 5  # a much wider batch
     alone, _ = evaluate.translate(restored, [LOOPING], 8)
     beside, _ = evaluate.translate(restored, [LOOPING, LONG], 8)
     assert alone[0] == beside[0] == served.wait_ready().post("/v1/translate", {"text": LOOPING})["translation"]
@@ -270,7 +344,7 @@ def test_streamed_translation_pieces_add_up_to_the_answer(servers, reference):
   tokens = events[:-1]
   assert all(isinstance(e["token"], int) and isinstance(e["text"], str) for e in tokens)
   assert "".join(e["text"] for e in tokens) == reference[LOOPING]
-  assert tokens[-1]["token"] == 3 or len(tokens) == 32   # EOS or the model's max_length
+  assert tokens[-1]["token"] == 3 or len(tokens) == 32  # EOS or the model's max_length
 
 
 @pytest.mark.slow
@@ -279,11 +353,13 @@ def test_beam_search_answers_strings(servers):
   one = mt.post("/v1/translate", {"text": "bird fish horse", "beam_size": 4})["translation"]
   many = mt.post("/v1/translate", {"text": SENTENCES[:3], "beam_size": 4})["translation"]
   assert isinstance(one, str) and isinstance(many, list) and len(many) == 3 and all(isinstance(h, str) for h in many)
-  assert many[1] == one   # the same sentence alone or in a batch
+  assert many[1] == one  # the same sentence alone or in a batch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path, body, message", [
+@pytest.mark.parametrize(
+  "path, body, message",
+  [
     ("/v1/translate", {"text": ""}, "empty sentence"),
     ("/v1/translate", {"text": "   "}, "empty sentence"),
     ("/v1/translate", {"text": []}, '"text" must be a non-empty string or a non-empty list of strings'),
@@ -296,7 +372,8 @@ def test_beam_search_answers_strings(servers):
     ("/v1/translate", b"{not json", "the body is not valid JSON"),
     ("/v1/translate", [1, 2], "the body must be a JSON object"),
     ("/v1/generate", {"prompt": "cat"}, "use /v1/translate"),
-])
+  ],
+)
 def test_bad_translation_requests_answer_400(servers, path, body, message):
   mt, _ = servers
   status, answer, _ = mt.request("POST", path, body)
@@ -314,7 +391,7 @@ def test_a_full_queue_answers_503(servers):
   assert status == 400 and "send at most 64" in answer["error"]
   with ThreadPoolExecutor(1) as pool:
     first = pool.submit(mt.request, "POST", "/v1/translate", {"text": ["the cat sees a dog"] * 64})
-    while not first.done() and _health(mt)["waiting"] == 0:   # the 64 are queued first
+    while not first.done() and _health(mt)["waiting"] == 0:  # the 64 are queued first
       time.sleep(0.005)
     refused = None
     while refused is None and not first.done():
@@ -342,7 +419,7 @@ def test_a_client_leaving_mid_stream_frees_its_slot(servers):
     assert time.monotonic() < deadline, health
     time.sleep(0.1)
   assert health["waiting"] == 0
-  assert mt.post("/v1/translate", {"text": "goat"})["translation"] is not None   # still serving
+  assert mt.post("/v1/translate", {"text": "goat"})["translation"] is not None  # still serving
 
 
 @pytest.mark.slow
@@ -357,14 +434,16 @@ def test_generation_with_a_seed_is_reproducible(servers):
   conn.request("POST", "/v1/generate", json.dumps({**body, "stream": True}))
   events = sse_events(conn.getresponse())
   conn.close()
-  assert events[-1] == "[DONE]" and len(events) == 9                         # 8 tokens (no EOS stop), then DONE
+  assert events[-1] == "[DONE]" and len(events) == 9  # 8 tokens (no EOS stop), then DONE
   assert "".join(e["text"] for e in events[:-1]) == first
   greedy = {"prompt": "cat dog", "max_new_tokens": 8}
-  assert lm.post("/v1/generate", greedy) == lm.post("/v1/generate", {**greedy, "seed": 5})   # greedy ignores seeds
+  assert lm.post("/v1/generate", greedy) == lm.post("/v1/generate", {**greedy, "seed": 5})  # greedy ignores seeds
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("body, message", [
+@pytest.mark.parametrize(
+  "body, message",
+  [
     ({"prompt": ""}, '"prompt" must be a non-empty string'),
     ({"prompt": "cat", "max_new_tokens": 100}, "exceeds the model's context of 16 tokens"),
     ({"prompt": "cat", "max_new_tokens": 0}, '"max_new_tokens" must be >= 1'),
@@ -373,7 +452,8 @@ def test_generation_with_a_seed_is_reproducible(servers):
     ({"prompt": "cat", "top_k": 2.5}, '"top_k" must be int'),
     ({"prompt": "cat", "seed": "1"}, '"seed" must be int'),
     ({"prompt": "cat", "seed": 2**63}, "seed must be an integer in [0, 2**32)"),
-])
+  ],
+)
 def test_bad_generation_requests_answer_400(servers, body, message):
   _, lm = servers
   status, answer, _ = lm.request("POST", "/v1/generate", body)
@@ -400,7 +480,7 @@ def test_sigterm_lets_the_request_in_flight_finish(servers, reference):
   conn.close()
   assert events[-1] == "[DONE]" and "".join(e["text"] for e in events[:-1]) == reference[LOOPING]
   assert mt.proc.wait(30) == -signal.SIGTERM and time.monotonic() - sent < 30
-  with pytest.raises(OSError):   # nothing listens any more
+  with pytest.raises(OSError):  # nothing listens any more
     mt.request("GET", "/health", timeout=5)
 
 
@@ -411,7 +491,7 @@ def test_engine_worker_refuses_requests_beyond_the_queue():
   worker = EngineWorker(Engine(model, params, max_batch=SLOTS, page_size=PAGE, num_pages=SMALL_POOL), max_queue=2)
   done = threading.Event()
   try:
-    with worker.cond:   # re-entrant: submit takes it again on this thread
+    with worker.cond:  # re-entrant: submit takes it again on this thread
       first = Request([5, 6, 7], 4, eos_id=NO_EOS, on_token=lambda r, t: done.set() if t is None else None)
       worker.submit([first])
       with pytest.raises(QueueFull, match=r"the queue is full \(2 waiting requests\); retry later"):
@@ -430,7 +510,7 @@ def test_a_bad_seed_fails_only_its_own_request():
     with worker.cond:
       good = Request([5, 6, 7], 4, eos_id=NO_EOS, on_token=lambda r, t: done.set() if t is None else None)
       worker.submit([good])
-      with contextlib.suppress(ValueError):   # refusing the bad seed up front would be a fix
+      with contextlib.suppress(ValueError):  # refusing the bad seed up front would be a fix
         worker.submit([Request([8, 9], 4, seed=2**63)])
     assert done.wait(60)
     assert good.error is None and good.tokens == alone([5, 6, 7], 4)

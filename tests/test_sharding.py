@@ -15,11 +15,14 @@ def test_mesh_fills_minus_one_and_uses_auto_axes():
   assert mesh.axis_types == (AxisType.Auto,) * 6
 
 
-@pytest.mark.parametrize("sizes, expected", [
+@pytest.mark.parametrize(
+  "sizes, expected",
+  [
     ({"stage": 2, "context": 2, "expert": 2}, {"data": 1, "stage": 2, "context": 2, "expert": 2}),
     ({"context": -1, "tensor": 2}, {"data": 1, "context": 4, "tensor": 2}),
     ({"data": 2, "expert": -1}, {"data": 2, "expert": 4}),
-])
+  ],
+)
 def test_any_axis_may_grow_and_any_one_may_be_minus_one(sizes, expected):
   config = MeshConfig(**{"data": 1, **sizes})
   mesh = sh.make_mesh(config)
@@ -38,8 +41,10 @@ def test_mesh_config_errors_are_one_line():
 
 
 def test_context_must_divide_the_sequence_lengths_before_compiling():
-  config = config_from_dict({}, ["mesh.data=2", "mesh.context=4", "train.batch_size=8"])   # buckets 12, 14, ...
-  with pytest.raises(ConfigError, match=r"mesh.context=4 does not divide the sequence lengths \[12, 14,.*use mesh.context in \[1, 2\]"):
+  config = config_from_dict({}, ["mesh.data=2", "mesh.context=4", "train.batch_size=8"])  # buckets 12, 14, ...
+  with pytest.raises(
+    ConfigError, match=r"mesh.context=4 does not divide the sequence lengths \[12, 14,.*use mesh.context in \[1, 2\]"
+  ):
     build_mesh(config)
   ok = config_from_dict({}, ["mesh.data=4", "mesh.context=2", "train.batch_size=8"])
   assert dict(build_mesh(ok).shape)["context"] == 2
@@ -61,8 +66,11 @@ def test_batch_must_divide_data_parallel_size():
 def test_rules_map_logical_axes():
   mesh = sh.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
   assert sh.batch_sharding(mesh).spec == PartitionSpec(("data", "fsdp", "expert"), "context")
-  specs = {"w": PartitionSpec(sh.EMBED, sh.MLP), "e": PartitionSpec(sh.VOCAB, sh.EMBED),
-           "q": PartitionSpec(sh.EMBED, sh.HEADS, sh.KV)}
+  specs = {
+    "w": PartitionSpec(sh.EMBED, sh.MLP),
+    "e": PartitionSpec(sh.VOCAB, sh.EMBED),
+    "q": PartitionSpec(sh.EMBED, sh.HEADS, sh.KV),
+  }
   out = sh.logical_to_sharding(specs, mesh)
   assert out["w"].spec == PartitionSpec("fsdp", "tensor")
   assert out["e"].spec == PartitionSpec("tensor", "fsdp")
@@ -84,12 +92,15 @@ def test_rules_overrides_parse_and_apply():
   assert sh.data_parallel_size(mesh) == 4  # the default rules when none are passed
 
 
-@pytest.mark.parametrize("text, message", [
+@pytest.mark.parametrize(
+  "text, message",
+  [
     ("embd=none", "unknown logical axis 'embd'; valid: act_batch"),
     ("embed=model", "embed='model' names no mesh axis"),
     ("embed", "is not logical=mesh_axes"),
     ("embed=", "names no mesh axis"),
-])
+  ],
+)
 def test_bad_rules_overrides_give_one_line_errors(text, message):
   with pytest.raises(ConfigError, match=message) as err:
     sh.parse_rules(text)
@@ -99,9 +110,12 @@ def test_bad_rules_overrides_give_one_line_errors(text, message):
 def test_rules_overrides_that_do_not_divide_fail_before_compiling():
   abstract = {"ffn": {"wi": jax.ShapeDtypeStruct((64, 12), "float32")}}
   mesh = sh.make_mesh(MeshConfig(data=1, fsdp=8, tensor=1))
-  shardings = sh.logical_to_sharding({"ffn": {"wi": PartitionSpec(sh.EMBED, sh.MLP)}}, mesh,
-                                     sh.parse_rules("mlp=fsdp,embed=none"))
-  with pytest.raises(ConfigError, match=r"\['ffn'\]\['wi'\] dimension 1 of size 12 does not split over mesh axes fsdp = 8"):
+  shardings = sh.logical_to_sharding(
+    {"ffn": {"wi": PartitionSpec(sh.EMBED, sh.MLP)}}, mesh, sh.parse_rules("mlp=fsdp,embed=none")
+  )
+  with pytest.raises(
+    ConfigError, match=r"\['ffn'\]\['wi'\] dimension 1 of size 12 does not split over mesh axes fsdp = 8"
+  ):
     sh.check_divisible(abstract, shardings)
 
 
@@ -112,10 +126,13 @@ def test_new_axes_in_the_rules_table():
   mesh = sh.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1, stage=2, context=2, expert=2))
   assert sh.batch_sharding(mesh).spec == PartitionSpec(("data", "fsdp", "expert"), "context")
   assert sh.batch_sharding(mesh, stacked=True).spec == PartitionSpec(None, ("data", "fsdp", "expert"), "context")
-  specs = {"act": PartitionSpec(sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_EMBED),
-           "moe": PartitionSpec(sh.EXPERTS, sh.EMBED, sh.MLP), "scanned": PartitionSpec(sh.LAYERS, sh.EMBED),
-           "buffer": PartitionSpec(sh.ACT_EXPERT_BATCH, sh.ACT_EXPERTS, None, sh.ACT_EMBED),
-           "stage_buffer": PartitionSpec(sh.STAGES, sh.ACT_BATCH)}
+  specs = {
+    "act": PartitionSpec(sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_EMBED),
+    "moe": PartitionSpec(sh.EXPERTS, sh.EMBED, sh.MLP),
+    "scanned": PartitionSpec(sh.LAYERS, sh.EMBED),
+    "buffer": PartitionSpec(sh.ACT_EXPERT_BATCH, sh.ACT_EXPERTS, None, sh.ACT_EMBED),
+    "stage_buffer": PartitionSpec(sh.STAGES, sh.ACT_BATCH),
+  }
   out = sh.logical_to_sharding(specs, mesh)
   assert out["scanned"].spec == PartitionSpec("stage", "fsdp")
   assert out["stage_buffer"].spec == PartitionSpec("stage", ("data", "fsdp", "expert"))

@@ -16,8 +16,15 @@ from jaxformer.errors import DataError
 from jaxformer.tasks import get_task
 
 PAIRS = [(f"the cat number {i} sat on mat {i % 7}", f"le chat numero {i} assis sur tapis {i % 7}") for i in range(60)]
-TINY_MODEL = {"vocab_size": 120, "d_model": 16, "num_heads": 2, "d_ff": 32, "num_encoder_layers": 1,
-              "num_decoder_layers": 1, "max_length": 64}
+TINY_MODEL = {
+  "vocab_size": 120,
+  "d_model": 16,
+  "num_heads": 2,
+  "d_ff": 32,
+  "num_encoder_layers": 1,
+  "num_decoder_layers": 1,
+  "max_length": 64,
+}
 
 
 def _write(path: Path, text: str) -> str:
@@ -28,9 +35,19 @@ def _write(path: Path, text: str) -> str:
 
 
 def _config(tmp_path, kind="encoder_decoder", **data):
-  return config_from_dict({"model": {"kind": kind, **TINY_MODEL},
-                           "data": {"dataset": "files", "data_dir": str(tmp_path / "cache"), "tokenizer": "bpe",
-                                    "source_lang": "xx", "target_lang": "yy", **data}})
+  return config_from_dict(
+    {
+      "model": {"kind": kind, **TINY_MODEL},
+      "data": {
+        "dataset": "files",
+        "data_dir": str(tmp_path / "cache"),
+        "tokenizer": "bpe",
+        "source_lang": "xx",
+        "target_lang": "yy",
+        **data,
+      },
+    }
+  )
 
 
 @pytest.fixture
@@ -54,7 +71,7 @@ def test_pairs_prepare_hold_out_validation_and_reuse_the_cache(tmp_path, pair_fi
   config = _config(tmp_path, train_files=pair_files["aligned"])
   vocab, splits = get_task(config).load_data()
   tokenizer = vocab.target
-  assert len(splits["train"]) == 54 and len(splits["validation"]) == 6   # the last tenth is held out
+  assert len(splits["train"]) == 54 and len(splits["validation"]) == 6  # the last tenth is held out
   assert "holding out the last 6 pairs" in capsys.readouterr().err
   src, tgt = splits["validation"].texts(range(6))
   assert list(zip(src, tgt)) == PAIRS[54:]
@@ -86,11 +103,12 @@ def test_interrupted_preparation_leaves_no_cache(tmp_path, pair_files):
   def broken(split):
     yield from PAIRS[:10]
     raise Interrupted
+
   real = source.examples
   source.examples = broken
   with pytest.raises(Interrupted):
     prep.prepare_pairs(source, "train", D.Vocabulary(tokenizer, tokenizer), tmp_path / "cache", 64)
-  assert not list((tmp_path / "cache" / "prepared").iterdir())   # neither a final nor a temporary folder
+  assert not list((tmp_path / "cache" / "prepared").iterdir())  # neither a final nor a temporary folder
   source.examples = real
   done = prep.prepare_pairs(source, "train", D.Vocabulary(tokenizer, tokenizer), tmp_path / "cache", 64)
   assert len(done) == 60 and (done.folder / "meta.json").is_file()
@@ -111,8 +129,11 @@ def test_text_documents_from_globs_gzip_and_jsonl(tmp_path):
   _write(tmp_path / "a.txt", "first doc line one\nline two\n\n\nsecond doc\n")
   _write(tmp_path / "b.txt.gz", "third doc\n")
   data = _config(tmp_path, "decoder_only", train_files=str(tmp_path / "*.txt*")).data
-  assert list(make_source(data, D.TEXT).examples("train")) == ["first doc line one\nline two", "second doc",
-                                                                "third doc"]
+  assert list(make_source(data, D.TEXT).examples("train")) == [
+    "first doc line one\nline two",
+    "second doc",
+    "third doc",
+  ]
   _write(tmp_path / "c.jsonl", json.dumps({"body": "a doc"}) + "\n\n" + json.dumps({"body": "b doc"}) + "\n")
   data = _config(tmp_path, "encoder_only", train_files=str(tmp_path / "c.jsonl"), text_field="body").data
   assert list(make_source(data, D.TEXT).examples("train")) == ["a doc", "b doc"]
@@ -125,7 +146,7 @@ def test_text_stream_windows_and_document_starts(tmp_path):
   source = make_source(config.data, D.TEXT)
   tokenizer = D.train_tokenizer(docs, 60, "bpe")
   old = prep.CHUNK_TOKENS
-  prep.CHUNK_TOKENS = 50   # many records, so windows cross record boundaries
+  prep.CHUNK_TOKENS = 50  # many records, so windows cross record boundaries
   try:
     stream = prep.prepare_text(source, "train", tokenizer, tmp_path / "cache", eos_id=D.EOS_ID)
   finally:
@@ -161,21 +182,34 @@ def test_bad_input_gets_one_clear_line(tmp_path, pair_files):
   assert f"{bad}:2: not valid UTF-8 (byte 0xff at column 5)" in _error(tmp_path, train_files=f"{bad},{short}")
   broken = _write(tmp_path / "broken.jsonl", '{"xx": "a", "yy": "b"}\n{"xx": oops}\n')
   assert f"{broken}:2: not valid JSON" in _error(tmp_path, train_files=broken)
-  assert "no field 'de'; the fields are xx, yy, id" in _error(tmp_path, train_files=pair_files["jsonl"],
-                                                               target_field="de")
-  assert "no column 'de'; the header has id, xx, yy" in _error(tmp_path, train_files=pair_files["tsv"],
-                                                                target_field="de")
-  assert "two aligned files SRC,TGT or one .jsonl/.tsv file; got 3" in _error(tmp_path, train_files=f"{src},{src},{src}")
+  assert "no field 'de'; the fields are xx, yy, id" in _error(
+    tmp_path, train_files=pair_files["jsonl"], target_field="de"
+  )
+  assert "no column 'de'; the header has id, xx, yy" in _error(
+    tmp_path, train_files=pair_files["tsv"], target_field="de"
+  )
+  assert "two aligned files SRC,TGT or one .jsonl/.tsv file; got 3" in _error(
+    tmp_path, train_files=f"{src},{src},{src}"
+  )
   assert "does not exist" in _error(tmp_path, train_files=pair_files["jsonl"], tokenizer_model="none.model")
   big = D.train_tokenizer([s for p in PAIRS for s in p], 100, "bpe")
   big.save(tmp_path / "big.model")
   given = get_task(_config(tmp_path, train_files=pair_files["jsonl"], tokenizer_model=str(tmp_path / "big.model")))
-  assert given.load_data()[0].target.serialized == big.serialized   # an existing model is used as it is
+  assert given.load_data()[0].target.serialized == big.serialized  # an existing model is used as it is
   with pytest.raises(DataError, match="has 100 ids but model.vocab_size=50 .*set model.vocab_size=100"):
-    config = config_from_dict({"model": {**TINY_MODEL, "vocab_size": 50},
-                               "data": {"dataset": "files", "train_files": pair_files["jsonl"], "source_lang": "xx",
-                                        "target_lang": "yy", "tokenizer_model": str(tmp_path / "big.model"),
-                                        "data_dir": str(tmp_path / "cache")}})
+    config = config_from_dict(
+      {
+        "model": {**TINY_MODEL, "vocab_size": 50},
+        "data": {
+          "dataset": "files",
+          "train_files": pair_files["jsonl"],
+          "source_lang": "xx",
+          "target_lang": "yy",
+          "tokenizer_model": str(tmp_path / "big.model"),
+          "data_dir": str(tmp_path / "cache"),
+        },
+      }
+    )
     get_task(config).load_data()
   with pytest.raises(ConfigError, match="data.dataset='wmt' is unknown"):
     _config(tmp_path, dataset="wmt")
@@ -185,22 +219,35 @@ def test_bad_input_gets_one_clear_line(tmp_path, pair_files):
 
 def test_a_vocabulary_too_large_for_the_text_trains_at_the_largest_size_that_works(capsys):
   from jaxformer.data.vocab import train_fitting
+
   texts = ["cat dog bird fish", "horse cow sheep goat", "duck frog"] * 10
   for model_type in ("bpe", "unigram"):
     tokenizer = train_fitting(texts, 300, model_type)
     assert 8 < tokenizer.vocab_size < 300 and tokenizer.decode(tokenizer.encode("duck frog")) == "duck frog"
     line = capsys.readouterr().err.strip()
-    assert line == (f"the train split supports {tokenizer.vocab_size} SentencePiece pieces, fewer than the 300 "
-                    f"asked for: trained {tokenizer.vocab_size} (model.vocab_size can be lowered to match)")
+    assert line == (
+      f"the train split supports {tokenizer.vocab_size} SentencePiece pieces, fewer than the 300 "
+      f"asked for: trained {tokenizer.vocab_size} (model.vocab_size can be lowered to match)"
+    )
 
 
 def test_separate_vocabularies_encode_each_side_with_its_own_model(tmp_path, pair_files):
   with pytest.raises(ConfigError, match="set model.tie_embeddings=false"):
     _config(tmp_path, train_files=pair_files["jsonl"], shared_vocab=False)
-  config = config_from_dict({"model": {**TINY_MODEL, "tie_embeddings": False},
-                             "data": {"dataset": "files", "train_files": pair_files["jsonl"], "source_lang": "xx",
-                                      "target_lang": "yy", "tokenizer": "bpe", "shared_vocab": False,
-                                      "data_dir": str(tmp_path / "cache")}})
+  config = config_from_dict(
+    {
+      "model": {**TINY_MODEL, "tie_embeddings": False},
+      "data": {
+        "dataset": "files",
+        "train_files": pair_files["jsonl"],
+        "source_lang": "xx",
+        "target_lang": "yy",
+        "tokenizer": "bpe",
+        "shared_vocab": False,
+        "data_dir": str(tmp_path / "cache"),
+      },
+    }
+  )
   vocab, splits = get_task(config).load_data()
   assert not vocab.shared and vocab.source.serialized != vocab.target.serialized
   src, tgt = splits["train"].fetch([4])
@@ -212,7 +259,7 @@ def test_more_bad_input_and_messy_files(tmp_path, pair_files, capsys):
   notgz = _write(tmp_path / "plain.xx", "a\nb\n")
   (tmp_path / "fake.xx.gz").write_bytes(Path(notgz).read_bytes())
   good = gzip.compress(("cat\n" * 2000).encode())
-  (tmp_path / "cut.xx.gz").write_bytes(good[:len(good) // 2])
+  (tmp_path / "cut.xx.gz").write_bytes(good[: len(good) // 2])
   yy = _write(tmp_path / "b.yy", "x\n" * 2000)
   assert "fake.xx.gz: not a valid or complete gzip file" in _error(tmp_path, train_files=f"{tmp_path}/fake.xx.gz,{yy}")
   assert "cut.xx.gz: not a valid or complete gzip file" in _error(tmp_path, train_files=f"{tmp_path}/cut.xx.gz,{yy}")
@@ -222,8 +269,10 @@ def test_more_bad_input_and_messy_files(tmp_path, pair_files, capsys):
   with pytest.raises(ConfigError, match="data.train_files is set but data.dataset=multi30k; add data.dataset=files"):
     config_from_dict({"data": {"train_files": "a.xx,a.yy"}})
   # null is an empty side (dropped and counted); blank TSV lines and a byte-order mark are not text.
-  nulls = _write(tmp_path / "nulls.jsonl", "".join(json.dumps({"xx": s, "yy": None if i == 3 else t}) + "\n"
-                                                for i, (s, t) in enumerate(PAIRS)))
+  nulls = _write(
+    tmp_path / "nulls.jsonl",
+    "".join(json.dumps({"xx": s, "yy": None if i == 3 else t}) + "\n" for i, (s, t) in enumerate(PAIRS)),
+  )
   source = make_source(_config(tmp_path, train_files=nulls).data, D.PAIRS)
   assert list(source.examples("train"))[3] == (PAIRS[3][0], "")
   tsv = tmp_path / "bom.tsv"
@@ -236,8 +285,10 @@ def test_more_bad_input_and_messy_files(tmp_path, pair_files, capsys):
   source = make_source(_config(tmp_path, train_files=pair_files["aligned"]).data, D.PAIRS)
   capsys.readouterr()
   short = prep.prepare_pairs(source, "train", D.Vocabulary(tokenizer, tokenizer), tmp_path / "cache", 14, "drop")
-  assert 0 < len(short) < 60 and f"dropped {60 - len(short)} of 60 train pairs longer than data.max_length=14" \
-      in capsys.readouterr().err
+  assert (
+    0 < len(short) < 60
+    and f"dropped {60 - len(short)} of 60 train pairs longer than data.max_length=14" in capsys.readouterr().err
+  )
   prep._remove_abandoned(tmp_path / "cache" / "prepared" / "files-train-0")
   assert not abandoned.exists()
 

@@ -14,8 +14,16 @@ from jaxformer.models.decoder_only import DecoderOnly
 from jaxformer.models.transformer import PAD_ID, EncoderDecoder
 
 VOCAB, OUT_LEN = 37, 14
-BASE = dict(vocab_size=VOCAB, d_model=32, num_heads=4, d_ff=48, num_encoder_layers=1, num_decoder_layers=2,
-            dropout_rate=0.0, max_length=40)
+BASE = dict(
+  vocab_size=VOCAB,
+  d_model=32,
+  num_heads=4,
+  d_ff=48,
+  num_encoder_layers=1,
+  num_decoder_layers=2,
+  dropout_rate=0.0,
+  max_length=40,
+)
 
 
 def _models(kind):
@@ -53,7 +61,7 @@ def test_output_is_the_targets_greedy_output(kind):
       tokens, accepted, rounds = run(tp, p, src, e)
       np.testing.assert_array_equal(tokens, expected)
     tokens, accepted, rounds = map(np.asarray, run(tp, p, src, -1))
-    if same:   # the target as its own draft: every proposal is kept, k + 1 tokens per round
+    if same:  # the target as its own draft: every proposal is kept, k + 1 tokens per round
       np.testing.assert_array_equal(accepted, k * rounds)
       assert (rounds == -(-(OUT_LEN - 1) // (k + 1))).all()
     else:
@@ -68,7 +76,7 @@ def test_make_decode_fn_with_a_draft_reports_acceptance_and_refuses_beam_search(
   src = _inputs()
   np.testing.assert_array_equal(fast(tp, src), plain(tp, src))
   ((accepted, proposed),) = fast.speculation
-  assert accepted == proposed > 0   # the target as its own draft
+  assert accepted == proposed > 0  # the target as its own draft
   with pytest.raises(ValueError, match="speculative decoding .* is greedy"):
     make_decode_fn(target, mesh, BASE["max_length"], SearchOptions(beam_size=4), Draft(draft, dp))
 

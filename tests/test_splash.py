@@ -30,14 +30,28 @@ def _valid(lengths, size):
 def _packed(t):
   """Two rows of packed examples: segment ids (0 on padding) and positions restarting per example."""
   ids = np.zeros((B, t), np.int32)
-  ids[0, :t // 2], ids[0, t // 2:t - 3] = 1, 2
-  ids[1, :5], ids[1, 5:t - 7], ids[1, t - 7:] = 1, 2, 3
+  ids[0, : t // 2], ids[0, t // 2 : t - 3] = 1, 2
+  ids[1, :5], ids[1, 5 : t - 7], ids[1, t - 7 :] = 1, 2, 3
   starts = np.array([[np.argmax(row == s) for s in row] for row in ids])
   return jnp.asarray(ids), jnp.asarray(np.arange(t)[None] - starts), jnp.asarray(ids > 0)
 
 
-def _compare(q, k, v, q_valid, kv_valid, q_seg=None, kv_seg=None, q_pos=None, kv_pos=None, *, causal,
-             window=0, softcap=0.0, block=128):
+def _compare(
+  q,
+  k,
+  v,
+  q_valid,
+  kv_valid,
+  q_seg=None,
+  kv_seg=None,
+  q_pos=None,
+  kv_pos=None,
+  *,
+  causal,
+  window=0,
+  softcap=0.0,
+  block=128,
+):
   t, s = q.shape[1], k.shape[1]
   q_pos = jnp.arange(t)[None] if q_pos is None else q_pos
   kv_pos = jnp.arange(s)[None] if kv_pos is None else kv_pos
@@ -48,13 +62,14 @@ def _compare(q, k, v, q_valid, kv_valid, q_seg=None, kv_seg=None, q_pos=None, kv
     return dot_product_attention(q, k, v, mask, softcap=softcap)
 
   def splash(q, k, v):
-    return splash_attention(q, k, v, q_valid, kv_valid, q_seg, kv_seg, causal=causal, sliding_window=window,
-                            softcap=softcap, block_size=block)
+    return splash_attention(
+      q, k, v, q_valid, kv_valid, q_seg, kv_seg, causal=causal, sliding_window=window, softcap=softcap, block_size=block
+    )
 
   outs, grads = [], []
   for fn in (dense, splash):
     out, vjp = jax.vjp(fn, q, k, v)
-    outs.append(out * (weight != 0))   # real queries only
+    outs.append(out * (weight != 0))  # real queries only
     grads.append(vjp(weight))
   np.testing.assert_allclose(outs[1], outs[0], atol=1e-5, rtol=1e-5)
   for got, want in zip(grads[1], grads[0]):
@@ -63,14 +78,17 @@ def _compare(q, k, v, q_valid, kv_valid, q_seg=None, kv_seg=None, q_pos=None, kv
 
 def _qkv(t, s, kv_heads, seed=0):
   keys = jax.random.split(jax.random.key(seed), 3)
-  return (jax.random.normal(keys[0], (B, t, N, H)), jax.random.normal(keys[1], (B, s, kv_heads, H)),
-          jax.random.normal(keys[2], (B, s, kv_heads, H)))
+  return (
+    jax.random.normal(keys[0], (B, t, N, H)),
+    jax.random.normal(keys[1], (B, s, kv_heads, H)),
+    jax.random.normal(keys[2], (B, s, kv_heads, H)),
+  )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_heads", [N, 2, 1], ids=["mha", "gqa", "mqa"])
 def test_causal_self_attention_with_padding_equals_dense(kv_heads):
-  q, k, v = _qkv(256, 256, kv_heads)   # 2 x 2 blocks: the kernels skip the one above the diagonal
+  q, k, v = _qkv(256, 256, kv_heads)  # 2 x 2 blocks: the kernels skip the one above the diagonal
   valid = _valid([256, 150], 256)
   _compare(q, k, v, valid, valid, causal=True)
 
@@ -118,9 +136,18 @@ def test_options_splash_cannot_take_are_refused(override):
 def test_sharded_model_with_splash_equals_dense():
   """A packed decoder-only batch on data=2 x tensor=2: the kernels run per device (shard_map) on its rows and
   heads; logits and parameter gradients match dense attention's."""
-  base = ["model.kind=decoder_only", "model.num_decoder_layers=1", "model.position=rope", "model.num_kv_heads=2",
-          "model.dropout_rate=0", "model.attention_dropout_rate=0", "model.max_length=128",
-          "mesh.data=2", "mesh.tensor=2", "mesh.fsdp=2"]
+  base = [
+    "model.kind=decoder_only",
+    "model.num_decoder_layers=1",
+    "model.position=rope",
+    "model.num_kv_heads=2",
+    "model.dropout_rate=0",
+    "model.attention_dropout_rate=0",
+    "model.max_length=128",
+    "mesh.data=2",
+    "mesh.tensor=2",
+    "mesh.fsdp=2",
+  ]
   ids, positions, valid = _packed(128)
   inputs = jnp.where(valid, jax.random.randint(jax.random.key(4), (B, 128), 3, 1000), 0)
   batch = {"segment_ids": ids, "positions": positions}
@@ -130,7 +157,7 @@ def test_sharded_model_with_splash_equals_dense():
     model, mesh = get_task(config).make_model(), build_mesh(config)
     params = model.init(jax.random.key(0), inputs)["params"]
 
-    def loss(params):
+    def loss(params, model=model):
       logits = model.apply({"params": params}, inputs, deterministic=True, **batch)
       return jnp.sum(jnp.where(valid[..., None], logits, 0.0) ** 2) / 1e3, logits
 
@@ -138,14 +165,17 @@ def test_sharded_model_with_splash_equals_dense():
       results.append(jax.jit(jax.value_and_grad(loss, has_aux=True))(params))
   (_, dense_logits), dense_grads = results[0]
   (_, splash_logits), splash_grads = results[1]
-  np.testing.assert_allclose(np.where(valid[..., None], splash_logits, 0), np.where(valid[..., None], dense_logits, 0),
-                             atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(
+    np.where(valid[..., None], splash_logits, 0), np.where(valid[..., None], dense_logits, 0), atol=1e-5, rtol=1e-5
+  )
   for got, want in zip(jax.tree.leaves(splash_grads), jax.tree.leaves(dense_grads)):
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
 
 
-needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                                  reason="libtpu is not installed (pip install -e '.[aot]'): no TPU compiler here")
+needs_libtpu = pytest.mark.skipif(
+  importlib.util.find_spec("libtpu") is None,
+  reason="libtpu is not installed (pip install -e '.[aot]'): no TPU compiler here",
+)
 
 
 @needs_libtpu
@@ -158,24 +188,41 @@ def test_sharded_kernels_compile_for_tpu():
     return jnp.sum(splash_attention(q, k, v, valid, valid, causal=True, block_size=128) ** 2)
 
   spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None, "tensor"))
-  q, kv = jax.ShapeDtypeStruct((4, 256, 4, 128), jnp.bfloat16, sharding=spec), jax.ShapeDtypeStruct(
-      (4, 256, 2, 128), jnp.bfloat16, sharding=spec)
-  valid = jax.ShapeDtypeStruct((4, 256), jnp.bool_, sharding=jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec("data")))
+  q, kv = (
+    jax.ShapeDtypeStruct((4, 256, 4, 128), jnp.bfloat16, sharding=spec),
+    jax.ShapeDtypeStruct((4, 256, 2, 128), jnp.bfloat16, sharding=spec),
+  )
+  valid = jax.ShapeDtypeStruct(
+    (4, 256), jnp.bool_, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  )
   with sh.bind(mesh, rules):
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, valid).compile()
-  assert compiled.as_text().count("tpu_custom_call") >= 3   # the forward, dq and dkv kernels
+  assert compiled.as_text().count("tpu_custom_call") >= 3  # the forward, dq and dkv kernels
 
 
 @pytest.mark.slow
 @needs_libtpu
 def test_train_step_with_splash_compiles_for_tpu():
   """The Mosaic kernels (forward, dq, dkv) in a train step compiled by the TPU compiler for v5e:2x2."""
-  config = load_config(TINY, ["model.kind=decoder_only", "model.num_decoder_layers=1", "model.position=rope",
-                              "model.attention=splash", "model.attention_dropout_rate=0", "model.d_model=256",
-                              "model.num_heads=2", "model.d_ff=256", "data.max_length=128", "data.buckets=[128]",
-                              "train.batch_size=4", "mesh.data=2", "mesh.tensor=2"])
+  config = load_config(
+    TINY,
+    [
+      "model.kind=decoder_only",
+      "model.num_decoder_layers=1",
+      "model.position=rope",
+      "model.attention=splash",
+      "model.attention_dropout_rate=0",
+      "model.d_model=256",
+      "model.num_heads=2",
+      "model.d_ff=256",
+      "data.max_length=128",
+      "data.buckets=[128]",
+      "train.batch_size=4",
+      "mesh.data=2",
+      "mesh.tensor=2",
+    ],
+  )
   lowered, mesh, _ = aot.lower_train_step(config, aot.topology_devices("v5e:2x2"))
   assert mesh.devices.flat[0].platform == "tpu"
   compiled = lowered.compile()
-  assert compiled.as_text().count("tpu_custom_call") >= 3   # splash forward, dq and dkv kernels
+  assert compiled.as_text().count("tpu_custom_call") >= 3  # splash forward, dq and dkv kernels

@@ -14,10 +14,10 @@ def _logits(rows, vocab, seed):
   """Random float32 `[rows, vocab]` with repeated values (ties), -inf entries, one constant row
   and one row whose maximum sits in two blocks."""
   rng = np.random.default_rng(seed)
-  x = rng.integers(-40, 40, (rows, vocab)).astype(np.float32) / 4   # coarse grid: many ties
-  x[0] = 1.5                                                        # every id ties
+  x = rng.integers(-40, 40, (rows, vocab)).astype(np.float32) / 4  # coarse grid: many ties
+  x[0] = 1.5  # every id ties
   x[1, :: max(vocab // 7, 1)] = -np.inf
-  x[2, [3, vocab - 1]] = 100.0                                      # the max in the first and last block
+  x[2, [3, vocab - 1]] = 100.0  # the max in the first and last block
   return jnp.asarray(x)
 
 
@@ -40,7 +40,7 @@ def test_argmax_equals_jnp_argmax_on_any_leading_shape(vocab):
   got = jax.jit(topk.argmax)(logits)
   np.testing.assert_array_equal(got, jnp.argmax(logits, axis=-1))
   assert got.shape == (3, 4) and got.dtype == jnp.int32
-  assert int(got[0, 0]) == 0   # a constant row: the lowest id
+  assert int(got[0, 0]) == 0  # a constant row: the lowest id
 
 
 def test_top_k_refuses_k_outside_the_vocabulary():
@@ -52,16 +52,16 @@ def test_rows_with_fewer_finite_logits_than_k_and_nan_rows():
   """-inf entries come back in id order after the finite ones, each id once; NaN ranks first
   (both as in lax.top_k / jnp.argmax)."""
   x = np.full((4, 8000), -np.inf, np.float32)
-  x[0, :10] = np.arange(10)          # 10 finite values
-  x[1, 5] = 5.0                      # one finite value
-  x[2, [7, 4000]] = np.nan           # NaNs among -inf
+  x[0, :10] = np.arange(10)  # 10 finite values
+  x[1, 5] = 5.0  # one finite value
+  x[2, [7, 4000]] = np.nan  # NaNs among -inf
   x[3] = np.arange(8000) / 8000
-  x[3, [9, 6000]] = np.nan           # NaNs among numbers
+  x[3, [9, 6000]] = np.nan  # NaNs among numbers
   x = jnp.asarray(x)
   values, ids = jax.jit(topk.top_k, static_argnums=1)(x, 12)
   want_values, want_ids = jax.lax.top_k(x, 12)
   np.testing.assert_array_equal(ids, want_ids)
-  np.testing.assert_array_equal(values, want_values)   # NaN == NaN in assert_array_equal
+  np.testing.assert_array_equal(values, want_values)  # NaN == NaN in assert_array_equal
   np.testing.assert_array_equal(jax.jit(topk.argmax)(x), jnp.argmax(x, axis=-1))
 
 

@@ -27,7 +27,7 @@ SEED = 0
 
 def _paper_lr(count, d_model, warmup, scale):
   s = count + 1  # paper steps count from 1, optax counts from 0
-  return scale * d_model ** -0.5 * min(s ** -0.5, s * warmup ** -1.5)
+  return scale * d_model**-0.5 * min(s**-0.5, s * warmup**-1.5)
 
 
 @pytest.mark.parametrize("d_model,warmup,scale", [(16, 10, 2.0), (512, 4000, 1.0)])
@@ -40,7 +40,7 @@ def test_rsqrt_schedule_matches_paper(d_model, warmup, scale):
     assert value == pytest.approx(_paper_lr(count, d_model, warmup, scale), rel=1e-6), count
     assert float(jax.jit(schedule)(count)) == value
   # Value at count 0 as documented: scale * d_model^-0.5 * warmup^-1.5 (1.7469e-7 for the base model).
-  assert float(schedule(0)) == pytest.approx(scale * d_model ** -0.5 * warmup ** -1.5, rel=1e-6)
+  assert float(schedule(0)) == pytest.approx(scale * d_model**-0.5 * warmup**-1.5, rel=1e-6)
   # Peak at count warmup - 1 (paper step warmup), with value scale * (d_model * warmup)^-0.5.
   counts = np.arange(0, 3 * warmup, max(1, warmup // 200))
   counts = np.union1d(counts, [warmup - 2, warmup - 1, warmup])
@@ -64,13 +64,21 @@ def test_rsqrt_schedule_warmup_one_and_constant():
 
 def test_cross_entropy_sums_hand_computed():
   eps = 0.1
-  logits = np.array([[[1.0, 2.0, 0.5, -1.0],      # target 1 (the argmax)
-                      [0.3, -1.0, 2.0, 0.0]]],    # padding (weight 0)
-                    np.float32)
+  logits = np.array(
+    [
+      [
+        [1.0, 2.0, 0.5, -1.0],  # target 1 (the argmax)
+        [0.3, -1.0, 2.0, 0.0],
+      ]
+    ],  # padding (weight 0)
+    np.float32,
+  )
   targets = np.array([[1, 0]])
   weights = np.array([[1.0, 0.0]], np.float32)
-  out = {k: float(v) for k, v in cross_entropy_sums(
-      jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights), eps).items()}
+  out = {
+    k: float(v)
+    for k, v in cross_entropy_sums(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights), eps).items()
+  }
 
   # By hand, token 0 only: p = softmax(logits), q = (1 - eps) one_hot + eps / V.
   z = math.exp(1.0) + math.exp(2.0) + math.exp(0.5) + math.exp(-1.0)
@@ -85,8 +93,10 @@ def test_cross_entropy_sums_hand_computed():
 
   # Both tokens real: the second one (target 0, not the argmax) adds its own terms.
   weights2 = np.array([[1.0, 1.0]], np.float32)
-  out2 = {k: float(v) for k, v in cross_entropy_sums(
-      jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights2), eps).items()}
+  out2 = {
+    k: float(v)
+    for k, v in cross_entropy_sums(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights2), eps).items()
+  }
   z2 = math.exp(0.3) + math.exp(-1.0) + math.exp(2.0) + math.exp(0.0)
   log_p2 = [0.3 - math.log(z2), -1.0 - math.log(z2), 2.0 - math.log(z2), 0.0 - math.log(z2)]
   q2 = [(1 - eps) + eps / 4, eps / 4, eps / 4, eps / 4]
@@ -113,7 +123,7 @@ def test_cross_entropy_custom_gradient_equals_autodiff_of_the_formula(label_smoo
     nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
     smooth = -jnp.mean(log_probs, axis=-1)
     log_z = jax.nn.logsumexp(x, axis=-1)
-    return jnp.sum(((1 - label_smoothing) * nll + label_smoothing * smooth + z_loss * log_z ** 2) * weights)
+    return jnp.sum(((1 - label_smoothing) * nll + label_smoothing * smooth + z_loss * log_z**2) * weights)
 
   ours = lambda x: cross_entropy_sums(x, targets, weights, label_smoothing, z_loss)["loss"]  # noqa: E731
   np.testing.assert_allclose(ours(logits), textbook(logits), rtol=1e-6)
@@ -136,15 +146,23 @@ def test_z_loss_adds_squared_log_normaliser():
 
 
 def _config(dropout: float, lr: float = 1e-3, label_smoothing: float = 0.1) -> Config:
-  model = ModelConfig(vocab_size=VOCAB, d_model=D_MODEL, num_heads=2, d_ff=24, num_encoder_layers=1,
-                      num_decoder_layers=1, dropout_rate=dropout, attention_dropout_rate=dropout,
-                      max_length=16)
+  model = ModelConfig(
+    vocab_size=VOCAB,
+    d_model=D_MODEL,
+    num_heads=2,
+    d_ff=24,
+    num_encoder_layers=1,
+    num_decoder_layers=1,
+    dropout_rate=dropout,
+    attention_dropout_rate=dropout,
+    max_length=16,
+  )
   optim = OptimConfig(schedule="constant", learning_rate=lr, label_smoothing=label_smoothing)
   return Config(model=model, optim=optim)
 
 
 def _mesh(data, fsdp, tensor):
-  return sh.make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor), jax.devices()[:data * fsdp * tensor])
+  return sh.make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor), jax.devices()[: data * fsdp * tensor])
 
 
 def _step_batch(seed=0, batch=8, src_len=11, tgt_len=9):
@@ -153,7 +171,7 @@ def _step_batch(seed=0, batch=8, src_len=11, tgt_len=9):
   src = rng.integers(4, VOCAB, (batch, src_len)).astype(np.int32)
   tgt = rng.integers(4, VOCAB, (batch, tgt_len)).astype(np.int32)
   for i in range(batch):
-    src[i, rng.integers(2, src_len + 1):] = PAD_ID
+    src[i, rng.integers(2, src_len + 1) :] = PAD_ID
     n = rng.integers(1, tgt_len + 1)
     tgt[i, n - 1] = EOS_ID
     tgt[i, n:] = PAD_ID
@@ -201,6 +219,7 @@ def _compile_step(cfg: Config, mesh_shape, state0, batch):
     for leaf, spec in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(shardings.params)):
       assert leaf.sharding.is_equivalent_to(spec, leaf.ndim)
     return jax.device_get(new_state), jax.device_get(metrics)
+
   return run
 
 
@@ -228,8 +247,9 @@ def _assert_same_step(result, reference, host_state):
   for new, ref in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(ref_state.opt_state)):
     np.testing.assert_allclose(new, ref, atol=1e-5, rtol=1e-5)
   # The step really moved the parameters.
-  moved = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(state.params),
-                                                        jax.tree.leaves(host_state.params)))
+  moved = max(
+    float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(host_state.params))
+  )
   assert moved > 1e-4
 
 
@@ -262,7 +282,7 @@ def _memorisation_data(n=32, max_len=10, seed=3):
   for i in range(n):
     ls, lt = rng.integers(3, max_len + 1), rng.integers(2, max_len + 1)
     src[i, :ls] = rng.integers(4, VOCAB, ls)
-    tgt[i, :lt - 1] = rng.integers(4, VOCAB, lt - 1)
+    tgt[i, : lt - 1] = rng.integers(4, VOCAB, lt - 1)
     tgt[i, lt - 1] = EOS_ID
   assert len({tuple(r) for r in src}) == n
   return src, tgt
@@ -284,8 +304,10 @@ def memorised(host_state):
   state = jax.device_put(host_state, shardings)
   train_step = make_train_step(model, tx, cfg, mesh, shardings)
   src, tgt = _memorisation_data()
-  batch = {"inputs": jax.device_put(jnp.asarray(src), sh.batch_sharding(mesh)),
-           "targets": jax.device_put(jnp.asarray(tgt), sh.batch_sharding(mesh))}
+  batch = {
+    "inputs": jax.device_put(jnp.asarray(src), sh.batch_sharding(mesh)),
+    "targets": jax.device_put(jnp.asarray(tgt), sh.batch_sharding(mesh)),
+  }
   rng = jax.random.key(SEED)
   state, metrics = train_step(state, batch, rng)
   first = jax.device_get(metrics)
@@ -304,9 +326,8 @@ def test_memorises_small_dataset(memorised):
 
   model = EncoderDecoder(MEMO_CONFIG.model)
   # Each sentence may run to its own source length + extra_tokens: room for every target here.
-  decode = make_decode_fn(model, _mesh(1, 1, 1), MEMO_CONFIG.model.max_length,
-                          SearchOptions(extra_tokens=tgt.shape[1]))
+  decode = make_decode_fn(model, _mesh(1, 1, 1), MEMO_CONFIG.model.max_length, SearchOptions(extra_tokens=tgt.shape[1]))
   out = np.asarray(decode(state.params, jnp.asarray(src)))
   assert out.shape[1] >= tgt.shape[1]
-  np.testing.assert_array_equal(out[:, :tgt.shape[1]], tgt)   # through EOS, then padding
-  assert (out[:, tgt.shape[1]:] == PAD_ID).all()
+  np.testing.assert_array_equal(out[:, : tgt.shape[1]], tgt)  # through EOS, then padding
+  assert (out[:, tgt.shape[1] :] == PAD_ID).all()

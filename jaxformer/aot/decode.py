@@ -58,12 +58,18 @@ def abstract_cache(model, params: Any, batch_size: int, context: int, page_size:
   if not page_size:
     return jax.eval_shape(lambda p: kv.contiguous_cache(model, p, batch_size, context, context), params)
   per_row = -(-context // page_size)
-  return jax.eval_shape(lambda p: kv.paged_cache(model, p, batch_size, batch_size * per_row + 1, page_size,
-                                                 per_row, per_row), params)
+  return jax.eval_shape(
+    lambda p: kv.paged_cache(model, p, batch_size, batch_size * per_row + 1, page_size, per_row, per_row), params
+  )
 
 
-def lower_decode(config: Config, devices: list[Any] | None = None, context: int | None = None,
-                 page_size: int = 0, platforms: tuple[str, ...] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+def lower_decode(
+  config: Config,
+  devices: list[Any] | None = None,
+  context: int | None = None,
+  page_size: int = 0,
+  platforms: tuple[str, ...] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
   """(facts, {"decode_step": Lowered, "prefill": Lowered}): `config`'s decode step and prefill for
   `train.batch_size` rows of `context` tokens (default `model.max_length`), lowered on a mesh over
   `devices` (for `platforms`, as `aot.lower_train_step`) from abstract inputs only. The facts are
@@ -79,23 +85,28 @@ def lower_decode(config: Config, devices: list[Any] | None = None, context: int 
   model = get_task(config).make_model()
   context = context or config.model.max_length
   if not hasattr(model, "prefill"):
-    raise ConfigError(f"--decode: model.kind={config.model.kind} has no KV-cache decoding; "
-                      "compile its train step (drop --decode) or use a decoder_only or encoder_decoder config")
+    raise ConfigError(
+      f"--decode: model.kind={config.model.kind} has no KV-cache decoding; "
+      "compile its train step (drop --decode) or use a decoder_only or encoder_decoder config"
+    )
   if not 0 < context <= config.model.max_length or page_size < 0:
-    raise ConfigError(f"--context {context} / --page-size {page_size}: the context must be 1..model.max_length="
-                      f"{config.model.max_length} and the page size >= 0")
+    raise ConfigError(
+      f"--context {context} / --page-size {page_size}: the context must be 1..model.max_length="
+      f"{config.model.max_length} and the page size >= 0"
+    )
   mesh = aot.topology_mesh(config, devices)
   rules = sh.rules_for(config.mesh)
   abstract, shardings = state_shardings(model, make_optimizer(config.optim, config.model.d_model), mesh, rules)
-  params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract.params,
-                        shardings.params)
+  params = jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract.params, shardings.params
+  )
   batch = config.train.batch_size
   cache = abstract_cache(model, abstract.params, batch, context, page_size)
   cache_sharding = cache_shardings(cache, mesh, rules)
   cache_in = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), cache, cache_sharding)
   rows = sh.replicated(mesh)
 
-  def keep_layout(new_cache):   # the updated cache stays where the donated one was: written in place
+  def keep_layout(new_cache):  # the updated cache stays where the donated one was: written in place
     return jax.lax.with_sharding_constraint(new_cache, cache_sharding)
 
   def decode_step(params, cache, tokens):
@@ -110,18 +121,29 @@ def lower_decode(config: Config, devices: list[Any] | None = None, context: int 
   for name, fn, shape in (("decode_step", decode_step, (batch,)), ("prefill", prefill, (batch, context))):
     tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows)
     with sh.bind(mesh, rules):
-      lowered[name] = jax.jit(fn, donate_argnums=(1,)).trace(params, cache_in, tokens).lower(
-          lowering_platforms=platforms)
-  facts = {**aot.describe(config, mesh, abstract.params), "mode": "decode", "batch_size": batch,
-           "context": context, "page_size": page_size,
-           "weight_bytes_per_device": per_device_bytes(abstract.params, shardings.params),
-           "kv_cache_bytes_per_device": per_device_bytes(cache.layers, cache_sharding.layers),
-           "kv_cache_bytes": total_bytes(cache.layers)}
+      lowered[name] = (
+        jax.jit(fn, donate_argnums=(1,)).trace(params, cache_in, tokens).lower(lowering_platforms=platforms)
+      )
+  facts = {
+    **aot.describe(config, mesh, abstract.params),
+    "mode": "decode",
+    "batch_size": batch,
+    "context": context,
+    "page_size": page_size,
+    "weight_bytes_per_device": per_device_bytes(abstract.params, shardings.params),
+    "kv_cache_bytes_per_device": per_device_bytes(cache.layers, cache_sharding.layers),
+    "kv_cache_bytes": total_bytes(cache.layers),
+  }
   return facts, lowered
 
 
-def compile_decode(config: Config, devices: list[Any] | None = None, hbm_bytes: int | None = None,
-                   context: int | None = None, page_size: int = 0) -> dict[str, Any]:
+def compile_decode(
+  config: Config,
+  devices: list[Any] | None = None,
+  hbm_bytes: int | None = None,
+  context: int | None = None,
+  page_size: int = 0,
+) -> dict[str, Any]:
   """Lowers (`lower_decode`) and compiles `config`'s decode step and prefill without running them.
 
   Returns a JSON-safe dict: `lower_decode`'s facts, `decode_step` and `prefill` (each
@@ -134,8 +156,10 @@ def compile_decode(config: Config, devices: list[Any] | None = None, hbm_bytes: 
   """
   start = time.perf_counter()
   facts, lowered = lower_decode(config, devices, context, page_size)
-  programs = {name: aot.compile_program(low, hbm_bytes, f"the {name.replace('_', ' ')}", facts["platform"])
-              for name, low in lowered.items()}
+  programs = {
+    name: aot.compile_program(low, hbm_bytes, f"the {name.replace('_', ' ')}", facts["platform"])
+    for name, low in lowered.items()
+  }
   fits = {"fits": all(p["fits"] for p in programs.values())} if "fits" in programs["decode_step"] else {}
   return {**facts, **programs, **fits, "compile_seconds": round(time.perf_counter() - start, 2)}
 
@@ -144,11 +168,13 @@ def format_report(result: dict[str, Any]) -> str:
   """A short human-readable summary of a `compile_decode` result."""
   mesh = " ".join(f"{k}={v}" for k, v in result["mesh"].items() if v > 1) or "single device"
   layout = f"pages of {result['page_size']} tokens" if result["page_size"] else "contiguous rows"
-  lines = [f"{result['config']}: {result['params']:,} parameters, decoding {result['batch_size']} rows x "
-           f"{result['context']} tokens ({layout}) on {result['devices']} {result['platform']} devices ({mesh}); "
-           f"compiled in {result['compile_seconds']:.1f} s",
-           f"per device: weights {aot.gib(result['weight_bytes_per_device'])}, KV cache "
-           f"{aot.gib(result['kv_cache_bytes_per_device'])} (of {aot.gib(result['kv_cache_bytes'])} in all)"]
+  lines = [
+    f"{result['config']}: {result['params']:,} parameters, decoding {result['batch_size']} rows x "
+    f"{result['context']} tokens ({layout}) on {result['devices']} {result['platform']} devices ({mesh}); "
+    f"compiled in {result['compile_seconds']:.1f} s",
+    f"per device: weights {aot.gib(result['weight_bytes_per_device'])}, KV cache "
+    f"{aot.gib(result['kv_cache_bytes_per_device'])} (of {aot.gib(result['kv_cache_bytes'])} in all)",
+  ]
   for name in ("decode_step", "prefill"):
     lines += [f"{name.replace('_', ' ')}:", *aot.program_lines(result[name], result["platform"], "  ")]
   return "\n".join(lines)

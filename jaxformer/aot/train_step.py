@@ -45,13 +45,23 @@ from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import state_shardings
 from jaxformer.train.step import make_train_call
 
-_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
-          "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
+_UNITS = {
+  "": 1,
+  "B": 1,
+  "KB": 10**3,
+  "MB": 10**6,
+  "GB": 10**9,
+  "TB": 10**12,
+  "KIB": 2**10,
+  "MIB": 2**20,
+  "GIB": 2**30,
+  "TIB": 2**40,
+}
 # The TPU compiler's two out-of-memory messages (sizes such as "27.21G", powers of 1024).
 _SIZE = r"([0-9.]+)\s*([KMGTP]?)i?B?"
 _OOM_PATTERNS = (
-    re.compile(rf"memory required for (?P<what>HLO temporaries) \({_SIZE}\) exceeds available HBM \({_SIZE}\)"),
-    re.compile(rf"memory space hbm\. Used (?P<what>){_SIZE} of {_SIZE} hbm"),
+  re.compile(rf"memory required for (?P<what>HLO temporaries) \({_SIZE}\) exceeds available HBM \({_SIZE}\)"),
+  re.compile(rf"memory space hbm\. Used (?P<what>){_SIZE} of {_SIZE} hbm"),
 )
 
 
@@ -80,15 +90,20 @@ def topology_devices(name: str) -> list[Any]:
   if aot_gpu.is_gpu(name):
     return aot_gpu.gpu_devices(name)
   if importlib.util.find_spec("libtpu") is None:
-    raise ConfigError(f"--topology {name}: no TPU compiler for it here (libtpu is not installed); install it with "
-                      "pip install -e '.[aot]', or use --devices N for simulated CPU devices")
+    raise ConfigError(
+      f"--topology {name}: no TPU compiler for it here (libtpu is not installed); install it with "
+      "pip install -e '.[aot]', or use --devices N for simulated CPU devices"
+    )
   quiet_libtpu()
   from jax.experimental import topologies  # here: the optional path
+
   try:
     return list(topologies.get_topology_desc(name, "tpu").devices)
   except Exception as e:  # noqa: BLE001  (whatever libtpu says of the name: one line)
-    raise ConfigError(f"--topology {name}: libtpu does not know it ({str(e).splitlines()[0][:200]}); write "
-                      "GENERATION:CHIPS, e.g. v5e:4x4, v5p:4x4x8 or v6e:16x16") from None
+    raise ConfigError(
+      f"--topology {name}: libtpu does not know it ({str(e).splitlines()[0][:200]}); write "
+      "GENERATION:CHIPS, e.g. v5e:4x4, v5p:4x4x8 or v6e:16x16"
+    ) from None
 
 
 def device_memory(topology: str | None) -> int | None:
@@ -104,8 +119,10 @@ def topology_mesh(config: Config, devices: list[Any] | None) -> Any:
     return build_mesh(config, devices)
   except NotImplementedError as e:
     cause = str(e).split(". ")[0][:200]
-    raise ConfigError(f"the mesh does not map onto the topology's physical axes ({cause}); make each mesh.* size a "
-                      "product of some of the topology's dimensions") from None
+    raise ConfigError(
+      f"the mesh does not map onto the topology's physical axes ({cause}); make each mesh.* size a "
+      "product of some of the topology's dimensions"
+    ) from None
 
 
 def abstract_batch(config: Config, mesh, rules: sh.Rules) -> dict[str, jax.ShapeDtypeStruct]:
@@ -130,8 +147,12 @@ def memory_parts(compiled) -> dict[str, int]:
   memory = compiled.memory_analysis()
   if memory is None:
     return {}
-  parts = {"argument_bytes": memory.argument_size_in_bytes, "output_bytes": memory.output_size_in_bytes,
-           "alias_bytes": memory.alias_size_in_bytes, "temp_bytes": memory.temp_size_in_bytes}
+  parts = {
+    "argument_bytes": memory.argument_size_in_bytes,
+    "output_bytes": memory.output_size_in_bytes,
+    "alias_bytes": memory.alias_size_in_bytes,
+    "temp_bytes": memory.temp_size_in_bytes,
+  }
   parts["total_bytes"] = parts["argument_bytes"] + parts["output_bytes"] - parts["alias_bytes"] + parts["temp_bytes"]
   return parts
 
@@ -146,8 +167,12 @@ def out_of_memory(message: str) -> dict[str, Any] | None:
     if match:
       need, have = (int(float(match.group(i)) * 1024 ** " KMGTP".index(match.group(i + 1) or " ")) for i in (2, 4))
       line = next(x for x in message.splitlines() if "memory" in x).strip()
-      return {"required_bytes": need, "available_bytes": have, "required_for": match.group("what") or "all buffers",
-              "compiler_message": line.split(". Memory usage report")[0][:400]}
+      return {
+        "required_bytes": need,
+        "available_bytes": have,
+        "required_for": match.group("what") or "all buffers",
+        "compiler_message": line.split(". Memory usage report")[0][:400],
+      }
   return None
 
 
@@ -171,18 +196,24 @@ def compile_program(lowered, hbm_bytes: int | None, what: str, platform: str) ->
     oom = out_of_memory(str(e))
     if oom is None:
       cause = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)[:300]
-      raise CompileError(f"the compiler rejected {what}: {cause}; change the mesh, batch or model options it "
-                         "names, or try `jaxformer compile --devices N` to compile it for CPU devices") from None
+      raise CompileError(
+        f"the compiler rejected {what}: {cause}; change the mesh, batch or model options it "
+        "names, or try `jaxformer compile --devices N` to compile it for CPU devices"
+      ) from None
     result = {"fits": False, **oom, "compile_seconds": round(time.perf_counter() - start, 2)}
     return {**result, "hbm_bytes": hbm_bytes} if hbm_bytes is not None else result
   seconds = time.perf_counter() - start
   parts = memory_parts(compiled)
   total = parts.pop("total_bytes", 0)
   cost, memory = compiled.cost_analysis() or {}, compiled.memory_analysis()
-  result = {**{k: int(v) for k, v in parts.items()},
-            "generated_code_bytes": int(memory.generated_code_size_in_bytes) if memory is not None else 0,
-            "total_bytes_per_device": int(total), "flops": float(cost.get("flops", 0.0)),
-            "bytes_accessed": float(cost.get("bytes accessed", 0.0)), "compile_seconds": round(seconds, 2)}
+  result = {
+    **{k: int(v) for k, v in parts.items()},
+    "generated_code_bytes": int(memory.generated_code_size_in_bytes) if memory is not None else 0,
+    "total_bytes_per_device": int(total),
+    "flops": float(cost.get("flops", 0.0)),
+    "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+    "compile_seconds": round(seconds, 2),
+  }
   if hbm_bytes is not None:
     return {**result, "hbm_bytes": hbm_bytes, "fits": total <= hbm_bytes}
   return {**result, "fits": True} if platform == "tpu" else result
@@ -191,14 +222,22 @@ def compile_program(lowered, hbm_bytes: int | None, what: str, platform: str) ->
 def describe(config: Config, mesh, params: Any) -> dict[str, Any]:
   """The fields every `jaxformer compile` result starts with: config name, devices, platform,
   mesh, parameter count, precision and layout options."""
-  return {"config": config.name, "devices": mesh.devices.size, "platform": mesh.devices.flat[0].platform,
-          "mesh": dict(mesh.shape), "params": sum(x.size for x in jax.tree.leaves(params)),
-          "remat": config.model.remat, "scan_layers": config.model.scan_layers, "compute_dtype": config.model.dtype,
-          "attention": config.model.attention}
+  return {
+    "config": config.name,
+    "devices": mesh.devices.size,
+    "platform": mesh.devices.flat[0].platform,
+    "mesh": dict(mesh.shape),
+    "params": sum(x.size for x in jax.tree.leaves(params)),
+    "remat": config.model.remat,
+    "scan_layers": config.model.scan_layers,
+    "compute_dtype": config.model.dtype,
+    "attention": config.model.attention,
+  }
 
 
-def compile_train_step(config: Config, devices: list[Any] | None = None,
-                       hbm_bytes: int | None = None) -> dict[str, Any]:
+def compile_train_step(
+  config: Config, devices: list[Any] | None = None, hbm_bytes: int | None = None
+) -> dict[str, Any]:
   """Lowers and compiles `config`'s train step on a mesh over `devices` (default: all JAX
   devices) without running it; nothing is allocated but the compiled program.
 
@@ -220,14 +259,20 @@ def compile_train_step(config: Config, devices: list[Any] | None = None,
   lowered, mesh, params = lower_train_step(config, devices)
   lower_seconds = time.perf_counter() - start
   program = compile_program(lowered, hbm_bytes, "the train step", mesh.devices.flat[0].platform)
-  return {**describe(config, mesh, params), "batch_size": config.train.batch_size,
-          "length": config.data.max_length, **program, "lower_seconds": round(lower_seconds, 2),
-          "compile_seconds": round(lower_seconds + program["compile_seconds"], 2),
-          "compile_cpu_seconds": round(time.process_time() - cpu_start, 2)}
+  return {
+    **describe(config, mesh, params),
+    "batch_size": config.train.batch_size,
+    "length": config.data.max_length,
+    **program,
+    "lower_seconds": round(lower_seconds, 2),
+    "compile_seconds": round(lower_seconds + program["compile_seconds"], 2),
+    "compile_cpu_seconds": round(time.process_time() - cpu_start, 2),
+  }
 
 
-def lower_train_step(config: Config, devices: list[Any] | None = None,
-                     platforms: tuple[str, ...] | None = None) -> tuple[Any, Any, Any]:
+def lower_train_step(
+  config: Config, devices: list[Any] | None = None, platforms: tuple[str, ...] | None = None
+) -> tuple[Any, Any, Any]:
   """(the `jax.stages.Lowered` train step of `config` on a mesh over `devices`, the mesh, the
   abstract params), from abstract inputs only. `platforms` (e.g. `("cuda",)`) lowers for another
   platform than the devices' own: StableHLO that platform's compiler would take, checked for
@@ -241,7 +286,7 @@ def lower_train_step(config: Config, devices: list[Any] | None = None,
   rules = sh.rules_for(config.mesh)
   model = get_task(config).make_model()
   tx = make_optimizer(config.optim, config.model.d_model)
-  abstract, shardings = state_shardings(model, tx, mesh, rules)   # jax.eval_shape: nothing allocated
+  abstract, shardings = state_shardings(model, tx, mesh, rules)  # jax.eval_shape: nothing allocated
   state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
   key = jax.eval_shape(lambda: jax.random.key(0))
   rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sh.replicated(mesh))
@@ -253,19 +298,25 @@ def lower_train_step(config: Config, devices: list[Any] | None = None,
 
 def gib(n: int) -> str:
   """`n` bytes as "1.50 GiB" (from 1 GiB) or "3.20 MiB"."""
-  return f"{n / 2 ** 30:,.2f} GiB" if abs(n) >= 2 ** 30 else f"{n / 2 ** 20:,.2f} MiB"
+  return f"{n / 2**30:,.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:,.2f} MiB"
 
 
 def program_lines(program: dict[str, Any], platform: str, indent: str = "") -> list[str]:
   """The per-device memory lines of one `compile_program` result for `platform`, and whether it
   fits (on TPU, a compiled program fits: its compiler checks the device memory)."""
   if "required_bytes" in program:
-    return [f"{indent}does NOT fit: the compiler needs {gib(program['required_bytes'])} "
-            f"({program['required_for']}) of the {gib(program['available_bytes'])} it has per device",
-            f"{indent}  compiler: {program['compiler_message']}"]
+    return [
+      f"{indent}does NOT fit: the compiler needs {gib(program['required_bytes'])} "
+      f"({program['required_for']}) of the {gib(program['available_bytes'])} it has per device",
+      f"{indent}  compiler: {program['compiler_message']}",
+    ]
   lines = [f"{indent}per device:"]
-  for key, label in (("argument", "arguments"), ("output", "outputs"), ("alias", "- aliased (donated)"),
-                     ("temp", "temporaries")):
+  for key, label in (
+    ("argument", "arguments"),
+    ("output", "outputs"),
+    ("alias", "- aliased (donated)"),
+    ("temp", "temporaries"),
+  ):
     lines.append(f"{indent}  {label:<20} {gib(program[key + '_bytes']):>14}")
   lines.append(f"{indent}  {'total':<20} {gib(program['total_bytes_per_device']):>14}")
   if "hbm_bytes" in program:
@@ -279,7 +330,9 @@ def program_lines(program: dict[str, Any], platform: str, indent: str = "") -> l
 def format_report(result: dict[str, Any]) -> str:
   """A short human-readable summary of a `compile_train_step` result."""
   mesh = " ".join(f"{k}={v}" for k, v in result["mesh"].items() if v > 1) or "single device"
-  head = (f"{result['config']}: {result['params']:,} parameters, batch {result['batch_size']} x {result['length']} "
-          f"tokens, on {result['devices']} {result['platform']} devices ({mesh}); compiled in "
-          f"{result['compile_seconds']:.1f} s")
+  head = (
+    f"{result['config']}: {result['params']:,} parameters, batch {result['batch_size']} x {result['length']} "
+    f"tokens, on {result['devices']} {result['platform']} devices ({mesh}); compiled in "
+    f"{result['compile_seconds']:.1f} s"
+  )
   return "\n".join([head, *program_lines(result, result["platform"])])

@@ -45,16 +45,16 @@ FIRST_WORD_ID = 3  # ids 0..2 are padding, EOS and BOS; synthetic batches use re
 # default float32 matmuls run at -- TF32 on Ampere and newer GPUs, bfloat16 passes on TPU --,
 # the bfloat16/float16 rate). The first entry whose name occurs in `device.device_kind` wins.
 PUBLISHED_PEAKS: tuple[tuple[str, float, float], ...] = (
-    ("H100 PCIe", 378e12, 756e12),
-    ("H100", 494.7e12, 989.4e12),    # SXM
-    ("H200", 494.7e12, 989.4e12),
-    ("A100", 156e12, 312e12),
-    ("L4", 60e12, 121e12),
-    ("V100", 15.7e12, 125e12),       # no TF32: plain float32
-    ("TPU v4", 275e12, 275e12),
-    ("TPU v5 lite", 197e12, 197e12),  # v5e
-    ("TPU v5", 459e12, 459e12),      # v5p
-    ("TPU v6 lite", 918e12, 918e12),  # v6e (Trillium)
+  ("H100 PCIe", 378e12, 756e12),
+  ("H100", 494.7e12, 989.4e12),  # SXM
+  ("H200", 494.7e12, 989.4e12),
+  ("A100", 156e12, 312e12),
+  ("L4", 60e12, 121e12),
+  ("V100", 15.7e12, 125e12),  # no TF32: plain float32
+  ("TPU v4", 275e12, 275e12),
+  ("TPU v5 lite", 197e12, 197e12),  # v5e
+  ("TPU v5", 459e12, 459e12),  # v5p
+  ("TPU v6 lite", 918e12, 918e12),  # v6e (Trillium)
 )
 
 
@@ -62,12 +62,13 @@ PUBLISHED_PEAKS: tuple[tuple[str, float, float], ...] = (
 class BenchOptions:
   """What to time: a global batch of `batch_size` pairs of `src_length` source and
   `tgt_length` target tokens; `warmup` untimed steps, then `steps` timed ones."""
+
   batch_size: int
   src_length: int = 32
   tgt_length: int = 32
   steps: int = 10
   warmup: int = 3
-  peer: bool = True              # also time torch.nn.Transformer when PyTorch is installed
+  peer: bool = True  # also time torch.nn.Transformer when PyTorch is installed
 
   def validate(self, model: ModelConfig) -> BenchOptions:
     """These options for `model`: a decoder-only model reads `tgt_length` tokens per row (its
@@ -76,8 +77,10 @@ class BenchOptions:
     task = task_class(model.kind)
     if not task.benchable:
       timed = " and ".join(kind for kind in TASKS if task_class(kind).benchable)
-      raise ConfigError(f"jaxformer bench times {timed} train steps, not "
-                        f"model.kind={model.kind}; use e.g. configs/multi30k_small.yaml or configs/decoder_1b.yaml")
+      raise ConfigError(
+        f"jaxformer bench times {timed} train steps, not "
+        f"model.kind={model.kind}; use e.g. configs/multi30k_small.yaml or configs/decoder_1b.yaml"
+      )
     if not task.translates and self.src_length != self.tgt_length:
       return dataclasses.replace(self, src_length=self.tgt_length).validate(model)
     for name in ("batch_size", "src_length", "tgt_length", "steps"):
@@ -87,8 +90,9 @@ class BenchOptions:
       raise ConfigError(f"bench --warmup must be >= 0, got {self.warmup}")
     longest = max(self.src_length, self.tgt_length)
     if longest > model.max_length:
-      raise ConfigError(f"bench length {longest} exceeds model.max_length={model.max_length}; "
-                        f"add model.max_length={longest}")
+      raise ConfigError(
+        f"bench length {longest} exceeds model.max_length={model.max_length}; add model.max_length={longest}"
+      )
     if model.vocab_size <= FIRST_WORD_ID:
       raise ConfigError(f"model.vocab_size={model.vocab_size} leaves no word ids; use > {FIRST_WORD_ID}")
     return self
@@ -157,14 +161,15 @@ def measure_matmul_peak(size: int = 2048, repeats: int = 10, device: jax.Device 
   a = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal((size, size)), jnp.float32), device)
   matmul = jax.jit(lambda x: x @ x).lower(a).compile()
   matmul(a).block_until_ready()
-  return 2 * size ** 3 / min(time_calls(lambda: matmul(a).block_until_ready(), repeats))
+  return 2 * size**3 / min(time_calls(lambda: matmul(a).block_until_ready(), repeats))
 
 
 def dot_dtypes(stablehlo_text: str) -> collections.Counter:
   """How many `dot_general` ops of each operand element type (e.g. 'f32', 'bf16') a
   lowered program holds: the compute dtype actually used, whatever the config says."""
-  return collections.Counter(re.findall(r"stablehlo\.dot_general [^\n]*?: \(tensor<[0-9x]*([a-z]+[0-9]*)>",
-                                        stablehlo_text))
+  return collections.Counter(
+    re.findall(r"stablehlo\.dot_general [^\n]*?: \(tensor<[0-9x]*([a-z]+[0-9]*)>", stablehlo_text)
+  )
 
 
 def device_peak(compute_dtype: str) -> tuple[float | None, str]:
@@ -179,13 +184,16 @@ def device_peak(compute_dtype: str) -> tuple[float | None, str]:
   return peak * jax.device_count(), f"published ({device.device_kind}, {compute_dtype})"
 
 
-def synthetic_batch(batch_size: int, src_length: int, tgt_length: int, vocab_size: int,
-                    seed: int = 0) -> dict[str, np.ndarray]:
+def synthetic_batch(
+  batch_size: int, src_length: int, tgt_length: int, vocab_size: int, seed: int = 0
+) -> dict[str, np.ndarray]:
   """int32 `inputs` `[batch, src_length]` and `targets` `[batch, tgt_length]`: uniform random
   word ids, no padding, the same for a given seed (so runs on different meshes see one batch)."""
   rng = np.random.default_rng(seed)
-  return {"inputs": rng.integers(FIRST_WORD_ID, vocab_size, (batch_size, src_length), dtype=np.int32),
-          "targets": rng.integers(FIRST_WORD_ID, vocab_size, (batch_size, tgt_length), dtype=np.int32)}
+  return {
+    "inputs": rng.integers(FIRST_WORD_ID, vocab_size, (batch_size, src_length), dtype=np.int32),
+    "targets": rng.integers(FIRST_WORD_ID, vocab_size, (batch_size, tgt_length), dtype=np.int32),
+  }
 
 
 class _JaxTrainer:
@@ -206,8 +214,13 @@ class _JaxTrainer:
 
 def _memory(compiled) -> dict[str, int]:
   """`aot.memory_parts` under this benchmark's JSON names (`peak_memory_bytes`: their total)."""
-  names = {"argument_bytes": "argument_memory_bytes", "output_bytes": "output_memory_bytes",
-           "alias_bytes": "alias_memory_bytes", "temp_bytes": "temp_memory_bytes", "total_bytes": "peak_memory_bytes"}
+  names = {
+    "argument_bytes": "argument_memory_bytes",
+    "output_bytes": "output_memory_bytes",
+    "alias_bytes": "alias_memory_bytes",
+    "temp_bytes": "temp_memory_bytes",
+    "total_bytes": "peak_memory_bytes",
+  }
   return {names[k]: v for k, v in memory_parts(compiled).items()}
 
 
@@ -221,11 +234,12 @@ def _device_memory() -> dict[str, int]:
 @dataclasses.dataclass
 class PreparedStep:
   """A train step lowered for abstract inputs of the benchmark's shapes (nothing allocated)."""
-  config: Config                # with train.batch_size set to the benchmark's batch
+
+  config: Config  # with train.batch_size set to the benchmark's batch
   mesh: Any
   create_state: Callable[[], Any]
   lowered: Any
-  lower_time_s: float           # tracing and lowering the step to StableHLO
+  lower_time_s: float  # tracing and lowering the step to StableHLO
 
 
 def prepare_step(config: Config, options: BenchOptions) -> PreparedStep:
@@ -241,16 +255,24 @@ def prepare_step(config: Config, options: BenchOptions) -> PreparedStep:
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
   k = config.train.steps_per_call
   lead = (k,) if k > 1 else ()
-  batch = {name: jax.ShapeDtypeStruct(lead + (options.batch_size, length), jnp.int32,
-                                      sharding=sh.batch_sharding(mesh, stacked=k > 1, rules=rules))
-           for name, length in (("inputs", options.src_length), ("targets", options.tgt_length))}
+  batch = {
+    name: jax.ShapeDtypeStruct(
+      lead + (options.batch_size, length), jnp.int32, sharding=sh.batch_sharding(mesh, stacked=k > 1, rules=rules)
+    )
+    for name, length in (("inputs", options.src_length), ("targets", options.tgt_length))
+  }
   train_step = make_train_call(model, tx, config, mesh, shardings)
   start = time.perf_counter()
   with sh.bind(mesh, rules):
     lowered = train_step.jitted.lower(abstract, batch, jax.random.key(config.runtime.seed))
   lower_time = time.perf_counter() - start
-  return PreparedStep(config, mesh, lambda: create_state(model, tx, mesh, config.runtime.seed, shardings, rules=rules),
-                      lowered, lower_time)
+  return PreparedStep(
+    config,
+    mesh,
+    lambda: create_state(model, tx, mesh, config.runtime.seed, shardings, rules=rules),
+    lowered,
+    lower_time,
+  )
 
 
 def compute_dtype(lowered) -> str:
@@ -276,12 +298,17 @@ def run_bench(config: Config, options: BenchOptions) -> dict[str, Any]:
   compile_time = prepared.lower_time_s + time.perf_counter() - start  # trace + lower + XLA compile
   dtype = compute_dtype(lowered)
 
-  host_batch = synthetic_batch(options.batch_size, options.src_length, options.tgt_length,
-                               config.model.vocab_size, config.runtime.seed)
+  host_batch = synthetic_batch(
+    options.batch_size, options.src_length, options.tgt_length, config.model.vocab_size, config.runtime.seed
+  )
   k = config.train.steps_per_call
   call_batch = {name: np.stack([a] * k) for name, a in host_batch.items()} if k > 1 else host_batch
-  trainer = _JaxTrainer(compiled, prepared.create_state(), global_batch(call_batch, mesh, sh.rules_for(config.mesh)),
-                        jax.random.key(config.runtime.seed))
+  trainer = _JaxTrainer(
+    compiled,
+    prepared.create_state(),
+    global_batch(call_batch, mesh, sh.rules_for(config.mesh)),
+    jax.random.key(config.runtime.seed),
+  )
   peer = _make_peer(config, host_batch) if options.peer else None
   warmup_calls, calls = -(-options.warmup // k), -(-options.steps // k)
   time_calls(trainer, warmup_calls)
@@ -302,40 +329,72 @@ def run_bench(config: Config, options: BenchOptions) -> dict[str, Any]:
   peak, peak_source = device_peak(dtype)
   achieved = flops / step_time
   result: dict[str, Any] = {
-      "config": config.name, "backend": jax.default_backend(), "num_devices": jax.device_count(),
-      "mesh": dict(mesh.shape), "batch_size": options.batch_size, "src_length": options.src_length,
-      "tgt_length": options.tgt_length, "steps": calls * k, "warmup": warmup_calls * k, "steps_per_call": k,
-      "compute_dtype": dtype, "lower_time_s": prepared.lower_time_s, "compile_time_s": compile_time,
-      "step_time_s": step_time, "step_time_min_s": min(times), "tokens_per_sec": tokens / step_time,
-      "model_flops_per_token": flops / tokens, "model_flops_per_step": flops,
-      # XLA's cost analysis counts a scanned loop's body once, not per step.
-      "xla_flops_per_step": float(lowered.cost_analysis().get("flops", float("nan"))) if k == 1 else None,
-      "achieved_flops": achieved, "peak_flops": peak, "peak_source": peak_source,
-      "mfu": achieved / peak if peak else None, **_memory(compiled), **_device_memory(),
-      # The idle share of the pipeline schedule the step runs (models/pipeline.py); 0 without mesh.stage.
-      "bubble_fraction": pipeline.bubble_fraction if (pipeline := pipeline_for(config, mesh)) else 0.0,
-      "losses": trainer.losses,
+    "config": config.name,
+    "backend": jax.default_backend(),
+    "num_devices": jax.device_count(),
+    "mesh": dict(mesh.shape),
+    "batch_size": options.batch_size,
+    "src_length": options.src_length,
+    "tgt_length": options.tgt_length,
+    "steps": calls * k,
+    "warmup": warmup_calls * k,
+    "steps_per_call": k,
+    "compute_dtype": dtype,
+    "lower_time_s": prepared.lower_time_s,
+    "compile_time_s": compile_time,
+    "step_time_s": step_time,
+    "step_time_min_s": min(times),
+    "tokens_per_sec": tokens / step_time,
+    "model_flops_per_token": flops / tokens,
+    "model_flops_per_step": flops,
+    # XLA's cost analysis counts a scanned loop's body once, not per step.
+    "xla_flops_per_step": float(lowered.cost_analysis().get("flops", float("nan"))) if k == 1 else None,
+    "achieved_flops": achieved,
+    "peak_flops": peak,
+    "peak_source": peak_source,
+    "mfu": achieved / peak if peak else None,
+    **_memory(compiled),
+    **_device_memory(),
+    # The idle share of the pipeline schedule the step runs (models/pipeline.py); 0 without mesh.stage.
+    "bubble_fraction": pipeline.bubble_fraction if (pipeline := pipeline_for(config, mesh)) else 0.0,
+    "losses": trainer.losses,
   }
   if peer is not None:
     peer_step = statistics.median(peer_times)
-    result.update(torch_step_time_s=peer_step, torch_tokens_per_sec=tokens / peer_step,
-                  torch_mfu=flops / peer_step / peak if peak else None,
-                  jax_over_torch=peer_step / step_time, torch_losses=peer.losses, **peer.info())
+    result.update(
+      torch_step_time_s=peer_step,
+      torch_tokens_per_sec=tokens / peer_step,
+      torch_mfu=flops / peer_step / peak if peak else None,
+      jax_over_torch=peer_step / step_time,
+      torch_losses=peer.losses,
+      **peer.info(),
+    )
   return result
 
 
 def _make_peer(config: Config, host_batch: dict[str, np.ndarray]):
   """The torch peer when PyTorch is installed, the backend is CPU (it runs on the host) and
   the model is one `torch.nn.Transformer` can express (the paper's options)."""
-  if (importlib.util.find_spec("torch") is None or jax.default_backend() != "cpu"
-      or not task_class(config.model.kind).translates):
+  if (
+    importlib.util.find_spec("torch") is None
+    or jax.default_backend() != "cpu"
+    or not task_class(config.model.kind).translates
+  ):
     return None
   m = config.model
   if (m.position, m.norm, m.ffn, m.attention, m.kv_heads, m.attn_logit_softcap, m.sliding_window) != (
-      "sinusoidal", "layernorm", "relu", "dense", m.num_heads, 0.0, 0):
+    "sinusoidal",
+    "layernorm",
+    "relu",
+    "dense",
+    m.num_heads,
+    0.0,
+    0,
+  ):
     print("torch peer skipped: torch.nn.Transformer has only the paper's architecture options", file=sys.stderr)
     return None
   from jaxformer.bench.torch_peer import TorchTrainer
+
   return TorchTrainer(config, host_batch["inputs"], host_batch["targets"])
 
 
@@ -352,21 +411,34 @@ def format_table(r: dict[str, Any]) -> str:
   """A human-readable table of a `run_bench` result (jaxformer and, if timed, torch)."""
   peer = "torch_step_time_s" in r
   rows = [
-      ("shape", f"{r['config']}: batch {r['batch_size']}, src {r['src_length']}, tgt {r['tgt_length']}, "
-                f"{r['compute_dtype']}, mesh {r['mesh']}, {r['steps_per_call']} step(s) per call", None),
-      ("compile", f"{r['compile_time_s']:.1f} s", None),
-      ("step time (median)", f"{r['step_time_s'] * 1e3:.0f} ms",
-       f"{r['torch_step_time_s'] * 1e3:.0f} ms" if peer else None),
-      ("target tokens/s", f"{r['tokens_per_sec']:.0f}", f"{r['torch_tokens_per_sec']:.0f}" if peer else None),
-      ("model FLOPs/token", _si(r["model_flops_per_token"], "FLOP"), None),
-      ("achieved", _si(r["achieved_flops"], "FLOP/s"),
-       _si(r["model_flops_per_step"] / r["torch_step_time_s"], "FLOP/s") if peer else None),
-      ("peak", f"{_si(r['peak_flops'], 'FLOP/s')} ({r['peak_source']})", None),
-      ("MFU", f"{r['mfu']:.1%}" if r["mfu"] is not None else "-",
-       f"{r['torch_mfu']:.1%}" if peer and r["torch_mfu"] is not None else None),
-      ("pipeline bubble", f"{r['bubble_fraction']:.1%}", None),
-      ("temp memory", _si(r.get("temp_memory_bytes"), "B"), None),
-      ("peak memory (compiled)", _si(r.get("peak_memory_bytes"), "B"), None),
+    (
+      "shape",
+      f"{r['config']}: batch {r['batch_size']}, src {r['src_length']}, tgt {r['tgt_length']}, "
+      f"{r['compute_dtype']}, mesh {r['mesh']}, {r['steps_per_call']} step(s) per call",
+      None,
+    ),
+    ("compile", f"{r['compile_time_s']:.1f} s", None),
+    (
+      "step time (median)",
+      f"{r['step_time_s'] * 1e3:.0f} ms",
+      f"{r['torch_step_time_s'] * 1e3:.0f} ms" if peer else None,
+    ),
+    ("target tokens/s", f"{r['tokens_per_sec']:.0f}", f"{r['torch_tokens_per_sec']:.0f}" if peer else None),
+    ("model FLOPs/token", _si(r["model_flops_per_token"], "FLOP"), None),
+    (
+      "achieved",
+      _si(r["achieved_flops"], "FLOP/s"),
+      _si(r["model_flops_per_step"] / r["torch_step_time_s"], "FLOP/s") if peer else None,
+    ),
+    ("peak", f"{_si(r['peak_flops'], 'FLOP/s')} ({r['peak_source']})", None),
+    (
+      "MFU",
+      f"{r['mfu']:.1%}" if r["mfu"] is not None else "-",
+      f"{r['torch_mfu']:.1%}" if peer and r["torch_mfu"] is not None else None,
+    ),
+    ("pipeline bubble", f"{r['bubble_fraction']:.1%}", None),
+    ("temp memory", _si(r.get("temp_memory_bytes"), "B"), None),
+    ("peak memory (compiled)", _si(r.get("peak_memory_bytes"), "B"), None),
   ]
   if "device_peak_bytes_in_use" in r:
     rows.append(("device peak in use", _si(r["device_peak_bytes_in_use"], "B"), None))

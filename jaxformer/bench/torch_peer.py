@@ -55,20 +55,28 @@ class PeerTransformer(nn.Module):
     self.target_embed = self.source_embed if m.tie_embeddings else nn.Embedding(m.vocab_size, m.d_model)
     self.output_proj = None if m.tie_embeddings else nn.Linear(m.d_model, m.vocab_size, bias=False)
     for embed in dict.fromkeys([self.source_embed, self.target_embed]):  # as jaxformer's Embed: N(0, 1/d_model)
-      nn.init.normal_(embed.weight, std=m.d_model ** -0.5)
+      nn.init.normal_(embed.weight, std=m.d_model**-0.5)
     with warnings.catch_warnings():  # pre-LN: a note that inference fast paths are off (we train)
       warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
       self.transformer = nn.Transformer(
-          d_model=m.d_model, nhead=m.num_heads, num_encoder_layers=m.num_encoder_layers,
-          num_decoder_layers=m.num_decoder_layers, dim_feedforward=m.d_ff, dropout=m.dropout_rate,
-          activation="relu", layer_norm_eps=1e-6, batch_first=True, norm_first=m.pre_norm)
+        d_model=m.d_model,
+        nhead=m.num_heads,
+        num_encoder_layers=m.num_encoder_layers,
+        num_decoder_layers=m.num_decoder_layers,
+        dim_feedforward=m.d_ff,
+        dropout=m.dropout_rate,
+        activation="relu",
+        layer_norm_eps=1e-6,
+        batch_first=True,
+        norm_first=m.pre_norm,
+      )
     _strip_to_paper(self.transformer, m)
     self.dropout = nn.Dropout(m.dropout_rate)
     table = np.array(sinusoid_table(m.max_length, m.d_model))
     self.register_buffer("positions", torch.from_numpy(table), persistent=False)
 
   def _embed(self, embed: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    x = embed(ids) * self.config.d_model ** 0.5 + self.positions[: ids.shape[1]]
+    x = embed(ids) * self.config.d_model**0.5 + self.positions[: ids.shape[1]]
     return self.dropout(x)
 
   def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -76,12 +84,17 @@ class PeerTransformer(nn.Module):
     `[batch, tgt_len]` (teacher forcing: the decoder reads BOS + targets shifted right)."""
     decoder_inputs = torch.cat([torch.full_like(targets[:, :1], BOS_ID), targets[:, :-1]], dim=1)
     decoder_inputs = decoder_inputs.masked_fill(targets == PAD_ID, PAD_ID)
-    src_pad, tgt_pad = inputs == PAD_ID, decoder_inputs == PAD_ID   # True = masked out
+    src_pad, tgt_pad = inputs == PAD_ID, decoder_inputs == PAD_ID  # True = masked out
     length = targets.shape[1]
     causal = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)
-    y = self.transformer(self._embed(self.source_embed, inputs), self._embed(self.target_embed, decoder_inputs),
-                         tgt_mask=causal, src_key_padding_mask=src_pad, tgt_key_padding_mask=tgt_pad,
-                         memory_key_padding_mask=src_pad)
+    y = self.transformer(
+      self._embed(self.source_embed, inputs),
+      self._embed(self.target_embed, decoder_inputs),
+      tgt_mask=causal,
+      src_key_padding_mask=src_pad,
+      tgt_key_padding_mask=tgt_pad,
+      memory_key_padding_mask=src_pad,
+    )
     if self.output_proj is None:
       return y @ self.target_embed.weight.T
     return self.output_proj(y)
@@ -106,8 +119,9 @@ class TorchTrainer:
     o = config.optim
     lr = float(make_schedule(o, config.model.d_model)(0))
     optim_cls = torch.optim.AdamW if o.weight_decay > 0 else torch.optim.Adam
-    self.optimizer = optim_cls(self.model.parameters(), lr=lr, betas=(o.b1, o.b2), eps=o.eps,
-                               weight_decay=o.weight_decay)
+    self.optimizer = optim_cls(
+      self.model.parameters(), lr=lr, betas=(o.b1, o.b2), eps=o.eps, weight_decay=o.weight_decay
+    )
     self.clip_grad_norm = o.clip_grad_norm
     self.label_smoothing = o.label_smoothing
     self.losses: list[float] = []
@@ -116,8 +130,12 @@ class TorchTrainer:
     """Runs one training step on the fixed batch; returns its loss (float)."""
     self.optimizer.zero_grad(set_to_none=True)
     logits = self.model(self.inputs, self.targets)
-    loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), self.targets.reshape(-1),
-                                       ignore_index=PAD_ID, label_smoothing=self.label_smoothing)
+    loss = nn.functional.cross_entropy(
+      logits.reshape(-1, logits.shape[-1]),
+      self.targets.reshape(-1),
+      ignore_index=PAD_ID,
+      label_smoothing=self.label_smoothing,
+    )
     loss.backward()
     if self.clip_grad_norm > 0:
       nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
@@ -127,5 +145,8 @@ class TorchTrainer:
 
   def info(self) -> dict:
     """`torch_version`, `torch_threads` and `torch_parameters` (trainable scalars) for the bench report."""
-    return {"torch_version": torch.__version__, "torch_threads": self.threads,
-            "torch_parameters": count_parameters(self.model)}
+    return {
+      "torch_version": torch.__version__,
+      "torch_threads": self.threads,
+      "torch_parameters": count_parameters(self.model),
+    }

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jaxformer.checkpoint import manager as ckpt
 from jaxformer.errors import CheckpointError
 
-AVERAGE_FILE = "average.json"   # marks a workdir written by `write_averaged`: which run, which steps
+AVERAGE_FILE = "average.json"  # marks a workdir written by `write_averaged`: which run, which steps
 
 
 def last_steps(checkpointer: ckpt.Checkpointer, n: int) -> list[int]:
@@ -36,8 +36,9 @@ def last_steps(checkpointer: ckpt.Checkpointer, n: int) -> list[int]:
     raise CheckpointError(f"--average-last must be >= 1, got {n}")
   if len(steps) < n:
     raise CheckpointError(
-        f"cannot average the last {n} checkpoints: {checkpointer.directory} holds {len(steps)} ({steps}); "
-        f"train with train.keep_checkpoints >= {n}, or average fewer")
+      f"cannot average the last {n} checkpoints: {checkpointer.directory} holds {len(steps)} ({steps}); "
+      f"train with train.keep_checkpoints >= {n}, or average fewer"
+    )
   return steps[-n:]
 
 

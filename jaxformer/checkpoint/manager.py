@@ -45,10 +45,10 @@ import orbax.checkpoint as ocp
 from jaxformer.errors import CheckpointError
 from jaxformer.runtime.distributed import any_process
 
-if TYPE_CHECKING:   # the train package imports this one
+if TYPE_CHECKING:  # the train package imports this one
   from jaxformer.train.state import TrainState
 
-DAMAGED_DIR = "damaged_checkpoints"   # next to `checkpoints/`: the damaged steps a training run set aside
+DAMAGED_DIR = "damaged_checkpoints"  # next to `checkpoints/`: the damaged steps a training run set aside
 COMMIT_MARKER = "commit_success.txt"
 # TensorStore status codes of an array that cannot be read because its files are damaged.
 _DAMAGE_CODES = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "FAILED_PRECONDITION")
@@ -71,8 +71,9 @@ class Checkpointer:
   naming the step, and its temporary directory is removed.
   """
 
-  def __init__(self, workdir: str | Path, save_every: int = 1000, keep: int = 3, async_save: bool = True,
-               read_only: bool = False):
+  def __init__(
+    self, workdir: str | Path, save_every: int = 1000, keep: int = 3, async_save: bool = True, read_only: bool = False
+  ):
     self.directory = Path(workdir).absolute() / "checkpoints"
     self.damaged_directory = self.directory.with_name(DAMAGED_DIR)
     self._read_only = read_only
@@ -80,12 +81,16 @@ class Checkpointer:
     # Step directories are made before `save` returns: a failure there raises at once (made in
     # the background, it would leave Orbax's other writer threads waiting for them until exit).
     options = ocp.CheckpointManagerOptions(
-        save_interval_steps=save_every, max_to_keep=keep, enable_async_checkpointing=async_save,
-        create=not read_only, read_only=read_only,
-        async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
+      save_interval_steps=save_every,
+      max_to_keep=keep,
+      enable_async_checkpointing=async_save,
+      create=not read_only,
+      read_only=read_only,
+      async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+    )
     self._manager = ocp.CheckpointManager(self.directory, options=options)
-    self._saving: int | None = None   # the step whose save may still be writing
-    self._failed = False              # a failed save was reported
+    self._saving: int | None = None  # the step whose save may still be writing
+    self._failed = False  # a failed save was reported
 
   def latest_step(self) -> int | None:
     """The newest step directory (`restore` falls back if it is damaged); None for a fresh run.
@@ -95,11 +100,11 @@ class Checkpointer:
         starting over would silently abandon them.
     """
     steps = self.all_steps()
-    if not steps and not self._read_only and self.damaged_directory.is_dir() and any(
-        self.damaged_directory.iterdir()):
+    if not steps and not self._read_only and self.damaged_directory.is_dir() and any(self.damaged_directory.iterdir()):
       raise CheckpointError(
-          f"no intact checkpoint in {self.directory}; the damaged ones are in {self.damaged_directory}: "
-          "remove that folder to train from scratch, or pass another --workdir")
+        f"no intact checkpoint in {self.directory}; the damaged ones are in {self.damaged_directory}: "
+        "remove that folder to train from scratch, or pass another --workdir"
+      )
     return max(steps, default=None)
 
   def all_steps(self) -> list[int]:
@@ -117,7 +122,7 @@ class Checkpointer:
     self._wait()
     try:
       saved = self._manager.save(step, args=ocp.args.StandardSave(state), force=force)
-    except Exception as e:   # whatever Orbax or TensorStore raise: one line naming the step and the cause
+    except Exception as e:  # whatever Orbax or TensorStore raise: one line naming the step and the cause
       raise self._save_failed(step, e) from e
     if saved:
       self._saving = step
@@ -138,7 +143,7 @@ class Checkpointer:
       return
     try:
       self._manager.wait_until_finished()
-    except Exception as e:   # raised by the background write
+    except Exception as e:  # raised by the background write
       raise self._save_failed(step, e) from e
 
   def _save_failed(self, step: int, error: BaseException) -> CheckpointError:
@@ -148,8 +153,9 @@ class Checkpointer:
       for tmp in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
         shutil.rmtree(tmp, ignore_errors=True)
     return CheckpointError(
-        f"saving the step-{step} checkpoint in {self.directory} failed ({_cause(error)}); training stopped: "
-        "free disk space or make the workdir writable, then rerun to resume from the last checkpoint")
+      f"saving the step-{step} checkpoint in {self.directory} failed ({_cause(error)}); training stopped: "
+      "free disk space or make the workdir writable, then rerun to resume from the last checkpoint"
+    )
 
   def save_params(self, step: int, params: Any) -> None:
     """Saves `{"step", "params"}` only (no optimizer state) at `step`: what `restore_params`
@@ -179,7 +185,8 @@ class Checkpointer:
     """
     target = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": target_params}
     args = ocp.args.PyTreeRestore(
-        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True)
+      item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+    )
     restored = self._restore(step, lambda s: self._manager.restore(s, args=args))
     return int(restored["step"]), restored["params"]
 
@@ -193,17 +200,21 @@ class Checkpointer:
         raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; available: {steps}")
       result, problem = self._try(step, read)
       if problem is not None:
-        raise CheckpointError(f"checkpoint step {step} in {self.directory} is damaged ({problem}); "
-                              f"pass another --step (steps: {steps}), or none for the newest intact one")
+        raise CheckpointError(
+          f"checkpoint step {step} in {self.directory} is damaged ({problem}); "
+          f"pass another --step (steps: {steps}), or none for the newest intact one"
+        )
       return result
     for candidate in reversed(steps):
       result, problem = self._try(candidate, read)
       if problem is None:
-        self._manager.reload()   # forget the steps set aside, so garbage collection never counts them
+        self._manager.reload()  # forget the steps set aside, so garbage collection never counts them
         return result
       self._set_aside(candidate, problem)
-    raise CheckpointError(f"no intact checkpoint in {self.directory} (steps {steps} are damaged); "
-                          "train into a new --workdir, or remove the damaged steps to start from scratch")
+    raise CheckpointError(
+      f"no intact checkpoint in {self.directory} (steps {steps} are damaged); "
+      "train into a new --workdir, or remove the damaged steps to start from scratch"
+    )
 
   def _try(self, step: int, read: Callable[[int], Any]) -> tuple[Any, str | None]:
     """(`read(step)`, None), or (None, what is wrong) when the step is damaged on any process
@@ -213,7 +224,7 @@ class Checkpointer:
     if problem is None:
       try:
         result = read(step)
-      except Exception as e:   # Orbax wraps TensorStore's errors in several layers: classify the cause
+      except Exception as e:  # Orbax wraps TensorStore's errors in several layers: classify the cause
         problem = _cause(e)
         if not problem.startswith(_DAMAGE_CODES):
           raise CheckpointError(f"cannot restore checkpoint step {step} in {self.directory}: {problem}") from e
@@ -247,13 +258,13 @@ class Checkpointer:
       self._wait()
     finally:
       if self._failed:
-        with contextlib.suppress(Exception):   # Orbax raises the failure reported above again
+        with contextlib.suppress(Exception):  # Orbax raises the failure reported above again
           self._manager.close()
       else:
         self._manager.close()
 
 
-HOST_DATA_FILE_BYTES = 64 << 20   # the OCDBT data files `save_host_params` writes
+HOST_DATA_FILE_BYTES = 64 << 20  # the OCDBT data files `save_host_params` writes
 
 
 def save_host_params(workdir: str | Path, step: int, params: Any, data_file_bytes: int = HOST_DATA_FILE_BYTES) -> None:
@@ -266,12 +277,16 @@ def save_host_params(workdir: str | Path, step: int, params: Any, data_file_byte
   (benchmarks/results/2026-12-03-import-memory.md)."""
   _mute_orbax_noise()
   types = ocp.type_handlers.create_type_handler_registry(
-      (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
-      (jax.Array, ocp.type_handlers.get_type_handler(jax.Array)))
+    (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
+    (jax.Array, ocp.type_handlers.get_type_handler(jax.Array)),
+  )
   handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
   handlers.add("default", ocp.args.PyTreeSave, ocp.PyTreeCheckpointHandler(type_handler_registry=types))
-  options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True,
-                                         async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
+  options = ocp.CheckpointManagerOptions(
+    enable_async_checkpointing=False,
+    create=True,
+    async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+  )
   manager = ocp.CheckpointManager(Path(workdir).absolute() / "checkpoints", options=options, handler_registry=handlers)
   try:
     tree = {"step": jnp.asarray(step, jnp.int32), "params": params}
@@ -291,7 +306,7 @@ def _structure_damage(step_dir: Path) -> str | None:
     json.loads((step_dir / "default" / "_METADATA").read_bytes())
   except FileNotFoundError:
     return "default/_METADATA is missing"
-  except ValueError:   # JSONDecodeError, UnicodeDecodeError
+  except ValueError:  # JSONDecodeError, UnicodeDecodeError
     return "default/_METADATA is not valid JSON"
   return None
 
@@ -304,8 +319,9 @@ def _cause(error: BaseException) -> str:
   if isinstance(error, OSError) and error.strerror:
     return f"{error.strerror}: {error.filename}" if error.filename else error.strerror
   text = (str(error).strip().splitlines() or [type(error).__name__])[0]
-  return re.sub(r'Error opening "\w+" driver: | in OCDBT database at local file "[^"]*"| \[[\w ]+(\[\d+\])?=.*', "",
-                text)[:400]
+  return re.sub(
+    r'Error opening "\w+" driver: | in OCDBT database at local file "[^"]*"| \[[\w ]+(\[\d+\])?=.*', "", text
+  )[:400]
 
 
 def _mute_orbax_noise() -> None:
@@ -349,7 +365,7 @@ def sharded_target(abstract: Any, shardings: Any) -> Any:
 
 CONFIG_FILE = "config.yaml"
 TOKENIZER_FILE = "tokenizer.model"
-SOURCE_TOKENIZER_FILE = "source_tokenizer.model"   # only with separate source/target vocabularies
+SOURCE_TOKENIZER_FILE = "source_tokenizer.model"  # only with separate source/target vocabularies
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -358,7 +374,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
     tmp.write_bytes(data)
     tmp.replace(path)
   except OSError:
-    with contextlib.suppress(OSError):   # leave no half-written temp file (a read-only folder has none)
+    with contextlib.suppress(OSError):  # leave no half-written temp file (a read-only folder has none)
       tmp.unlink()
     raise
 
@@ -371,8 +387,9 @@ def copy_run_files(workdir: str | Path, destination: str | Path) -> None:
       shutil.copyfile(Path(workdir) / name, Path(destination) / name)
 
 
-def save_run_files(workdir: str | Path, config_yaml: str, tokenizer_bytes: bytes,
-                   source_tokenizer_bytes: bytes | None = None) -> None:
+def save_run_files(
+  workdir: str | Path, config_yaml: str, tokenizer_bytes: bytes, source_tokenizer_bytes: bytes | None = None
+) -> None:
   """Writes the resolved config and the tokenizer model (the target's, and the source's
   when the vocabularies are separate) next to the checkpoints, so `eval`/`translate` need
   only the workdir. Each file is replaced atomically.
@@ -389,14 +406,16 @@ def save_run_files(workdir: str | Path, config_yaml: str, tokenizer_bytes: bytes
     if source_tokenizer_bytes is not None:
       _write_atomic(workdir / SOURCE_TOKENIZER_FILE, source_tokenizer_bytes)
   except OSError as e:
-    raise CheckpointError(f"cannot write the run files in --workdir {workdir}: {e.strerror} ({e.filename}); "
-                          "pass a writable directory") from None
+    raise CheckpointError(
+      f"cannot write the run files in --workdir {workdir}: {e.strerror} ({e.filename}); pass a writable directory"
+    ) from None
 
 
 def load_vocabulary(workdir: str | Path):
   """The workdir's `data.Vocabulary` (`tokenizer.model`, and `source_tokenizer.model` when the
   vocabularies are separate), or None before the first run has written it."""
   from jaxformer.data import Vocabulary, tokenizer_from_bytes  # noqa: PLC0415
+
   workdir = Path(workdir)
   if not (workdir / TOKENIZER_FILE).is_file():
     return None
@@ -414,5 +433,6 @@ def run_file(workdir: str | Path, name: str) -> Path:
   path = Path(workdir) / name
   if not path.is_file():
     raise CheckpointError(
-        f"{path} is missing: {workdir} is not a jaxformer workdir; pass the --workdir of a `jaxformer train` run")
+      f"{path} is missing: {workdir} is not a jaxformer workdir; pass the --workdir of a `jaxformer train` run"
+    )
   return path

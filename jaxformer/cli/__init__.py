@@ -23,8 +23,9 @@ GROUPS = (train, inference, tools, plots, interop)
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="jaxformer", description="Train and use Transformer models in JAX.",
-                              epilog=CONFIG_HINT)
+  p = argparse.ArgumentParser(
+    prog="jaxformer", description="Train and use Transformer models in JAX.", epilog=CONFIG_HINT
+  )
   sub = p.add_subparsers(dest="command", required=True)
   for group in GROUPS:
     group.add_parsers(sub)
@@ -39,15 +40,16 @@ def main(argv: list[str] | None = None) -> int:
   """
   commands = {name: command for group in GROUPS for name, command in group.COMMANDS.items()}
   try:
-    args = parse_command_line(_parser(), argv)   # inside: a Ctrl-C while parsing exits 130 like one during the command
+    args = parse_command_line(_parser(), argv)  # inside: a Ctrl-C while parsing exits 130 like one during the command
     commands[args.command](args)
   except (ConfigError, CheckpointError, NonFiniteError, FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:
     from jaxformer.runtime.interrupt import exit_interrupted
-    exit_interrupted()   # status 130 (SIGINT) or 143 (SIGTERM), without a teardown that native threads could race
-  except BrokenPipeError:   # stdout closed early (`| head`): stop quietly
+
+    exit_interrupted()  # status 130 (SIGINT) or 143 (SIGTERM), without a teardown that native threads could race
+  except BrokenPipeError:  # stdout closed early (`| head`): stop quietly
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
   return 0

@@ -12,13 +12,19 @@ from pathlib import Path
 
 def add_parsers(sub) -> None:
   """Adds the `plot` and `attention` subcommands to the `jaxformer` subparsers `sub`."""
-  p = sub.add_parser("plot", help="draw training loss, validation loss and learning rate against step for one or "
-                     "more workdirs (overlaid, legend by workdir name) as a PNG")
+  p = sub.add_parser(
+    "plot",
+    help="draw training loss, validation loss and learning rate against step for one or "
+    "more workdirs (overlaid, legend by workdir name) as a PNG",
+  )
   p.add_argument("--workdir", required=True, nargs="+", metavar="DIR", help="workdirs with a metrics.jsonl")
   p.add_argument("--out", required=True, metavar="FILE.png", help="the PNG to write")
 
-  a = sub.add_parser("attention", help="draw encoder self-, decoder self- and encoder-decoder attention of every "
-                     "layer and head for one sentence pair, tokens on the axes, as a PNG")
+  a = sub.add_parser(
+    "attention",
+    help="draw encoder self-, decoder self- and encoder-decoder attention of every "
+    "layer and head for one sentence pair, tokens on the axes, as a PNG",
+  )
   a.add_argument("--workdir", required=True)
   a.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   a.add_argument("--text", required=True, help="the source sentence (a language model's text)")
@@ -30,6 +36,7 @@ def add_parsers(sub) -> None:
 def cmd_plot(args: argparse.Namespace) -> None:
   """`jaxformer plot`: draws the training curves of the workdirs to `--out` (PNG)."""
   from jaxformer import plots
+
   plots.plot_training(args.workdir, args.out)
   print(json.dumps({"out": args.out, "workdirs": args.workdir}), flush=True)
 
@@ -39,10 +46,12 @@ def cmd_attention(args: argparse.Namespace) -> None:
   from jaxformer import plots
   from jaxformer.config import runtime_from_overrides
   from jaxformer.runtime.startup import init_runtime
-  plots.check_out(args.out)   # before the minute a restore and a decode may take
+
+  plots.check_out(args.out)  # before the minute a restore and a decode may take
   init_runtime(runtime_from_overrides(args.overrides))
   from jaxformer.inference import restore as inference_restore
   from jaxformer.inference.attention_maps import attention_maps
+
   config = inference_restore.workdir_config(args.workdir, args.overrides)
   restored = inference_restore.restore(args.workdir, config, args.step)
   result = attention_maps(restored, args.text, args.target)

@@ -27,7 +27,21 @@ from jaxformer.config.schema import parse_override
 from jaxformer.errors import ConfigError
 
 __all__ = [
-  "PLATFORMS", "Config", "ConfigError", "DataConfig", "MeshConfig", "ModelConfig", "OptimConfig", "PrecisionConfig",
-  "RuntimeConfig", "TrainConfig", "check_directory", "config_from_dict", "dump_config", "load_config",
-  "parse_override", "runtime_from_overrides", "to_dict",
+  "PLATFORMS",
+  "Config",
+  "ConfigError",
+  "DataConfig",
+  "MeshConfig",
+  "ModelConfig",
+  "OptimConfig",
+  "PrecisionConfig",
+  "RuntimeConfig",
+  "TrainConfig",
+  "check_directory",
+  "config_from_dict",
+  "dump_config",
+  "load_config",
+  "parse_override",
+  "runtime_from_overrides",
+  "to_dict",
 ]

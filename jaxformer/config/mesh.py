@@ -29,13 +29,14 @@ class MeshConfig:
   Positional order is data, fsdp, tensor (as before the other axes existed), so
   `MeshConfig(2, 2, 2)` keeps meaning data=2, fsdp=2, tensor=2.
   """
-  data: int = -1                # devices on the data axis (batch only); -1 = the rest
-  fsdp: int = 1                 # devices on the fsdp axis (batch and every parameter, ZeRO-3)
-  tensor: int = 1               # devices on the tensor axis (heads, d_ff, vocabulary)
-  stage: int = 1                # devices on the stage axis (pipeline stages)
-  context: int = 1              # devices on the context axis (the length of activations)
-  expert: int = 1               # devices on the expert axis (mixture-of-experts experts)
-  rules: str = ""               # overrides of sharding.LOGICAL_RULES, e.g. "embed=none,act_batch=data"
+
+  data: int = -1  # devices on the data axis (batch only); -1 = the rest
+  fsdp: int = 1  # devices on the fsdp axis (batch and every parameter, ZeRO-3)
+  tensor: int = 1  # devices on the tensor axis (heads, d_ff, vocabulary)
+  stage: int = 1  # devices on the stage axis (pipeline stages)
+  context: int = 1  # devices on the context axis (the length of activations)
+  expert: int = 1  # devices on the expert axis (mixture-of-experts experts)
+  rules: str = ""  # overrides of sharding.LOGICAL_RULES, e.g. "embed=none,act_batch=data"
 
   @property
   def sizes(self) -> dict[str, int]:
@@ -62,14 +63,16 @@ class MeshConfig:
     given = {name: size for name, size in sizes.items() if size != 1}
     if free:
       if num_devices % known:
-        raise ConfigError(f"mesh sizes {given} cannot fill {num_devices} devices: "
-                          f"{known} does not divide {num_devices}")
+        raise ConfigError(
+          f"mesh sizes {given} cannot fill {num_devices} devices: {known} does not divide {num_devices}"
+        )
       sizes[free[0]] = num_devices // known
     product = math.prod(sizes.values())
     if product != num_devices:
       used = "*".join(f"{n}" for n, s in sizes.items() if s != 1) or "data"
       raise ConfigError(
-          f"mesh {used} = {'*'.join(str(s) for s in sizes.values() if s != 1) or 1} = {product} but there are "
-          f"{num_devices} devices; e.g. use mesh.data={num_devices} (other axes 1) or mesh.data=-1 "
-          "(or runtime.num_cpu_devices to simulate more CPU devices)")
+        f"mesh {used} = {'*'.join(str(s) for s in sizes.values() if s != 1) or 1} = {product} but there are "
+        f"{num_devices} devices; e.g. use mesh.data={num_devices} (other axes 1) or mesh.data=-1 "
+        "(or runtime.num_cpu_devices to simulate more CPU devices)"
+      )
     return sizes

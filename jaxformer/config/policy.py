@@ -21,6 +21,7 @@ KEYS = ("params", "compute", "output")
 @dataclasses.dataclass(frozen=True)
 class Policy:
   """Dtype names of parameters, compute and outputs (`float32`, `bfloat16` or `float16`)."""
+
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
   output_dtype: str = "float32"

@@ -120,6 +120,7 @@ def _field_comments(cls: type) -> dict[str, str]:
   """The trailing `# comment` of each field line in `cls`'s source (its description)."""
   import inspect  # noqa: PLC0415
   import re  # noqa: PLC0415
+
   try:
     source = inspect.getsource(cls)
   except (OSError, TypeError):
@@ -143,6 +144,13 @@ def describe(config: Any, prefix: str = "") -> list[dict[str, Any]]:
       rows += describe(value, key + ".")
       continue
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-    rows.append({"key": key, "value": to_plain(value), "type": _type_name(hints[f.name]).replace("typing.", ""),
-                 "default": to_plain(default), "description": comments.get(f.name, "")})
+    rows.append(
+      {
+        "key": key,
+        "value": to_plain(value),
+        "type": _type_name(hints[f.name]).replace("typing.", ""),
+        "default": to_plain(default),
+        "description": comments.get(f.name, ""),
+      }
+    )
   return rows

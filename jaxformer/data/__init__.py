@@ -46,12 +46,13 @@ from jaxformer.data.vocab import Vocabulary, fit_vocab_size, make_vocabulary
 from jaxformer.data.windows import ArrayStream, WindowBatches, window_eval_batches
 from jaxformer.errors import DataError
 
-HELD_OUT_PAIRS = 1000         # validation pairs taken from the end of train when no validation split is given
+HELD_OUT_PAIRS = 1000  # validation pairs taken from the end of train when no validation split is given
 HELD_OUT_TEXT_FRACTION = 0.1  # the same for text: this share of the train tokens
 
 
-def load_data(config, kind: str, reserved_ids: int = 0, vocab: Vocabulary | None = None,
-              only: tuple[str, ...] | None = None) -> tuple[Vocabulary, dict[str, Any]]:
+def load_data(
+  config, kind: str, reserved_ids: int = 0, vocab: Vocabulary | None = None, only: tuple[str, ...] | None = None
+) -> tuple[Vocabulary, dict[str, Any]]:
   """The vocabulary and prepared splits of the configured dataset.
 
   Args:
@@ -94,11 +95,16 @@ def load_data(config, kind: str, reserved_ids: int = 0, vocab: Vocabulary | None
     n = len(train)
     held = min(HELD_OUT_PAIRS, n // 10) if kind == PAIRS else int(n * HELD_OUT_TEXT_FRACTION)
     if held < 1:
-      raise DataError(f"the train split has {n} {'pairs' if kind == PAIRS else 'tokens'}, too few to hold out "
-                      "a validation split; give data.validation_files")
+      raise DataError(
+        f"the train split has {n} {'pairs' if kind == PAIRS else 'tokens'}, too few to hold out "
+        "a validation split; give data.validation_files"
+      )
     splits["train"], splits["validation"] = train.subset(0, n - held), train.subset(n - held, n)
-    print(f"no validation split: holding out the last {held} {'pairs' if kind == PAIRS else 'tokens'} of train",
-          file=sys.stderr, flush=True)
+    print(
+      f"no validation split: holding out the last {held} {'pairs' if kind == PAIRS else 'tokens'} of train",
+      file=sys.stderr,
+      flush=True,
+    )
   return vocab, splits
 
 
@@ -106,13 +112,16 @@ def absolute_paths(config):
   """`config` with its data paths (files, tokenizer model, data dirs) made absolute, so the
   config saved in a workdir works from any directory."""
   import dataclasses  # noqa: PLC0415
+
   data = config.data
 
   def absolute(spec: str) -> str:
     return ",".join(os.path.abspath(os.path.expanduser(p.strip())) for p in spec.split(",") if p.strip())
+
   keys = ("train_files", "validation_files", "test_files", "tokenizer_model", "data_dir", "tfds_data_dir")
-  return dataclasses.replace(config, data=dataclasses.replace(
-      data, **{k: absolute(getattr(data, k)) for k in keys if getattr(data, k)}))
+  return dataclasses.replace(
+    config, data=dataclasses.replace(data, **{k: absolute(getattr(data, k)) for k in keys if getattr(data, k)})
+  )
 
 
 def pair_batches(config, splits, process_index: int = 0, process_count: int = 1):
@@ -124,26 +133,40 @@ def pair_batches(config, splits, process_index: int = 0, process_count: int = 1)
   if data.packing:
     train = PackedBatches(splits["train"], batch_size, data.max_length, seed=seed, **process)
   else:
-    train = TrainBatches(splits["train"], batch_size, data.buckets, seed=seed, group=config.train.steps_per_call,
-                         **process)
+    train = TrainBatches(
+      splits["train"], batch_size, data.buckets, seed=seed, group=config.train.steps_per_call, **process
+    )
   return train, eval_batches(splits["validation"], batch_size, data.buckets, **process)
 
 
 def window_batches(config, splits, shift: bool, process_index: int = 0, process_count: int = 1):
   """(training batches, validation batches) of token windows of `data.max_length` for this
   process; `shift`: targets one token ahead (causal LM), else the inputs (masked LM)."""
-  kw = dict(shift=shift, packing=config.data.packing, process_index=process_index, process_count=process_count,
-            pad_id=config.model.pad_id)
-  train = WindowBatches(splits["train"], config.train.batch_size, config.data.max_length, seed=config.runtime.seed,
-                        **kw)
+  kw = dict(
+    shift=shift,
+    packing=config.data.packing,
+    process_index=process_index,
+    process_count=process_count,
+    pad_id=config.model.pad_id,
+  )
+  train = WindowBatches(
+    splits["train"], config.train.batch_size, config.data.max_length, seed=config.runtime.seed, **kw
+  )
   return train, lm_eval_batches(config, splits["validation"], shift, process_index, process_count)
 
 
 def lm_eval_batches(config, split, shift: bool, process_index: int = 0, process_count: int = 1):
   """A whole split once in consecutive windows of `data.max_length` (`window_eval_batches`)."""
-  return window_eval_batches(split, config.train.batch_size, config.data.max_length, shift=shift,
-                             packing=config.data.packing, process_index=process_index, process_count=process_count,
-                             pad_id=config.model.pad_id)
+  return window_eval_batches(
+    split,
+    config.train.batch_size,
+    config.data.max_length,
+    shift=shift,
+    packing=config.data.packing,
+    process_index=process_index,
+    process_count=process_count,
+    pad_id=config.model.pad_id,
+  )
 
 
 def global_batch(local: dict[str, np.ndarray], mesh, rules=None) -> dict[str, Any]:
@@ -153,16 +176,52 @@ def global_batch(local: dict[str, np.ndarray], mesh, rules=None) -> dict[str, An
   import jax  # noqa: PLC0415
 
   from jaxformer import sharding as sh  # noqa: PLC0415
+
   sharding = sh.batch_sharding(mesh, stacked=local["inputs"].ndim == 3, rules=rules or sh.LOGICAL_RULES)
   return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items() if k != "index"}
 
 
 __all__ = [
-    "BOS_ID", "DEFAULT_BUCKETS", "EOS_ID", "HELD_OUT_PAIRS", "PAD_ID", "PAIRS", "SOURCES", "SPLITS", "TEXT",
-    "UNK_ID", "ArrayStream", "absolute_paths", "CharTokenizer", "PackedBatches", "PreparedPairs",
-    "PreparedText", "TokenizedSplit", "Tokenizer", "TrainBatches", "Vocabulary", "WindowBatches", "eval_batches",
-    "first_fit", "fit_vocab_size", "global_batch", "lm_eval_batches", "load_data", "make_buckets", "make_source",
-    "make_vocabulary",
-    "pack_rows", "padding_fraction", "pair_batches", "prepare_pairs", "prepare_text", "shard_rows", "source_key",
-    "stack_batches", "tokenize_split", "tokenizer_from_bytes", "train_tokenizer", "window_batches",
+  "BOS_ID",
+  "DEFAULT_BUCKETS",
+  "EOS_ID",
+  "HELD_OUT_PAIRS",
+  "PAD_ID",
+  "PAIRS",
+  "SOURCES",
+  "SPLITS",
+  "TEXT",
+  "UNK_ID",
+  "ArrayStream",
+  "absolute_paths",
+  "CharTokenizer",
+  "PackedBatches",
+  "PreparedPairs",
+  "PreparedText",
+  "TokenizedSplit",
+  "Tokenizer",
+  "TrainBatches",
+  "Vocabulary",
+  "WindowBatches",
+  "eval_batches",
+  "first_fit",
+  "fit_vocab_size",
+  "global_batch",
+  "lm_eval_batches",
+  "load_data",
+  "make_buckets",
+  "make_source",
+  "make_vocabulary",
+  "pack_rows",
+  "padding_fraction",
+  "pair_batches",
+  "prepare_pairs",
+  "prepare_text",
+  "shard_rows",
+  "source_key",
+  "stack_batches",
+  "tokenize_split",
+  "tokenizer_from_bytes",
+  "train_tokenizer",
+  "window_batches",
 ]

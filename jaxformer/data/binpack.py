@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-ROUNDS = 40     # repair rounds at most
+ROUNDS = 40  # repair rounds at most
 POOL_ROWS = 32  # rows emptied into the pool each round
 
 
@@ -52,11 +52,11 @@ def first_fit(src_lengths: np.ndarray, tgt_lengths: np.ndarray, length: int) -> 
   if len(src_lengths) and max(src_lengths.max(), tgt_lengths.max()) > length:
     raise ValueError(f"a pair is longer than the packed row length {length}; prepare with data.max_length <= it")
   order = np.argsort(-(src_lengths.astype(np.int64) + tgt_lengths), kind="stable")
-  room = np.empty((len(order), 2), np.int64)   # free tokens of each open row: source, target
+  room = np.empty((len(order), 2), np.int64)  # free tokens of each open row: source, target
   rows: list[list[int]] = []
   for i in order:
     need = (src_lengths[i], tgt_lengths[i])
-    fits = np.flatnonzero((room[:len(rows), 0] >= need[0]) & (room[:len(rows), 1] >= need[1]))
+    fits = np.flatnonzero((room[: len(rows), 0] >= need[0]) & (room[: len(rows), 1] >= need[1]))
     if len(fits):
       r = fits[0]
       rows[r].append(int(i))
@@ -67,8 +67,9 @@ def first_fit(src_lengths: np.ndarray, tgt_lengths: np.ndarray, length: int) -> 
   return rows
 
 
-def pack_pairs(src_lengths: np.ndarray, tgt_lengths: np.ndarray, length: int, *, rounds: int = ROUNDS,
-               pool_rows: int = POOL_ROWS) -> list[list[int]]:
+def pack_pairs(
+  src_lengths: np.ndarray, tgt_lengths: np.ndarray, length: int, *, rounds: int = ROUNDS, pool_rows: int = POOL_ROWS
+) -> list[list[int]]:
   """Rows of pair indices as `first_fit` gives, repaired into fewer rows (see the module docstring).
 
   Args:
@@ -94,7 +95,7 @@ def pack_pairs(src_lengths: np.ndarray, tgt_lengths: np.ndarray, length: int, *,
   rows = [list(row) for row in best] + [[] for _ in range(len(s) - len(best))]
   row_of = np.zeros_like(s)
   room_s, room_t, spare_s, spare_t = (np.full_like(s, -1) for _ in range(4))
-  room_w, spare_w = np.zeros_like(s), np.zeros_like(s)   # weighted: ws * room_s + wt * room_t
+  room_w, spare_w = np.zeros_like(s), np.zeros_like(s)  # weighted: ws * room_s + wt * room_t
 
   def update(r: int) -> None:
     row = rows[r]
@@ -105,7 +106,7 @@ def pack_pairs(src_lengths: np.ndarray, tgt_lengths: np.ndarray, length: int, *,
 
   for r in range(len(best)):
     update(r)
-  used = len(best)   # rows[used:] have always been empty
+  used = len(best)  # rows[used:] have always been empty
   for _ in range(rounds):
     emptied = np.argsort(-room_w[:used], kind="stable")[:pool_rows]
     pool = [p for r in emptied for p in rows[r]]
@@ -116,7 +117,7 @@ def pack_pairs(src_lengths: np.ndarray, tgt_lengths: np.ndarray, length: int, *,
     for p in sorted(pool, key=lambda p: -size[p]):
       fit = np.where((room_s[:used] >= s[p]) & (room_t[:used] >= t[p]), room_w[:used], never)
       r = int(np.argmin(fit))
-      if fit[r] == never:   # p takes the place of a smaller pair q, which goes back to the pool
+      if fit[r] == never:  # p takes the place of a smaller pair q, which goes back to the pool
         swap = np.where((spare_s >= s[p]) & (spare_t >= t[p]) & (size < size[p]), spare_w, never)
         q = int(np.argmin(swap))
         if swap[q] == never:

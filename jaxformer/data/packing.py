@@ -28,24 +28,27 @@ from jaxformer.data.tokenizer import PAD_ID
 PACK_CHUNK = 8192  # pairs packed together; bounds the packing's work per pair, so an epoch packs in linear time
 
 
-def pack_rows(sources: list[list[np.ndarray]], targets: list[list[np.ndarray]], length: int,
-              pad_id: int = PAD_ID) -> dict[str, np.ndarray]:
+def pack_rows(
+  sources: list[list[np.ndarray]], targets: list[list[np.ndarray]], length: int, pad_id: int = PAD_ID
+) -> dict[str, np.ndarray]:
   """A packed batch from per-row lists of source / target id arrays, padded with `pad_id`.
 
   Returns int32 `[rows, length]` arrays: `inputs`, `targets`, `inputs_segment_ids`,
   `targets_segment_ids` (k for the row's k-th pair, 0 on padding), `inputs_positions`,
   `targets_positions` (0 at each pair's first token, 0 on padding).
   """
-  out = {k: np.zeros((len(sources), length), np.int32) for k in
-         ("inputs", "targets", "inputs_segment_ids", "targets_segment_ids", "inputs_positions", "targets_positions")}
+  out = {
+    k: np.zeros((len(sources), length), np.int32)
+    for k in ("inputs", "targets", "inputs_segment_ids", "targets_segment_ids", "inputs_positions", "targets_positions")
+  }
   out["inputs"][:] = out["targets"][:] = pad_id
   for r, (row_src, row_tgt) in enumerate(zip(sources, targets)):
     for side, row in (("inputs", row_src), ("targets", row_tgt)):
       at = 0
       for k, ids in enumerate(row, 1):
-        out[side][r, at:at + len(ids)] = ids
-        out[f"{side}_segment_ids"][r, at:at + len(ids)] = k
-        out[f"{side}_positions"][r, at:at + len(ids)] = np.arange(len(ids))
+        out[side][r, at : at + len(ids)] = ids
+        out[f"{side}_segment_ids"][r, at : at + len(ids)] = k
+        out[f"{side}_positions"][r, at : at + len(ids)] = np.arange(len(ids))
         at += len(ids)
   return out
 
@@ -58,8 +61,19 @@ class PackedBatches(StepBatches):
   split (`lengths`, `side_lengths` or `inputs`/`targets`, `fetch`).
   """
 
-  def __init__(self, data, batch_size: int, length: int, *, seed: int = 0, process_index: int = 0,
-               process_count: int = 1, prefetch: int = 4, num_threads: int = 1, pad_id: int = PAD_ID):
+  def __init__(
+    self,
+    data,
+    batch_size: int,
+    length: int,
+    *,
+    seed: int = 0,
+    process_index: int = 0,
+    process_count: int = 1,
+    prefetch: int = 4,
+    num_threads: int = 1,
+    pad_id: int = PAD_ID,
+  ):
     self._data, self.batch_size, self.length, self.seed, self.pad_id = data, batch_size, length, seed, pad_id
     self._rows = shard_rows(batch_size, process_index, process_count)
     sides = getattr(data, "side_lengths", None)
@@ -71,8 +85,10 @@ class PackedBatches(StepBatches):
     self._plans: dict[int, list[list[int]]] = {}
     self.batches_per_epoch = len(self._epoch_rows(0)) // batch_size
     if self.batches_per_epoch < 1:
-      raise ValueError(f"the training split packs into {len(self._epoch_rows(0))} rows, fewer than "
-                       f"batch_size={batch_size}; lower train.batch_size")
+      raise ValueError(
+        f"the training split packs into {len(self._epoch_rows(0))} rows, fewer than "
+        f"batch_size={batch_size}; lower train.batch_size"
+      )
 
   def _epoch_rows(self, epoch: int) -> list[list[int]]:
     with self._lock:
@@ -82,7 +98,7 @@ class PackedBatches(StepBatches):
     order = rng.permutation(len(self._src))
     rows: list[list[int]] = []
     for start in range(0, len(order), PACK_CHUNK):
-      chunk = order[start:start + PACK_CHUNK]
+      chunk = order[start : start + PACK_CHUNK]
       rows += [[int(chunk[i]) for i in row] for row in pack_pairs(self._src[chunk], self._tgt[chunk], self.length)]
     rows = [rows[i] for i in rng.permutation(len(rows))]
     with self._lock:
@@ -103,5 +119,6 @@ class PackedBatches(StepBatches):
     flat = [i for row in rows for i in row]
     sources, targets = self._data.fetch(np.asarray(flat, np.int64))
     it_s, it_t = iter(sources), iter(targets)
-    return pack_rows([[next(it_s) for _ in row] for row in rows], [[next(it_t) for _ in row] for row in rows],
-                     self.length, self.pad_id)
+    return pack_rows(
+      [[next(it_s) for _ in row] for row in rows], [[next(it_t) for _ in row] for row in rows], self.length, self.pad_id
+    )

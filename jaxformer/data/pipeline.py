@@ -46,8 +46,10 @@ def sentence_ids(tokenizer, texts: Sequence[str], eos_id: int | None = None) -> 
   """
   eos = tokenizer.special_ids.eos if eos_id is None else eos_id
   if eos < 0:
-    raise ValueError("the tokenizer has no EOS token, which ends every translation source and target; "
-                     "use a tokenizer with an eos_token")
+    raise ValueError(
+      "the tokenizer has no EOS token, which ends every translation source and target; "
+      "use a tokenizer with an eos_token"
+    )
   return plain_ids(tokenizer, texts), eos
 
 
@@ -71,6 +73,7 @@ class TokenizedSplit:
     max_length: length limit the split was built with (tokens, incl. EOS).
     num_dropped: overlong pairs dropped. num_truncated: pairs truncated.
   """
+
   inputs: list[np.ndarray]
   targets: list[np.ndarray]
   source_texts: list[str]
@@ -86,18 +89,22 @@ class TokenizedSplit:
   @property
   def lengths(self) -> np.ndarray:
     """``int32 [n]``: max(source length, target length) per example."""
-    return np.array([max(len(s), len(t)) for s, t in
-                     zip(self.inputs, self.targets)], dtype=np.int32)
+    return np.array([max(len(s), len(t)) for s, t in zip(self.inputs, self.targets)], dtype=np.int32)
 
   def fetch(self, ids) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """(source id arrays, target id arrays) of example ``ids``."""
     return [self.inputs[i] for i in ids], [self.targets[i] for i in ids]
 
 
-def tokenize_split(tokenizer: Tokenizer, source_texts: Sequence[str],
-                   target_texts: Sequence[str], max_length: int,
-                   overlong: str = "truncate",
-                   target_tokenizer: Tokenizer | None = None, eos_id: int | None = None) -> TokenizedSplit:
+def tokenize_split(
+  tokenizer: Tokenizer,
+  source_texts: Sequence[str],
+  target_texts: Sequence[str],
+  max_length: int,
+  overlong: str = "truncate",
+  target_tokenizer: Tokenizer | None = None,
+  eos_id: int | None = None,
+) -> TokenizedSplit:
   """Tokenize a parallel split and enforce ``max_length`` (tokens incl. EOS).
 
   ``target_tokenizer`` encodes the targets when the vocabularies are separate
@@ -108,11 +115,9 @@ def tokenize_split(tokenizer: Tokenizer, source_texts: Sequence[str],
   ``"truncate"`` keeps the first ``max_length - 1`` tokens plus EOS.
   """
   if overlong not in OVERLONG_MODES:
-    raise ValueError(f"overlong={overlong!r} is invalid; use one of "
-                     f"{OVERLONG_MODES}.")
+    raise ValueError(f"overlong={overlong!r} is invalid; use one of {OVERLONG_MODES}.")
   if len(source_texts) != len(target_texts):
-    raise ValueError(f"got {len(source_texts)} sources but "
-                     f"{len(target_texts)} targets; pass aligned lists.")
+    raise ValueError(f"got {len(source_texts)} sources but {len(target_texts)} targets; pass aligned lists.")
   if max_length < 2:
     raise ValueError(f"max_length={max_length} is too small; use >= 2.")
   src_ids, src_eos = sentence_ids(tokenizer, source_texts, eos_id)
@@ -125,39 +130,40 @@ def tokenize_split(tokenizer: Tokenizer, source_texts: Sequence[str],
         dropped += 1
         continue
       truncated += 1
-      s, t = s[:max_length - 1], t[:max_length - 1]
+      s, t = s[: max_length - 1], t[: max_length - 1]
     inputs.append(np.array(s + [src_eos], dtype=np.int32))
     targets.append(np.array(t + [tgt_eos], dtype=np.int32))
     keep.append(i)
   return TokenizedSplit(
-      inputs=inputs, targets=targets,
-      source_texts=[source_texts[i] for i in keep],
-      target_texts=[target_texts[i] for i in keep],
-      index=np.array(keep, dtype=np.int64), max_length=max_length,
-      num_dropped=dropped, num_truncated=truncated)
+    inputs=inputs,
+    targets=targets,
+    source_texts=[source_texts[i] for i in keep],
+    target_texts=[target_texts[i] for i in keep],
+    index=np.array(keep, dtype=np.int64),
+    max_length=max_length,
+    num_dropped=dropped,
+    num_truncated=truncated,
+  )
 
 
-def make_buckets(max_length: int,
-                 base: Sequence[int] = DEFAULT_BUCKETS) -> tuple[int, ...]:
+def make_buckets(max_length: int, base: Sequence[int] = DEFAULT_BUCKETS) -> tuple[int, ...]:
   """Buckets of ``base`` below ``max_length``, plus ``max_length`` last."""
   return tuple(b for b in base if b < max_length) + (int(max_length),)
 
 
 def _check_buckets(buckets: Sequence[int], data) -> tuple[int, ...]:
   buckets = tuple(int(b) for b in buckets)
-  if not buckets or any(b <= 0 for b in buckets) or list(buckets) != sorted(
-      set(buckets)):
-    raise ValueError(f"buckets={buckets} must be positive and strictly "
-                     "increasing; e.g. make_buckets(max_length).")
+  if not buckets or any(b <= 0 for b in buckets) or list(buckets) != sorted(set(buckets)):
+    raise ValueError(f"buckets={buckets} must be positive and strictly increasing; e.g. make_buckets(max_length).")
   longest = int(data.lengths.max()) if len(data) else 0
   if longest > buckets[-1]:
-    raise ValueError(f"an example has {longest} tokens > the largest bucket "
-                     f"{buckets[-1]}; make the last bucket = max_length.")
+    raise ValueError(
+      f"an example has {longest} tokens > the largest bucket {buckets[-1]}; make the last bucket = max_length."
+    )
   return buckets
 
 
-def shard_rows(batch_size: int, process_index: int,
-                process_count: int) -> slice:
+def shard_rows(batch_size: int, process_index: int, process_count: int) -> slice:
   """The rows `[start, stop)` of a global batch of `batch_size` that process `process_index` of
   `process_count` feeds.
 
@@ -166,11 +172,11 @@ def shard_rows(batch_size: int, process_index: int,
       positive multiple of `process_count`.
   """
   if process_count < 1 or not 0 <= process_index < process_count:
-    raise ValueError(f"process_index={process_index} must be in "
-                     f"[0, process_count={process_count}).")
+    raise ValueError(f"process_index={process_index} must be in [0, process_count={process_count}).")
   if batch_size <= 0 or batch_size % process_count:
-    raise ValueError(f"batch_size={batch_size} is not a positive multiple of "
-                     f"process_count={process_count}; change batch_size.")
+    raise ValueError(
+      f"batch_size={batch_size} is not a positive multiple of process_count={process_count}; change batch_size."
+    )
   local = batch_size // process_count
   return slice(process_index * local, (process_index + 1) * local)
 
@@ -189,8 +195,8 @@ def _pack(data, ids: np.ndarray, length: int, pad_id: int) -> dict[str, np.ndarr
   rows = np.flatnonzero(ids >= 0)
   sources, targets_ = data.fetch(ids[rows])
   for r, src, tgt in zip(rows, sources, targets_):
-    inputs[r, :len(src)] = src
-    targets[r, :len(tgt)] = tgt
+    inputs[r, : len(src)] = src
+    targets[r, : len(tgt)] = tgt
   return {"inputs": inputs, "targets": targets}
 
 
@@ -198,23 +204,23 @@ class StepBatches:
   """Base of the step-indexed training streams: ``self[step]`` is a batch; subclasses set
   ``_prefetch`` and ``_num_threads`` (grain thread prefetch; 0 threads: none)."""
 
-  def dataset(self, start_step: int = 0,
-              num_steps: int | None = None):
+  def dataset(self, start_step: int = 0, num_steps: int | None = None):
     """A ``grain.MapDataset`` whose item ``i`` is batch ``start_step + i``."""
     import grain  # noqa: PLC0415  (imported when batches are read, so config checks stay light)
+
     stop = start_step + num_steps if num_steps is not None else 2**62
     return grain.MapDataset.range(start_step, stop).map(self.__getitem__)
 
-  def iterate(self, start_step: int = 0, num_steps: int | None = None
-              ) -> Iterator[dict[str, np.ndarray]]:
+  def iterate(self, start_step: int = 0, num_steps: int | None = None) -> Iterator[dict[str, np.ndarray]]:
     """Batches ``start_step, start_step + 1, ...`` with thread prefetch."""
     ds = self.dataset(start_step, num_steps)
     if self._num_threads <= 0:
       return iter(ds)
     import grain  # noqa: PLC0415
-    return iter(ds.to_iter_dataset(grain.ReadOptions(
-        num_threads=self._num_threads,
-        prefetch_buffer_size=max(1, self._prefetch))))
+
+    return iter(
+      ds.to_iter_dataset(grain.ReadOptions(num_threads=self._num_threads, prefetch_buffer_size=max(1, self._prefetch)))
+    )
 
 
 class TrainBatches(StepBatches):
@@ -224,11 +230,21 @@ class TrainBatches(StepBatches):
   ``{"inputs": int32 [batch_size // process_count, L], "targets": same}``.
   """
 
-  def __init__(self, data, batch_size: int,
-               buckets: Sequence[int] | None = None, *, seed: int = 0,
-               process_index: int = 0, process_count: int = 1,
-               chunk_batches: int = 64, group: int = 1, prefetch: int = 4,
-               num_threads: int = 1, pad_id: int = PAD_ID):
+  def __init__(
+    self,
+    data,
+    batch_size: int,
+    buckets: Sequence[int] | None = None,
+    *,
+    seed: int = 0,
+    process_index: int = 0,
+    process_count: int = 1,
+    chunk_batches: int = 64,
+    group: int = 1,
+    prefetch: int = 4,
+    num_threads: int = 1,
+    pad_id: int = PAD_ID,
+  ):
     """See class docstring. ``group``: batches per shuffled run (>= 1); ``pad_id``: the
     model's padding id (``model.pad_id``).
     ``prefetch``/``num_threads`` size grain's thread prefetch in
@@ -240,8 +256,9 @@ class TrainBatches(StepBatches):
     self._buckets = _check_buckets(buckets, data)
     self._rows = shard_rows(batch_size, process_index, process_count)
     if len(data) < batch_size:
-      raise ValueError(f"the training split has {len(data)} examples, fewer "
-                       f"than batch_size={batch_size}; lower batch_size.")
+      raise ValueError(
+        f"the training split has {len(data)} examples, fewer than batch_size={batch_size}; lower batch_size."
+      )
     self._data = data
     self.batch_size = batch_size
     self.seed = seed
@@ -274,12 +291,11 @@ class TrainBatches(StepBatches):
     order = rng.permutation(len(self._data))
     batches = []
     for start in range(0, len(order), self._chunk):
-      chunk = order[start:start + self._chunk]
+      chunk = order[start : start + self._chunk]
       chunk = chunk[np.argsort(self._lengths[chunk], kind="stable")]
       full = len(chunk) // self.batch_size * self.batch_size
       batches.extend(chunk[:full].reshape(-1, self.batch_size))
-    order = _run_order(len(batches), self.group,
-                       epoch * self.batches_per_epoch, rng)
+    order = _run_order(len(batches), self.group, epoch * self.batches_per_epoch, rng)
     plan = np.stack(batches)[order]
     with self._lock:
       if len(self._plans) >= 2:
@@ -300,13 +316,12 @@ class TrainBatches(StepBatches):
     # run stacks as is, and a step's shape (hence its dropout masks) does
     # not depend on where the loop's calls end.
     first = step - step % self.group
-    longest = max(int(self._lengths[self._global_ids(s)].max())
-                  for s in range(first, first + self.group))
+    longest = max(int(self._lengths[self._global_ids(s)].max()) for s in range(first, first + self.group))
     length = self._buckets[np.searchsorted(self._buckets, longest)]
     return _pack(self._data, self._global_ids(step)[self._rows], length, self.pad_id)
 
-def _run_order(num_batches: int, group: int, first_step: int,
-               rng: np.random.Generator) -> np.ndarray:
+
+def _run_order(num_batches: int, group: int, first_step: int, rng: np.random.Generator) -> np.ndarray:
   """Order of an epoch's ``num_batches`` (length-sorted) batches, whose first
   one is global step ``first_step``: runs of ``group`` consecutive batches
   that start at steps divisible by ``group`` are shuffled; the partial runs
@@ -314,13 +329,12 @@ def _run_order(num_batches: int, group: int, first_step: int,
   head = min(-first_step % group, num_batches)
   full = (num_batches - head) // group
   runs = np.arange(head, head + full * group).reshape(full, group)
-  return np.concatenate([np.arange(head),
-                         runs[rng.permutation(full)].reshape(-1),
-                         np.arange(head + full * group, num_batches)])
+  return np.concatenate(
+    [np.arange(head), runs[rng.permutation(full)].reshape(-1), np.arange(head + full * group, num_batches)]
+  )
 
 
-def stack_batches(batches: Sequence[dict[str, np.ndarray]]
-                  ) -> dict[str, np.ndarray]:
+def stack_batches(batches: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
   """``[n, rows, L]`` arrays (every key: ``inputs``, ``targets``, segment
   ids, ...) from ``n`` batches of ``[rows, L]`` (one jitted call's steps).
 
@@ -330,15 +344,22 @@ def stack_batches(batches: Sequence[dict[str, np.ndarray]]
   """
   shapes = {(b["inputs"].shape, b["targets"].shape) for b in batches}
   if len(shapes) != 1:
-    raise ValueError(f"cannot stack batches of shapes {sorted(shapes)}; end "
-                     "each call within one run of train.steps_per_call steps.")
+    raise ValueError(
+      f"cannot stack batches of shapes {sorted(shapes)}; end each call within one run of train.steps_per_call steps."
+    )
   return {key: np.stack([b[key] for b in batches]) for key in batches[0]}
 
 
-def eval_batches(data, batch_size: int,
-                 buckets: Sequence[int] | None = None, *,
-                 sort_by_length: bool = True, process_index: int = 0,
-                 process_count: int = 1, pad_id: int = PAD_ID) -> list[dict[str, np.ndarray]]:
+def eval_batches(
+  data,
+  batch_size: int,
+  buckets: Sequence[int] | None = None,
+  *,
+  sort_by_length: bool = True,
+  process_index: int = 0,
+  process_count: int = 1,
+  pad_id: int = PAD_ID,
+) -> list[dict[str, np.ndarray]]:
   """Every example exactly once, in fixed order, last batch padded.
 
   Returns a list of dicts: ``inputs``/``targets`` ``int32 [rows, L]`` and
@@ -360,8 +381,8 @@ def eval_batches(data, batch_size: int,
   out = []
   for start in range(0, len(order), batch_size):
     ids = np.full(batch_size, -1, dtype=np.int64)
-    chunk = order[start:start + batch_size]
-    ids[:len(chunk)] = chunk
+    chunk = order[start : start + batch_size]
+    ids[: len(chunk)] = chunk
     local = ids[rows]
     # The bucket comes from the global batch so all processes agree on L.
     batch = _pack(data, local, _bucket_length(lengths, ids, buckets), pad_id)
@@ -373,6 +394,5 @@ def eval_batches(data, batch_size: int,
 def padding_fraction(batch: dict[str, np.ndarray], pad_id: int = PAD_ID) -> float:
   """Fraction of padding (``pad_id``) entries over ``inputs`` and ``targets`` together."""
   total = batch["inputs"].size + batch["targets"].size
-  pads = (np.count_nonzero(batch["inputs"] == pad_id)
-          + np.count_nonzero(batch["targets"] == pad_id))
+  pads = np.count_nonzero(batch["inputs"] == pad_id) + np.count_nonzero(batch["targets"] == pad_id)
   return pads / total if total else 0.0

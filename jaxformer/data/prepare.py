@@ -38,14 +38,15 @@ from jaxformer.data.sft import encode_example
 from jaxformer.data.sources.base import PAIRS, Source
 from jaxformer.data.tokenizer import EOS_ID
 
-CHUNK_TOKENS = 16384        # text: ids per record
-ENCODE_CHUNK = 4096         # examples tokenized per batch
+CHUNK_TOKENS = 16384  # text: ids per record
+ENCODE_CHUNK = 4096  # examples tokenized per batch
 RECORDS_PER_SHARD = 500_000
 FORMAT_VERSION = 1
 
 
 def _writer(path: Path):
   from array_record.python.array_record_module import ArrayRecordWriter  # noqa: PLC0415
+
   return ArrayRecordWriter(str(path), "group_size:1")
 
 
@@ -108,15 +109,16 @@ def _remove_abandoned(final: Path) -> None:
   for tmp in final.parent.glob(f"{final.name}.incomplete-*"):
     pid = tmp.name.rsplit("-", 1)[-1]
     try:
-      os.kill(int(pid), 0)   # signal 0: does the process exist?
+      os.kill(int(pid), 0)  # signal 0: does the process exist?
     except (ValueError, ProcessLookupError):
       shutil.rmtree(tmp, ignore_errors=True)
-    except PermissionError:   # alive, someone else's
+    except PermissionError:  # alive, someone else's
       pass
 
 
-def prepare_pairs(source: Source, split: str, vocab, root: Path, max_length: int,
-                  overlong: str = "truncate", eos_id: int | None = None) -> PreparedPairs:
+def prepare_pairs(
+  source: Source, split: str, vocab, root: Path, max_length: int, overlong: str = "truncate", eos_id: int | None = None
+) -> PreparedPairs:
   """Tokenized sentence pairs of `split` (cached; see the module docstring).
 
   Args:
@@ -126,9 +128,14 @@ def prepare_pairs(source: Source, split: str, vocab, root: Path, max_length: int
     eos_id: the EOS ending each side (the model's `model.eos_id`); None: each tokenizer's.
   """
   src_tok, tgt_tok = vocab.source, vocab.target
-  key = cache_key(source.fingerprint(split), *(hashlib.sha256(t.serialized).hexdigest() for t in (src_tok, tgt_tok)),
-                  max_length, overlong, FORMAT_VERSION,
-                  *([eos_id] if eos_id not in (None, EOS_ID) else []))   # our EOS: the keys of earlier caches
+  key = cache_key(
+    source.fingerprint(split),
+    *(hashlib.sha256(t.serialized).hexdigest() for t in (src_tok, tgt_tok)),
+    max_length,
+    overlong,
+    FORMAT_VERSION,
+    *([eos_id] if eos_id not in (None, EOS_ID) else []),
+  )  # our EOS: the keys of earlier caches
   final = root / "prepared" / f"{source.name}-{split}-{key}"
 
   def fill(folder: Path) -> dict:
@@ -151,7 +158,7 @@ def prepare_pairs(source: Source, split: str, vocab, root: Path, max_length: int
               counts["dropped"] += 1
               continue
             counts["truncated"] += 1
-            s, t = s[:max_length - 1], t[:max_length - 1]
+            s, t = s[: max_length - 1], t[: max_length - 1]
           s_bytes, t_bytes = s_text.encode(), t_text.encode()
           header = np.array([len(s) + 1, len(t) + 1, len(s_bytes), len(t_bytes)], np.int32)
           ids = np.array(s + [src_eos] + t + [tgt_eos], np.int32)
@@ -160,17 +167,25 @@ def prepare_pairs(source: Source, split: str, vocab, root: Path, max_length: int
         lengths.write(np.asarray(pair_lengths, np.int32).reshape(-1, 2).tobytes())
     shards.close()
     if counts["empty"]:
-      _log(f"dropped {counts['empty']} of {counts['read']} {split} pairs with an empty side "
-           f"({source.describe(split)})")
+      _log(f"dropped {counts['empty']} of {counts['read']} {split} pairs with an empty side ({source.describe(split)})")
     if counts["dropped"] or counts["truncated"]:
       done = "dropped" if counts["dropped"] else "truncated"
-      _log(f"{done} {counts[done]} of {counts['read']} {split} pairs longer than data.max_length={max_length} "
-           "tokens (data.overlong)")
+      _log(
+        f"{done} {counts[done]} of {counts['read']} {split} pairs longer than data.max_length={max_length} "
+        "tokens (data.overlong)"
+      )
     if shards.count == 0:
-      raise ValueError(f"the {split} split of {source.describe(split)} has no usable sentence pairs "
-                       f"(read {counts['read']}, empty {counts['empty']}, too long {counts['dropped']})")
-    return {"kind": PAIRS, "num_examples": shards.count, "shards": shards.shards, "max_length": max_length,
-            **{f"num_{k}": v for k, v in counts.items()}}
+      raise ValueError(
+        f"the {split} split of {source.describe(split)} has no usable sentence pairs "
+        f"(read {counts['read']}, empty {counts['empty']}, too long {counts['dropped']})"
+      )
+    return {
+      "kind": PAIRS,
+      "num_examples": shards.count,
+      "shards": shards.shards,
+      "max_length": max_length,
+      **{f"num_{k}": v for k, v in counts.items()},
+    }
 
   return PreparedPairs(_build(final, fill))
 
@@ -184,8 +199,9 @@ def prepare_text(source: Source, split: str, tokenizer, root: Path, eos_id: int 
   """
   # The key's third part was a bool before ids were data (True for EOS 3): the same for old caches.
   eos_key = True if eos_id == EOS_ID else (False if eos_id is None else eos_id)
-  key = cache_key(source.fingerprint(split), hashlib.sha256(tokenizer.serialized).hexdigest(), eos_key,
-                  CHUNK_TOKENS, FORMAT_VERSION)
+  key = cache_key(
+    source.fingerprint(split), hashlib.sha256(tokenizer.serialized).hexdigest(), eos_key, CHUNK_TOKENS, FORMAT_VERSION
+  )
   final = root / "prepared" / f"{source.name}-{split}-{key}"
 
   def fill(folder: Path) -> dict:
@@ -199,7 +215,7 @@ def prepare_text(source: Source, split: str, tokenizer, root: Path, eos_id: int 
         chunk = [d for d in chunk if d]
         if not chunk:
           continue
-        if isinstance(chunk[0], dict):   # fine-tuning rows: the loss mask travels in the ids' sign (`sft`)
+        if isinstance(chunk[0], dict):  # fine-tuning rows: the loss mask travels in the ids' sign (`sft`)
           ids = [encode_example(x, tokenizer, eos_id) for x in chunk]
           masked = True
         else:
@@ -217,8 +233,14 @@ def prepare_text(source: Source, split: str, tokenizer, root: Path, eos_id: int 
     shards.close()
     if total == 0:
       raise ValueError(f"the {split} split of {source.describe(split)} has no text")
-    return {"kind": "text", "num_tokens": total, "num_documents": docs, "shards": shards.shards,
-            "chunk_tokens": CHUNK_TOKENS, "loss_mask": masked}
+    return {
+      "kind": "text",
+      "num_tokens": total,
+      "num_documents": docs,
+      "shards": shards.shards,
+      "chunk_tokens": CHUNK_TOKENS,
+      "loss_mask": masked,
+    }
 
   return PreparedText(_build(final, fill))
 
@@ -232,6 +254,7 @@ class _Records:
 
   def __init__(self, folder: Path, shards: list[str]):
     import grain  # noqa: PLC0415
+
     self._source = grain.sources.ArrayRecordDataSource([str(folder / s) for s in shards])
 
   def get(self, indices: list[int]) -> list[bytes]:
@@ -255,7 +278,7 @@ class PreparedPairs:
     self.max_length = self.meta["max_length"]
     self.num_dropped, self.num_truncated = self.meta["num_dropped"], self.meta["num_truncated"]
     self._records = _Records(self.folder, self.meta["shards"])
-    pairs = np.memmap(self.folder / "lengths.bin", np.int32, "r", shape=(n, 2))[self.start:self.stop]
+    pairs = np.memmap(self.folder / "lengths.bin", np.int32, "r", shape=(n, 2))[self.start : self.stop]
     self.side_lengths = np.asarray(pairs)
     self.lengths = self.side_lengths.max(axis=1)
 
@@ -273,7 +296,7 @@ class PreparedPairs:
     for r in self._records.get([self.start + int(i) for i in ids]):
       n_src, n_tgt, src_bytes, _ = (int(x) for x in np.frombuffer(r, np.int32, 4))
       ids_ = np.frombuffer(r, np.int32, n_src + n_tgt, 16)
-      text = r[16 + 4 * (n_src + n_tgt):]
+      text = r[16 + 4 * (n_src + n_tgt) :]
       out.append((ids_[:n_src], ids_[n_src:], text[:src_bytes], text[src_bytes:]))
     return out
 
@@ -311,7 +334,7 @@ class PreparedText:
     self.start, self.stop = start, self.meta["num_tokens"] if stop is None else stop
     self._chunk = self.meta["chunk_tokens"]
     self._records = _Records(self.folder, self.meta["shards"])
-    self.masked = self.meta.get("loss_mask", False)   # values are `sft.masked_ids`
+    self.masked = self.meta.get("loss_mask", False)  # values are `sft.masked_ids`
     starts = np.memmap(self.folder / "doc_starts.bin", np.int64, "r")
     inside = np.asarray(starts[(starts >= self.start) & (starts < self.stop)]) - self.start
     self.doc_starts = inside if len(inside) and inside[0] == 0 else np.concatenate([[0], inside]).astype(np.int64)
@@ -333,7 +356,7 @@ class PreparedText:
     for row, (a, lo, hi) in enumerate(zip(absolute, first, last)):
       joined = np.concatenate([chunks[c] for c in range(lo, hi + 1)])
       offset = a - lo * self._chunk
-      out[row] = joined[offset:offset + length]
+      out[row] = joined[offset : offset + length]
     return out
 
   def read(self) -> np.ndarray:

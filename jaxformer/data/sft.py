@@ -68,8 +68,9 @@ def _plain(tokenizer: Any, text: str) -> list[int]:
   return plain(text) if plain is not None else tokenizer.encode(text)
 
 
-def render_chat(template: str, messages: list[dict], tokens: dict[str, str | None],
-                add_generation_prompt: bool = False) -> str:
+def render_chat(
+  template: str, messages: list[dict], tokens: dict[str, str | None], add_generation_prompt: bool = False
+) -> str:
   """`messages` rendered by the Jinja chat `template` (a sandboxed environment with transformers'
   settings: trimmed blocks, `raise_exception`), with the tokenizer's special tokens as
   `bos_token`, `eos_token`, ...
@@ -82,31 +83,41 @@ def render_chat(template: str, messages: list[dict], tokens: dict[str, str | Non
 
   def raise_exception(message):
     raise jinja2.exceptions.TemplateError(message)
+
   env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
   env.globals["raise_exception"] = raise_exception
   try:
-    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                            **{f"{k}_token": v or "" for k, v in tokens.items()})
+    return env.from_string(template).render(
+      messages=messages,
+      add_generation_prompt=add_generation_prompt,
+      **{f"{k}_token": v or "" for k, v in tokens.items()},
+    )
   except jinja2.exceptions.TemplateError as e:
-    raise DataError(f"the tokenizer's chat_template failed to render a chat ({e}); fix the template in "
-                    "tokenizer_config.json or the row's messages") from None
+    raise DataError(
+      f"the tokenizer's chat_template failed to render a chat ({e}); fix the template in "
+      "tokenizer_config.json or the row's messages"
+    ) from None
 
 
 def _chat(messages: list[dict], tokenizer: Any) -> tuple[list[int], list[bool]]:
   template = getattr(tokenizer, "chat_template", None)
   if not template:
-    raise DataError("data.messages_field needs a tokenizer with a chat_template (data.tokenizer=hf on a model "
-                    "whose tokenizer_config.json has one); use data.prompt_field/completion_field otherwise")
+    raise DataError(
+      "data.messages_field needs a tokenizer with a chat_template (data.tokenizer=hf on a model "
+      "whose tokenizer_config.json has one); use data.prompt_field/completion_field otherwise"
+    )
   full = render_chat(template, messages, tokenizer.tokens)
   spans = []
   for i, message in enumerate(messages):
     if message["role"] != "assistant":
       continue
     before = render_chat(template, messages[:i], tokenizer.tokens, add_generation_prompt=True)
-    through = render_chat(template, messages[:i + 1], tokenizer.tokens)
+    through = render_chat(template, messages[: i + 1], tokenizer.tokens)
     if not (through.startswith(before) and full.startswith(through)):
-      raise DataError("the tokenizer's chat_template renders a chat's beginning differently from the whole chat, "
-                      "so its assistant turns cannot be found; use data.prompt_field/completion_field rows")
+      raise DataError(
+        "the tokenizer's chat_template renders a chat's beginning differently from the whole chat, "
+        "so its assistant turns cannot be found; use data.prompt_field/completion_field rows"
+      )
     spans.append((len(before), len(through)))
   ids, offsets = tokenizer.encode_offsets(full)
   counted = [any(a <= start < b for a, b in spans) for start, _ in offsets]

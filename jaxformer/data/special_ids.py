@@ -22,6 +22,7 @@ class SpecialIds(NamedTuple):
     mask: the masked LM's [MASK].
     decoder_start: the first decoder input of an encoder-decoder (-1: `bos`; Marian: pad).
   """
+
   pad: int = 0
   unk: int = 1
   bos: int = 2

@@ -33,13 +33,13 @@ class Tokenizer:
   """A SentencePiece model with ``PAD=0, UNK=1, BOS=2, EOS=3``."""
 
   def __init__(self, processor: spm.SentencePieceProcessor):
-    specials = (processor.pad_id(), processor.unk_id(), processor.bos_id(),
-                processor.eos_id())
+    specials = (processor.pad_id(), processor.unk_id(), processor.bos_id(), processor.eos_id())
     if specials != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
       raise ValueError(
-          f"SentencePiece model has special ids (pad, unk, bos, eos)="
-          f"{specials}, expected {(PAD_ID, UNK_ID, BOS_ID, EOS_ID)}; train "
-          "it with --pad_id=0 --unk_id=1 --bos_id=2 --eos_id=3")
+        f"SentencePiece model has special ids (pad, unk, bos, eos)="
+        f"{specials}, expected {(PAD_ID, UNK_ID, BOS_ID, EOS_ID)}; train "
+        "it with --pad_id=0 --unk_id=1 --bos_id=2 --eos_id=3"
+      )
     self._sp = processor
 
   @property
@@ -54,8 +54,7 @@ class Tokenizer:
     try:
       processor.LoadFromSerializedProto(serialized)
     except Exception as e:  # sentencepiece raises RuntimeError/OSError.
-      raise ValueError(f"not a SentencePiece model ({e}); give a .model file "
-                       "written by SentencePiece") from e
+      raise ValueError(f"not a SentencePiece model ({e}); give a .model file written by SentencePiece") from e
     return cls(processor)
 
   @classmethod
@@ -64,16 +63,15 @@ class Tokenizer:
     path = Path(path)
     if not path.is_file() or path.stat().st_size == 0:
       raise FileNotFoundError(
-          f"tokenizer file {path} is missing or empty; train one with "
-          "train_tokenizer() or set data.tokenizer_model.")
+        f"tokenizer file {path} is missing or empty; train one with train_tokenizer() or set data.tokenizer_model."
+      )
     return cls.from_bytes(path.read_bytes())
 
   def save(self, path: str | os.PathLike) -> None:
     """Write the model atomically (temp file in the same folder, then rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp",
-                               dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
       with os.fdopen(fd, "wb") as f:
         f.write(self.serialized)
@@ -115,16 +113,19 @@ class Tokenizer:
         out.append(i)
     return self._sp.decode(out)
 
-  def decode_batch(self, ids: np.ndarray | Sequence[Sequence[int]]
-                   ) -> list[str]:
+  def decode_batch(self, ids: np.ndarray | Sequence[Sequence[int]]) -> list[str]:
     """:meth:`decode` of each row of an ``[batch, length]`` int array."""
     return [self.decode(row) for row in ids]
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int,
-                    model_type: str = "unigram", *,
-                    byte_fallback: bool | None = None,
-                    num_threads: int = 2) -> Tokenizer:
+def train_tokenizer(
+  texts: Iterable[str],
+  vocab_size: int,
+  model_type: str = "unigram",
+  *,
+  byte_fallback: bool | None = None,
+  num_threads: int = 2,
+) -> Tokenizer:
   """Train a SentencePiece model in memory (no files), deterministically.
 
   Args:
@@ -143,36 +144,41 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int,
     The trained :class:`Tokenizer`.
   """
   if model_type not in MODEL_TYPES:
-    raise ValueError(f"unknown tokenizer model_type {model_type!r}; use one "
-                     f"of {MODEL_TYPES}.")
+    raise ValueError(f"unknown tokenizer model_type {model_type!r}; use one of {MODEL_TYPES}.")
   if vocab_size < 8:
     raise ValueError(f"vocab_size={vocab_size} is too small; use at least 8.")
   sentences = [t for t in texts if t and not t.isspace()]
   if not sentences:
-    raise ValueError("train_tokenizer got no non-empty texts; check the "
-                     "training data.")
+    raise ValueError("train_tokenizer got no non-empty texts; check the training data.")
   if byte_fallback is None:
-    byte_fallback = (model_type != "char"
-                     and vocab_size >= _BYTE_FALLBACK_MIN_VOCAB)
+    byte_fallback = model_type != "char" and vocab_size >= _BYTE_FALLBACK_MIN_VOCAB
   model = io.BytesIO()
   try:
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(sentences), model_writer=model,
-        vocab_size=vocab_size, model_type=model_type,
-        pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
-        normalization_rule_name="identity", remove_extra_whitespaces=False,
-        character_coverage=1.0, byte_fallback=byte_fallback,
-        input_sentence_size=0, shuffle_input_sentence=False,
-        hard_vocab_limit=(model_type != "char"),
-        max_sentence_length=1 << 16, num_threads=num_threads,
-        minloglevel=2)
+      sentence_iterator=iter(sentences),
+      model_writer=model,
+      vocab_size=vocab_size,
+      model_type=model_type,
+      pad_id=PAD_ID,
+      unk_id=UNK_ID,
+      bos_id=BOS_ID,
+      eos_id=EOS_ID,
+      normalization_rule_name="identity",
+      remove_extra_whitespaces=False,
+      character_coverage=1.0,
+      byte_fallback=byte_fallback,
+      input_sentence_size=0,
+      shuffle_input_sentence=False,
+      hard_vocab_limit=(model_type != "char"),
+      max_sentence_length=1 << 16,
+      num_threads=num_threads,
+      minloglevel=2,
+    )
   except RuntimeError as e:
     limit = re.search(r"value <= (\d+)", str(e))
     if limit:
       raise VocabularyTooLarge(vocab_size, int(limit.group(1))) from None
-    raise ValueError(
-        f"SentencePiece training failed ({e}); try a smaller vocab_size or "
-        "more training text.") from e
+    raise ValueError(f"SentencePiece training failed ({e}); try a smaller vocab_size or more training text.") from e
   return Tokenizer.from_bytes(model.getvalue())
 
 
@@ -247,8 +253,10 @@ def tokenizer_from_bytes(serialized: bytes):
     return CharTokenizer.from_bytes(serialized)
   if serialized.startswith(b'{"type": "hf"'):
     from jaxformer.data.tokenizer_hf import HFTokenizer  # noqa: PLC0415  (needs the hf extra)
+
     return HFTokenizer.from_bytes(serialized)
   if serialized.startswith(b'{"type": "marian"'):
     from jaxformer.data.tokenizer_marian import MarianTokenizer  # noqa: PLC0415
+
     return MarianTokenizer.from_bytes(serialized)
   return Tokenizer.from_bytes(serialized)

@@ -20,8 +20,8 @@ import numpy as np
 from jaxformer.data.special_ids import SpecialIds
 
 KIND = "hf"
-TOKEN_KEYS = ("pad", "unk", "bos", "eos", "mask")   # tokenizer_config.json's `<name>_token` entries
-SPM_FILES = ("spiece.model", "tokenizer.model")     # a slow tokenizer's SentencePiece model (T5; Llama, Mistral)
+TOKEN_KEYS = ("pad", "unk", "bos", "eos", "mask")  # tokenizer_config.json's `<name>_token` entries
+SPM_FILES = ("spiece.model", "tokenizer.model")  # a slow tokenizer's SentencePiece model (T5; Llama, Mistral)
 
 
 def slow_model(folder: str | Path) -> Path | None:
@@ -42,6 +42,7 @@ class HFTokenizer:
 
   def __init__(self, tokenizer_json: str, tokens: dict[str, str | None], chat_template: str | None = None):
     import tokenizers  # noqa: PLC0415  (the hf extra)
+
     self._json, self.tokens, self.chat_template = tokenizer_json, dict(tokens), chat_template
     self._tok = tokenizers.Tokenizer.from_str(tokenizer_json)
     ids = {name: self._tok.token_to_id(text) if text else None for name, text in self.tokens.items()}
@@ -62,8 +63,10 @@ class HFTokenizer:
     if not file.is_file() and path.is_dir() and slow_model(folder) is not None:
       return cls.from_sentencepiece(folder)
     if not file.is_file():
-      raise FileNotFoundError(f"{file} is missing; data.tokenizer=hf needs a Hugging Face tokenizer.json "
-                              "(save one with AutoTokenizer's save_pretrained)")
+      raise FileNotFoundError(
+        f"{file} is missing; data.tokenizer=hf needs a Hugging Face tokenizer.json "
+        "(save one with AutoTokenizer's save_pretrained)"
+      )
     settings = {}
     config = folder / "tokenizer_config.json"
     try:
@@ -84,16 +87,22 @@ class HFTokenizer:
       ValueError: transformers cannot load or convert it (one line).
     """
     from transformers import AutoTokenizer  # noqa: PLC0415  (the hf extra)
+
     try:
       fast = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, use_fast=True)
       tokenizer_json = fast.backend_tokenizer.to_str()
     except Exception as e:  # transformers and sentencepiece raise assorted types
-      raise ValueError(f"{slow_model(folder)}: the SentencePiece model does not convert to a Hugging Face tokenizer "
-                       f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); save one with "
-                       "AutoTokenizer's save_pretrained") from None
+      raise ValueError(
+        f"{slow_model(folder)}: the SentencePiece model does not convert to a Hugging Face tokenizer "
+        f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); save one with "
+        "AutoTokenizer's save_pretrained"
+      ) from None
     tokens = {name: getattr(fast, f"{name}_token", None) for name in TOKEN_KEYS}
-    return cls(tokenizer_json, {k: v if isinstance(v, str) else None for k, v in tokens.items()},
-               getattr(fast, "chat_template", None))
+    return cls(
+      tokenizer_json,
+      {k: v if isinstance(v, str) else None for k, v in tokens.items()},
+      getattr(fast, "chat_template", None),
+    )
 
   @classmethod
   def from_bytes(cls, serialized: bytes) -> HFTokenizer:
@@ -109,16 +118,19 @@ class HFTokenizer:
   @property
   def serialized(self) -> bytes:
     """JSON bytes `{"type": "hf", "tokenizer": <tokenizer.json text>, "tokens": {...}, "chat_template": ...}`."""
-    return json.dumps({"type": KIND, "tokenizer": self._json, "tokens": self.tokens,
-                       "chat_template": self.chat_template}).encode("utf-8")
+    return json.dumps(
+      {"type": KIND, "tokenizer": self._json, "tokens": self.tokens, "chat_template": self.chat_template}
+    ).encode("utf-8")
 
   def save(self, folder: str | Path) -> None:
     """Writes `tokenizer.json` and a `tokenizer_config.json` (special tokens, chat template) that
     transformers' `AutoTokenizer` loads, into the existing directory `folder`."""
     folder = Path(folder)
     (folder / "tokenizer.json").write_text(self._json, encoding="utf-8")
-    config = {"tokenizer_class": "PreTrainedTokenizerFast",
-              **{f"{name}_token": text for name, text in self.tokens.items() if text}}
+    config = {
+      "tokenizer_class": "PreTrainedTokenizerFast",
+      **{f"{name}_token": text for name, text in self.tokens.items() if text},
+    }
     if self.chat_template:
       config["chat_template"] = self.chat_template
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -150,7 +162,7 @@ class HFTokenizer:
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     eos = self.special_ids.eos
     if eos >= 0 and np.any(ids == eos):
-      ids = ids[:int(np.argmax(ids == eos))]
+      ids = ids[: int(np.argmax(ids == eos))]
     keep = (ids >= 0) & (ids < self.vocab_size) & ~np.isin(ids, self._special)
     return self._tok.decode(ids[keep].tolist(), skip_special_tokens=True)
 

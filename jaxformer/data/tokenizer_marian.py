@@ -32,9 +32,9 @@ SIDES = ("source", "target")
 SPM_FILES = {"source": "source.spm", "target": "target.spm"}
 VOCAB_FILE = "vocab.json"
 CONFIG_FILE = "tokenizer_config.json"
-FILES = (*SPM_FILES.values(), VOCAB_FILE, CONFIG_FILE, "special_tokens_map.json")   # what import copies
-TOKENS = {"unk": "<unk>", "eos": "</s>", "pad": "<pad>"}   # MarianTokenizer's defaults
-SPACE = "\u2581"   # SentencePiece's word-boundary mark
+FILES = (*SPM_FILES.values(), VOCAB_FILE, CONFIG_FILE, "special_tokens_map.json")  # what import copies
+TOKENS = {"unk": "<unk>", "eos": "</s>", "pad": "<pad>"}  # MarianTokenizer's defaults
+SPACE = "\u2581"  # SentencePiece's word-boundary mark
 
 
 def is_marian_dir(folder: str | Path) -> bool:
@@ -62,8 +62,10 @@ class MarianTokenizer:
     if side not in SIDES:
       raise ValueError(f"unknown Marian tokenizer side {side!r}; use source or target")
     if settings.get("separate_vocabs"):
-      raise ValueError("this Marian tokenizer has separate source and target vocabularies (separate_vocabs), "
-                       "which jaxformer's one-vocabulary Marian model cannot use")
+      raise ValueError(
+        "this Marian tokenizer has separate source and target vocabularies (separate_vocabs), "
+        "which jaxformer's one-vocabulary Marian model cannot use"
+      )
     self.models, self.vocab, self.settings, self.side = models, vocab, settings, side
     self._sp = {}
     for name, blob in models.items():
@@ -75,8 +77,9 @@ class MarianTokenizer:
     names = {key: _token_text(settings.get(f"{key}_token")) or text for key, text in TOKENS.items()}
     missing = [text for text in names.values() if text not in vocab]
     if missing:
-      raise ValueError(f"{VOCAB_FILE} has no entry for the special token {missing[0]!r}; "
-                       "give the model's own vocab.json")
+      raise ValueError(
+        f"{VOCAB_FILE} has no entry for the special token {missing[0]!r}; give the model's own vocab.json"
+      )
     ids = {key: vocab[text] for key, text in names.items()}
     self.special_ids = SpecialIds(pad=ids["pad"], unk=ids["unk"], bos=-1, eos=ids["eos"], decoder_start=ids["pad"])
     self._pieces = {i: piece for piece, i in vocab.items()}
@@ -92,8 +95,10 @@ class MarianTokenizer:
     """
     folder = Path(folder).expanduser()
     if not is_marian_dir(folder):
-      raise FileNotFoundError(f"{folder} lacks source.spm, target.spm or vocab.json; data.tokenizer=marian needs a "
-                              "Marian model directory (MarianTokenizer's save_pretrained writes them)")
+      raise FileNotFoundError(
+        f"{folder} lacks source.spm, target.spm or vocab.json; data.tokenizer=marian needs a "
+        "Marian model directory (MarianTokenizer's save_pretrained writes them)"
+      )
     config = folder / CONFIG_FILE
     try:
       vocab = json.loads((folder / VOCAB_FILE).read_text(encoding="utf-8"))
@@ -114,8 +119,9 @@ class MarianTokenizer:
   def serialized(self) -> bytes:
     """JSON bytes `{"type": "marian", "side", "models": {side: base64 SentencePiece model}, "vocab", "settings"}`."""
     models = {name: base64.b64encode(blob).decode("ascii") for name, blob in self.models.items()}
-    return json.dumps({"type": KIND, "side": self.side, "models": models, "vocab": self.vocab,
-                       "settings": self.settings}).encode("utf-8")
+    return json.dumps(
+      {"type": KIND, "side": self.side, "models": models, "vocab": self.vocab, "settings": self.settings}
+    ).encode("utf-8")
 
   def with_side(self, side: str) -> MarianTokenizer:
     """The same tokenizer segmenting with `side`'s SentencePiece model ("source" or "target")."""
@@ -141,7 +147,7 @@ class MarianTokenizer:
     code = []
     end = text.find("<<") if text.startswith(">>") else -1
     if end != -1:
-      code, text = [text[:end + 2]], text[end + 2:]
+      code, text = [text[: end + 2]], text[end + 2 :]
     unk = self.special_ids.unk
     return [self.vocab.get(piece, unk) for piece in code + self._sp[self.side].encode(text, out_type=str)]
 
@@ -158,11 +164,10 @@ class MarianTokenizer:
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     eos = self.special_ids.eos
     if np.any(ids == eos):
-      ids = ids[:int(np.argmax(ids == eos))]
+      ids = ids[: int(np.argmax(ids == eos))]
     pieces = [self._pieces[i] for i in ids[~np.isin(ids, self._dropped)].tolist() if i in self._pieces]
     return self._sp["source"].decode_pieces(pieces).replace(SPACE, " ").strip()
 
   def decode_batch(self, ids: np.ndarray | Sequence[Sequence[int]]) -> list[str]:
     """:meth:`decode` of each row of an `[batch, length]` int array."""
     return [self.decode(row) for row in ids]
-

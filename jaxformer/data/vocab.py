@@ -41,6 +41,7 @@ def reservoir_sample(items: Iterable[str], size: int, seed: int = 0) -> list[str
 class Vocabulary(NamedTuple):
   """The tokenizers of a run: `source` encodes the inputs, `target` the targets (and a
   language model's text); the same object when the vocabulary is shared."""
+
   source: Any
   target: Any
 
@@ -77,11 +78,17 @@ def train_fitting(sample: list[str], vocab_size: int, model_type: str, attempts:
       size = min(e.limit, size - 1)
       continue
     if size != vocab_size:
-      print(f"the train split supports {size} SentencePiece pieces, fewer than the {vocab_size} asked for: "
-            f"trained {size} (model.vocab_size can be lowered to match)", file=sys.stderr, flush=True)
+      print(
+        f"the train split supports {size} SentencePiece pieces, fewer than the {vocab_size} asked for: "
+        f"trained {size} (model.vocab_size can be lowered to match)",
+        file=sys.stderr,
+        flush=True,
+      )
     return tokenizer
-  raise DataError(f"SentencePiece found too little text for a vocabulary (last try: {size} pieces); add text "
-                  "or lower model.vocab_size")
+  raise DataError(
+    f"SentencePiece found too little text for a vocabulary (last try: {size} pieces); add text "
+    "or lower model.vocab_size"
+  )
 
 
 def char_tokenizer(source: Source) -> CharTokenizer:
@@ -113,15 +120,20 @@ def fit_vocab_size(config: Any, source: Source, reserved: int = 0, vocab: Vocabu
     vocab = Vocabulary(tokenizer, tokenizer)
   ids = vocab.target.vocab_size
   if config.model.vocab_from_data:
-    print(f"model.vocab_size={ids + reserved}: sized from the data ({ids - 1} characters + PAD"
-          f"{f' + {reserved} reserved' if reserved else ''}); set model.vocab_size to fix it", file=sys.stderr,
-          flush=True)
+    print(
+      f"model.vocab_size={ids + reserved}: sized from the data ({ids - 1} characters + PAD"
+      f"{f' + {reserved} reserved' if reserved else ''}); set model.vocab_size to fix it",
+      file=sys.stderr,
+      flush=True,
+    )
     model = dataclasses.replace(config.model, vocab_size=ids + reserved, vocab_from_data=False)
     return dataclasses.replace(config, model=model), vocab
   if config.model.vocab_size < ids + reserved:
-    raise ConfigError(f"the character vocabulary of the data has {ids} ids but model.vocab_size="
-                      f"{config.model.vocab_size} leaves {config.model.vocab_size - reserved} for them; set "
-                      f"model.vocab_size={ids + reserved}, or leave it unset to size it from the data")
+    raise ConfigError(
+      f"the character vocabulary of the data has {ids} ids but model.vocab_size="
+      f"{config.model.vocab_size} leaves {config.model.vocab_size - reserved} for them; set "
+      f"model.vocab_size={ids + reserved}, or leave it unset to size it from the data"
+    )
   return config, vocab
 
 
@@ -154,12 +166,14 @@ def _tokenizer(data, source: Source, vocab_size: int, root: Path, reserved: int,
   """One tokenizer, trained on `sides` of the train pairs (or the train documents)."""
   if data.tokenizer == "hf":
     from jaxformer.data.tokenizer_hf import HFTokenizer  # noqa: PLC0415  (needs the hf extra)
+
     try:
       tokenizer = HFTokenizer.load(data.tokenizer_model)
     except (FileNotFoundError, ValueError) as e:
       raise DataError(f"data.tokenizer_model={data.tokenizer_model!r}: {e}") from None
   elif data.tokenizer == "marian":
     from jaxformer.data.tokenizer_marian import MarianTokenizer  # noqa: PLC0415
+
     try:
       tokenizer = MarianTokenizer.load(data.tokenizer_model)
     except (FileNotFoundError, ValueError) as e:
@@ -167,8 +181,9 @@ def _tokenizer(data, source: Source, vocab_size: int, root: Path, reserved: int,
   elif data.tokenizer_model:
     path = Path(data.tokenizer_model).expanduser()
     if not path.is_file():
-      raise DataError(f"data.tokenizer_model={data.tokenizer_model!r} does not exist; give the path of a "
-                      "SentencePiece .model file")
+      raise DataError(
+        f"data.tokenizer_model={data.tokenizer_model!r} does not exist; give the path of a SentencePiece .model file"
+      )
     try:
       tokenizer = Tokenizer.load(path)
     except ValueError as e:
@@ -176,20 +191,29 @@ def _tokenizer(data, source: Source, vocab_size: int, root: Path, reserved: int,
   elif data.tokenizer == "char":
     tokenizer = char_tokenizer(source)
   else:
-    key = cache_key(source.fingerprint("train"), source.kind, vocab_size, data.tokenizer, data.input_sentence_size,
-                    *([sides] if sides != (0, 1) else []))
+    key = cache_key(
+      source.fingerprint("train"),
+      source.kind,
+      vocab_size,
+      data.tokenizer,
+      data.input_sentence_size,
+      *([sides] if sides != (0, 1) else []),
+    )
     side = {(0,): "-source", (1,): "-target"}.get(sides, "")
     path = root / "tokenizers" / f"{source.name}{side}-{data.tokenizer}{vocab_size}-{key}.model"
     if path.is_file():
       return Tokenizer.load(path)
     sample = reservoir_sample(_training_texts(source, sides), data.input_sentence_size)
     if not any(t.strip() for t in sample):
-      raise DataError(f"the train split ({source.describe('train')}) has no text to train a tokenizer on; "
-                      "check the files")
+      raise DataError(
+        f"the train split ({source.describe('train')}) has no text to train a tokenizer on; check the files"
+      )
     tokenizer = train_fitting(sample, vocab_size, data.tokenizer)
     tokenizer.save(path)
   if tokenizer.vocab_size > vocab_size:
     what = f"data.tokenizer_model={data.tokenizer_model!r}" if data.tokenizer_model else "the character vocabulary"
-    raise DataError(f"{what} has {tokenizer.vocab_size} ids but model.vocab_size={vocab_size + reserved} leaves "
-                    f"{vocab_size} for tokens; set model.vocab_size={tokenizer.vocab_size + reserved}")
+    raise DataError(
+      f"{what} has {tokenizer.vocab_size} ids but model.vocab_size={vocab_size + reserved} leaves "
+      f"{vocab_size} for tokens; set model.vocab_size={tokenizer.vocab_size + reserved}"
+    )
   return tokenizer

@@ -28,7 +28,7 @@ class ArrayStream:
   def __init__(self, tokens: np.ndarray, masked: bool = False):
     self.tokens = np.asarray(tokens, np.int32)
     self.doc_starts = np.zeros(1, np.int64)
-    self.masked = masked   # values are `sft.masked_ids` (fine-tuning rows' loss masks)
+    self.masked = masked  # values are `sft.masked_ids` (fine-tuning rows' loss masks)
 
   def __len__(self) -> int:
     return len(self.tokens)
@@ -51,7 +51,7 @@ def segments(doc_starts: np.ndarray, starts: np.ndarray, length: int) -> tuple[n
     each document start inside it; int32 positions `[rows, length]`, 0 at the window's
     start and at each document start).
   """
-  offsets = np.asarray(starts, np.int64)[:, None] + np.arange(length)              # [rows, length]
+  offsets = np.asarray(starts, np.int64)[:, None] + np.arange(length)  # [rows, length]
   doc = np.searchsorted(doc_starts, offsets, side="right") - 1
   segment_ids = (doc - doc[:, :1] + 1).astype(np.int32)
   begin = np.maximum(doc_starts[doc], offsets[:, :1])
@@ -61,7 +61,7 @@ def segments(doc_starts: np.ndarray, starts: np.ndarray, length: int) -> tuple[n
 def _batch(stream, starts: np.ndarray, context: int, shift: bool, packing: bool, pad_id: int) -> dict[str, np.ndarray]:
   w = stream.windows(starts, context + 1)
   counted = None
-  if stream.masked:   # fine-tuning rows: targets the loss skips become padding (weight 0)
+  if stream.masked:  # fine-tuning rows: targets the loss skips become padding (weight 0)
     w, counted = unmask(w)
   inputs, targets = w[:, :-1], (w[:, 1:] if shift else w[:, :-1]).copy()
   if counted is not None:
@@ -85,12 +85,25 @@ class WindowBatches:
   id (`model.pad_id`), the targets that get no loss.
   """
 
-  def __init__(self, stream, batch_size: int, context: int, *, seed: int = 0, shift: bool = True,
-               packing: bool = False, process_index: int = 0, process_count: int = 1, pad_id: int = PAD_ID):
+  def __init__(
+    self,
+    stream,
+    batch_size: int,
+    context: int,
+    *,
+    seed: int = 0,
+    shift: bool = True,
+    packing: bool = False,
+    process_index: int = 0,
+    process_count: int = 1,
+    pad_id: int = PAD_ID,
+  ):
     stream = ArrayStream(stream) if isinstance(stream, np.ndarray) else stream
     if len(stream) < context + 2:
-      raise ValueError(f"the training split has {len(stream)} tokens, too few for windows of {context + 1}; "
-                       "lower data.max_length or add text")
+      raise ValueError(
+        f"the training split has {len(stream)} tokens, too few for windows of {context + 1}; "
+        "lower data.max_length or add text"
+      )
     self._stream = stream
     self._rows = shard_rows(batch_size, process_index, process_count)
     self.batch_size, self.context, self.seed, self.shift, self.packing = batch_size, context, seed, shift, packing
@@ -109,9 +122,17 @@ class WindowBatches:
       step += 1
 
 
-def window_eval_batches(stream, batch_size: int, context: int, *, shift: bool = True, packing: bool = False,
-                        process_index: int = 0, process_count: int = 1,
-                        pad_id: int = PAD_ID) -> list[dict[str, np.ndarray]]:
+def window_eval_batches(
+  stream,
+  batch_size: int,
+  context: int,
+  *,
+  shift: bool = True,
+  packing: bool = False,
+  process_index: int = 0,
+  process_count: int = 1,
+  pad_id: int = PAD_ID,
+) -> list[dict[str, np.ndarray]]:
   """The whole split once, in consecutive non-overlapping windows of `context` tokens.
 
   With `shift`, window i has inputs `tokens[i*context : (i+1)*context]` and targets one
@@ -121,18 +142,18 @@ def window_eval_batches(stream, batch_size: int, context: int, *, shift: bool = 
   """
   stream = ArrayStream(stream) if isinstance(stream, np.ndarray) else stream
   tokens = stream.read()
-  n = len(tokens) - 1 if shift else len(tokens)   # predicted (or maskable) tokens
+  n = len(tokens) - 1 if shift else len(tokens)  # predicted (or maskable) tokens
   num_windows = -(-n // context)
   padded_windows = -(-num_windows // batch_size) * batch_size
   masked = getattr(stream, "masked", False)
-  fill = -max(pad_id, 0) - 1 if masked else pad_id   # a masked stream's padding: a token the loss skips
+  fill = -max(pad_id, 0) - 1 if masked else pad_id  # a masked stream's padding: a token the loss skips
   flat = ArrayStream(np.full(padded_windows * context + 1, fill, np.int32), masked)
-  flat.tokens[:len(tokens)] = tokens
+  flat.tokens[: len(tokens)] = tokens
   flat.doc_starts = stream.doc_starts
   rows = shard_rows(batch_size, process_index, process_count)
   starts = np.arange(padded_windows) * context
   out = []
   for s in range(0, padded_windows, batch_size):
-    batch = _batch(flat, starts[s:s + batch_size][rows], context, shift, packing, pad_id)
+    batch = _batch(flat, starts[s : s + batch_size][rows], context, shift, packing, pad_id)
     out.append(batch)
   return out

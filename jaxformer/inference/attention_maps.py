@@ -27,6 +27,7 @@ from jaxformer.tasks.evaluate import decode_sources
 class AttentionMap:
   """One kind of attention: `weights` float32 `[num_layers, num_heads, queries, keys]` (rows sum
   to 1), and the token labels of the queries (rows) and keys (columns)."""
+
   title: str
   weights: np.ndarray
   queries: list[str]
@@ -37,6 +38,7 @@ class AttentionMap:
 class AttentionMaps:
   """The maps of one input, encoder side first, and the target text they were computed for
   (encoder-decoder; None for a language model)."""
+
   maps: list[AttentionMap]
   target: str | None
 
@@ -49,8 +51,10 @@ def token_labels(tokenizer: Any, ids, special: Any = None) -> list[str]:
   special = special or tokenizer.special_ids
   special = {i: label for i, label in ((special.bos, "<s>"), (special.start, "<s>"), (special.eos, "</s>")) if i >= 0}
   # A piece that decodes to nothing on its own is SentencePiece's bare word-start mark.
-  return [special.get(i) or tokenizer.decode([i]).replace("\n", "\\n").replace(" ", "␣") or "▁"
-          for i in np.asarray(ids).tolist()]
+  return [
+    special.get(i) or tokenizer.decode([i]).replace("\n", "\\n").replace(" ", "␣") or "▁"
+    for i in np.asarray(ids).tolist()
+  ]
 
 
 def _plain_model(restored: Restored):
@@ -67,7 +71,7 @@ def _plain_model(restored: Restored):
 
 
 def _encode(tokenizer: Any, text: str, what: str, limit: int, eos: int | None) -> np.ndarray:
-  if eos is not None:   # a translation side: its plain ids and the model's EOS
+  if eos is not None:  # a translation side: its plain ids and the model's EOS
     plain, end = sentence_ids(tokenizer, [text], eos)
     ids = plain[0] + [end]
   else:
@@ -105,11 +109,17 @@ def attention_maps(restored: Restored, text: str, target: str | None = None) -> 
   cfg = restored.config
   task = get_task(cfg)
   if target is not None and not task.translates:
-    raise ValueError(f"--target is for translation models; this workdir holds model.kind={cfg.model.kind}: "
-                     "drop --target")
+    raise ValueError(
+      f"--target is for translation models; this workdir holds model.kind={cfg.model.kind}: drop --target"
+    )
   model, params = _plain_model(restored)
-  source = _encode(restored.source_tokenizer, text, "--text", min(cfg.data.max_length, cfg.model.max_length),
-                   eos=cfg.model.eos_id if task.translates else None)
+  source = _encode(
+    restored.source_tokenizer,
+    text,
+    "--text",
+    min(cfg.data.max_length, cfg.model.max_length),
+    eos=cfg.model.eos_id if task.translates else None,
+  )
   if task.translates:
     if target is None:
       targets = _greedy(restored, text)
@@ -119,8 +129,10 @@ def attention_maps(restored: Restored, text: str, target: str | None = None) -> 
     args = (source, targets)
     ids = cfg.model.special_ids
     decoder_inputs = np.asarray(shift_right(targets, ids.start, pad_id=ids.pad))[0]
-    labels = {"encoder": token_labels(restored.source_tokenizer, source[0], ids),
-              "decoder": token_labels(restored.tokenizer, decoder_inputs, ids)}
+    labels = {
+      "encoder": token_labels(restored.source_tokenizer, source[0], ids),
+      "decoder": token_labels(restored.tokenizer, decoder_inputs, ids),
+    }
   else:
     args = (source,)
     labels = {"layer": token_labels(restored.tokenizer, source[0])}

@@ -35,37 +35,55 @@ class KVCache:
   grouped layout (`repeat_rows`) batch counts sentences, each self-attention segment holds
   `beam_size * length_j` slots and the state has a row per beam. Under `model.scan_layers`
   every array has a leading `[num_layers]` axis."""
+
   layers: Any
   state: CacheState
 
 
 def _zeros(model: nn.Module, params: Any, inputs_shape: tuple[int, int], state: CacheState) -> KVCache:
   def run(params):
-    return model.apply({"params": params}, jnp.ones(inputs_shape, jnp.int32), state, method="prefill",
-                       mutable=["cache"])[1]["cache"]
+    return model.apply(
+      {"params": params}, jnp.ones(inputs_shape, jnp.int32), state, method="prefill", mutable=["cache"]
+    )[1]["cache"]
+
   shapes = jax.eval_shape(run, params)
   return KVCache(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), state)
 
 
-def contiguous_cache(model: nn.Module, params: Any, batch_size: int, input_len: int,
-                     capacity: int | None = None) -> KVCache:
+def contiguous_cache(
+  model: nn.Module, params: Any, batch_size: int, input_len: int, capacity: int | None = None
+) -> KVCache:
   """An empty contiguous cache for `batch_size` rows whose prefill inputs (sources, or
   prompts) are `input_len` tokens; each row holds up to `capacity` tokens (default
   `model.config.max_length`; writes past it are dropped)."""
-  state = CacheState(lengths=jnp.zeros((batch_size,), jnp.int32), source_lengths=jnp.zeros((batch_size,), jnp.int32),
-                     capacity=capacity or model.config.max_length)
+  state = CacheState(
+    lengths=jnp.zeros((batch_size,), jnp.int32),
+    source_lengths=jnp.zeros((batch_size,), jnp.int32),
+    capacity=capacity or model.config.max_length,
+  )
   return _zeros(model, params, (batch_size, input_len), state)
 
 
-def paged_cache(model: nn.Module, params: Any, batch_size: int, num_pages: int, page_size: int,
-                pages_per_row: int, source_pages_per_row: int) -> KVCache:
+def paged_cache(
+  model: nn.Module,
+  params: Any,
+  batch_size: int,
+  num_pages: int,
+  page_size: int,
+  pages_per_row: int,
+  source_pages_per_row: int,
+) -> KVCache:
   """An empty paged cache: pools of `num_pages` pages of `page_size` tokens per layer (page 0
   is the null page), page tables `[batch_size, pages_per_row]` (self-attention) and
   `[batch_size, source_pages_per_row]` (cross-attention) all pointing at page 0."""
-  state = CacheState(lengths=jnp.zeros((batch_size,), jnp.int32), source_lengths=jnp.zeros((batch_size,), jnp.int32),
-                     page_table=jnp.zeros((batch_size, pages_per_row), jnp.int32),
-                     source_page_table=jnp.zeros((batch_size, source_pages_per_row), jnp.int32),
-                     num_pages=num_pages, page_size=page_size)
+  state = CacheState(
+    lengths=jnp.zeros((batch_size,), jnp.int32),
+    source_lengths=jnp.zeros((batch_size,), jnp.int32),
+    page_table=jnp.zeros((batch_size, pages_per_row), jnp.int32),
+    source_page_table=jnp.zeros((batch_size, source_pages_per_row), jnp.int32),
+    num_pages=num_pages,
+    page_size=page_size,
+  )
   return _zeros(model, params, (batch_size, max(source_pages_per_row, 1) * page_size), state)
 
 
@@ -73,8 +91,9 @@ def prefill(model: nn.Module, params: Any, cache: KVCache, inputs: jax.Array) ->
   """Caches int `[batch, len]` inputs (sources for an encoder-decoder, prompts for a
   decoder-only model; PAD padded at the end) for the rows of `cache`. Returns float32
   logits `[batch, vocab_size]` of each row's next token and the updated cache."""
-  (logits, state), mutated = model.apply({"params": params, "cache": cache.layers}, inputs, cache.state,
-                                         method="prefill", mutable=["cache"])
+  (logits, state), mutated = model.apply(
+    {"params": params, "cache": cache.layers}, inputs, cache.state, method="prefill", mutable=["cache"]
+  )
   return logits, KVCache(mutated["cache"], state)
 
 
@@ -82,10 +101,11 @@ def extend(model: nn.Module, params: Any, cache: KVCache, tokens: jax.Array) -> 
   """Feeds int `[batch, T]` tokens after each row's cached ones (PAD is not fed: idle and
   finished rows pass PAD). Returns float32 logits `[batch, T, vocab_size]` and the cache."""
   state = cache.state
-  if state.beam_size > 1:   # grouped beam layout: say where this step's keys go first
+  if state.beam_size > 1:  # grouped beam layout: say where this step's keys go first
     state = mark_beams(state, tokens[:, 0] != model.config.pad_id)
-  (logits, state), mutated = model.apply({"params": params, "cache": cache.layers}, tokens, state,
-                                         method="extend", mutable=["cache"])
+  (logits, state), mutated = model.apply(
+    {"params": params, "cache": cache.layers}, tokens, state, method="extend", mutable=["cache"]
+  )
   return logits, KVCache(mutated["cache"], state)
 
 
@@ -122,15 +142,18 @@ def repeat_rows(cache: Any, times: int, batch_axis: int = 0) -> Any:
     raise ValueError("beam search needs a contiguous KV cache (cache.contiguous_cache), not a paged one")
 
   rows = jax.tree.map(lambda x: jnp.repeat(x, times, axis=0), state)
-  rows = rows.replace(beam_origin=jnp.zeros((state.lengths.shape[0] * times, state.capacity), jnp.int32),
-                      beam_size=times)
-  axis = batch_axis + 2                    # [.., batch, heads, positions, head_dim]
+  rows = rows.replace(
+    beam_origin=jnp.zeros((state.lengths.shape[0] * times, state.capacity), jnp.int32), beam_size=times
+  )
+  axis = batch_axis + 2  # [.., batch, heads, positions, head_dim]
 
-  def grow(path, segments):   # each self-attention segment: one slot per beam and position, zeros after slot 0
+  def grow(path, segments):  # each self-attention segment: one slot per beam and position, zeros after slot 0
     if any(getattr(p, "key", None) == "cross_attention" for p in path):
       return segments
-    return tuple(jnp.pad(x, [(0, (times - 1) * x.shape[axis]) if d == axis else (0, 0) for d in range(x.ndim)])
-                 for x in segments)
+    return tuple(
+      jnp.pad(x, [(0, (times - 1) * x.shape[axis]) if d == axis else (0, 0) for d in range(x.ndim)]) for x in segments
+    )
+
   return KVCache(jax.tree_util.tree_map_with_path(grow, cache.layers, is_leaf=lambda x: isinstance(x, tuple)), rows)
 
 
@@ -156,6 +179,8 @@ def reorder_beams(cache: Any, parent: jax.Array) -> Any:
   if not isinstance(cache, KVCache):
     return jax.tree.map(lambda x: gather(x) if x.ndim else x, cache)
   if cache.state.beam_size != beam:
-    raise ValueError(f"reorder_beams needs a cache with {beam} beams per row (cache.repeat_rows), "
-                     f"got beam_size={cache.state.beam_size}")
+    raise ValueError(
+      f"reorder_beams needs a cache with {beam} beams per row (cache.repeat_rows), "
+      f"got beam_size={cache.state.beam_size}"
+    )
   return KVCache(cache.layers, jax.tree.map(gather, cache.state))

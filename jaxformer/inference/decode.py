@@ -67,13 +67,14 @@ def start(model: nn.Module, params: Any, inputs: jax.Array, max_decode_len: int)
   model as int8 kernels for its int8 products (`decoding_params`), inside the caller's jit."""
   params = decoding_params(params)
   pad = model.config.pad_id
-  capacity = max_decode_len + (0 if model.ENCODES_SOURCE else inputs.shape[1])   # + BOS, - the unread last token
+  capacity = max_decode_len + (0 if model.ENCODES_SOURCE else inputs.shape[1])  # + BOS, - the unread last token
   cache = kv.contiguous_cache(model, params, inputs.shape[0], inputs.shape[1], min(capacity, model.config.max_length))
   logits, cache = kv.prefill(model, params, cache, inputs)
 
   def logits_fn(tokens, cache, position):
     logits, cache = kv.step(model, params, cache, tokens)
     return kv.no_pad(logits, pad), cache
+
   return kv.no_pad(logits, pad), cache, logits_fn
 
 
@@ -94,21 +95,44 @@ def source_limits(inputs: jax.Array, pad_id: int, extra_tokens: int, max_length:
   return jnp.minimum(jnp.sum(inputs != pad_id, axis=1) + extra_tokens, max_length).astype(jnp.int32)
 
 
-def greedy_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_len: int,
-                  eos_id: int | None = None, return_cache: bool = False, row_limits: jax.Array | None = None) -> Any:
+def greedy_decode(
+  model: nn.Module,
+  params: Any,
+  inputs: jax.Array,
+  max_decode_len: int,
+  eos_id: int | None = None,
+  return_cache: bool = False,
+  row_limits: jax.Array | None = None,
+) -> Any:
   """Greedy search: int32 `[batch, max_decode_len]` tokens through EOS (`eos_id`, default the
   model's), then padding (`model.pad_id`), for int `[batch, len]` inputs padded with `model.pad_id`.
   Rows stop independently; the loop ends when every row has emitted EOS. `max_decode_len` must
   not exceed the model's `max_length`; int32 `[batch]` `row_limits` (<= max_decode_len) cap rows
   one by one (`search`). With `return_cache`: (tokens, the final `KVCache`)."""
   logits, cache, step = start(model, params, inputs, max_decode_len)
-  return greedy_core(step, logits, cache, max_decode_len=max_decode_len, eos_id=_eos(model, eos_id),
-                     return_cache=return_cache, pad_id=model.config.pad_id, row_limits=row_limits)
+  return greedy_core(
+    step,
+    logits,
+    cache,
+    max_decode_len=max_decode_len,
+    eos_id=_eos(model, eos_id),
+    return_cache=return_cache,
+    pad_id=model.config.pad_id,
+    row_limits=row_limits,
+  )
 
 
-def beam_search(model: nn.Module, params: Any, inputs: jax.Array, beam_size: int = BEAM_SIZE,
-                max_decode_len: int | None = None, alpha: float = LENGTH_PENALTY,
-                eos_id: int | None = None, return_cache: bool = False, row_limits: jax.Array | None = None) -> Any:
+def beam_search(
+  model: nn.Module,
+  params: Any,
+  inputs: jax.Array,
+  beam_size: int = BEAM_SIZE,
+  max_decode_len: int | None = None,
+  alpha: float = LENGTH_PENALTY,
+  eos_id: int | None = None,
+  return_cache: bool = False,
+  row_limits: jax.Array | None = None,
+) -> Any:
   """Beam search with the KV cache (see `search.beam_strategy`). Jittable (`beam_size`,
   `max_decode_len`, `alpha`, `eos_id` static).
 
@@ -133,14 +157,34 @@ def beam_search(model: nn.Module, params: Any, inputs: jax.Array, beam_size: int
   if not isinstance(beam_size, int) or beam_size < 1:
     raise ValueError(f"beam_size must be an integer >= 1, got {beam_size!r}")
   logits, cache, step = start(model, params, inputs, length)
-  return beam_search_core(step, logits, cache, beam_size=beam_size, max_decode_len=length, alpha=alpha,
-                          eos_id=_eos(model, eos_id), cache_batch_axis=cache_batch_axis(model),
-                          return_cache=return_cache, pad_id=model.config.pad_id, row_limits=row_limits)
+  return beam_search_core(
+    step,
+    logits,
+    cache,
+    beam_size=beam_size,
+    max_decode_len=length,
+    alpha=alpha,
+    eos_id=_eos(model, eos_id),
+    cache_batch_axis=cache_batch_axis(model),
+    return_cache=return_cache,
+    pad_id=model.config.pad_id,
+    row_limits=row_limits,
+  )
 
 
-def sample_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_len: int | None,
-                  rng: jax.Array, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                  eos_id: int | None = None, return_cache: bool = False, row_limits: jax.Array | None = None) -> Any:
+def sample_decode(
+  model: nn.Module,
+  params: Any,
+  inputs: jax.Array,
+  max_decode_len: int | None,
+  rng: jax.Array,
+  temperature: float = 1.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+  eos_id: int | None = None,
+  return_cache: bool = False,
+  row_limits: jax.Array | None = None,
+) -> Any:
   """Samples one output per row with the KV cache (temperature, top-k, nucleus).
 
   Reproducible: the output is a function of (params, rng, the row's input tokens, options)
@@ -158,9 +202,20 @@ def sample_decode(model: nn.Module, params: Any, inputs: jax.Array, max_decode_l
   length = _resolve_decode_len(model, inputs, max_decode_len)
   logits, cache, step = start(model, params, inputs, length)
   pad = model.config.pad_id
-  return sample_core(step, logits, cache, source_row_keys(rng, inputs, pad), max_decode_len=length,
-                     temperature=temperature, top_k=top_k, top_p=top_p, eos_id=_eos(model, eos_id),
-                     return_cache=return_cache, pad_id=pad, row_limits=row_limits)
+  return sample_core(
+    step,
+    logits,
+    cache,
+    source_row_keys(rng, inputs, pad),
+    max_decode_len=length,
+    temperature=temperature,
+    top_k=top_k,
+    top_p=top_p,
+    eos_id=_eos(model, eos_id),
+    return_cache=return_cache,
+    pad_id=pad,
+    row_limits=row_limits,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +230,7 @@ class SearchOptions:
   Beam search combined with sampling options is rejected by `validate`. Output length is
   min(source length + `extra_tokens`, model max_length) (paper: + 50).
   """
+
   beam_size: int = 1
   length_penalty: float = LENGTH_PENALTY
   extra_tokens: int = EXTRA_TOKENS
@@ -182,7 +238,7 @@ class SearchOptions:
   top_k: int | None = None
   top_p: float | None = None
   seed: int = 0
-  eos_id: int | None = None   # None: the model's (`model.eos_id`); -1: never stop at EOS
+  eos_id: int | None = None  # None: the model's (`model.eos_id`); -1: never stop at EOS
 
   @property
   def sampling(self) -> bool:
@@ -191,7 +247,7 @@ class SearchOptions:
 
   @property
   def strategy(self) -> str:
-    """"beam", "sample" or "greedy"."""
+    """The search: `beam`, `sample` or `greedy`."""
     if self.beam_size > 1:
       return "beam"
     return "sample" if self.sampling else "greedy"
@@ -201,8 +257,10 @@ class SearchOptions:
     if not isinstance(self.beam_size, int) or self.beam_size < 1:
       raise ValueError(f"beam size must be an integer >= 1 (1 = greedy), got {self.beam_size!r}")
     if self.beam_size > 1 and self.sampling:
-      raise ValueError(f"beam size {self.beam_size} cannot be combined with sampling "
-                       "(temperature/top-k/top-p); use beam size 1 to sample")
+      raise ValueError(
+        f"beam size {self.beam_size} cannot be combined with sampling "
+        "(temperature/top-k/top-p); use beam size 1 to sample"
+      )
     if not self.length_penalty >= 0.0:
       raise ValueError(f"length penalty must be >= 0, got {self.length_penalty}")
     if not isinstance(self.extra_tokens, int) or self.extra_tokens < 0:
@@ -233,20 +291,48 @@ class SearchOptions:
     return out
 
 
-def decode_with(model: nn.Module, params: Any, inputs: jax.Array, out_len: int, options: SearchOptions,
-                return_cache: bool = False, row_limits: jax.Array | None = None) -> Any:
+def decode_with(
+  model: nn.Module,
+  params: Any,
+  inputs: jax.Array,
+  out_len: int,
+  options: SearchOptions,
+  return_cache: bool = False,
+  row_limits: jax.Array | None = None,
+) -> Any:
   """int32 `[batch, out_len]` tokens for `inputs` by the strategy of `options` (traceable), each
   row capped by its `row_limits` entry when given; with `return_cache`, (tokens, the final `KVCache`)."""
   if options.strategy == "beam":
-    (tokens, _), cache = beam_search(model, params, inputs, options.beam_size, out_len, options.length_penalty,
-                                     options.eos_id, return_cache=True, row_limits=row_limits)
+    (tokens, _), cache = beam_search(
+      model,
+      params,
+      inputs,
+      options.beam_size,
+      out_len,
+      options.length_penalty,
+      options.eos_id,
+      return_cache=True,
+      row_limits=row_limits,
+    )
   elif options.strategy == "sample":
     t, k, p = options.sampling_args()
-    tokens, cache = sample_decode(model, params, inputs, out_len, jax.random.key(options.seed), t, k, p,
-                                  options.eos_id, return_cache=True, row_limits=row_limits)
+    tokens, cache = sample_decode(
+      model,
+      params,
+      inputs,
+      out_len,
+      jax.random.key(options.seed),
+      t,
+      k,
+      p,
+      options.eos_id,
+      return_cache=True,
+      row_limits=row_limits,
+    )
   else:
-    tokens, cache = greedy_decode(model, params, inputs, out_len, options.eos_id, return_cache=True,
-                                  row_limits=row_limits)
+    tokens, cache = greedy_decode(
+      model, params, inputs, out_len, options.eos_id, return_cache=True, row_limits=row_limits
+    )
   return (tokens, cache) if return_cache else tokens
 
 
@@ -254,14 +340,20 @@ def decode_with(model: nn.Module, params: Any, inputs: jax.Array, out_len: int, 
 class Draft:
   """A draft model for speculative greedy decoding (`inference.speculative`): its module,
   params (on the same devices as the target's) and the tokens it proposes per round."""
+
   model: nn.Module
   params: Any
   num_tokens: int = 4
 
 
-def make_decode_fn(model: nn.Module, mesh: Mesh, max_length: int, options: SearchOptions | None = None,
-                   draft: Draft | None = None,
-                   rules: sh.Rules = sh.LOGICAL_RULES) -> Callable[[Any, jax.Array], jax.Array]:
+def make_decode_fn(
+  model: nn.Module,
+  mesh: Mesh,
+  max_length: int,
+  options: SearchOptions | None = None,
+  draft: Draft | None = None,
+  rules: sh.Rules = sh.LOGICAL_RULES,
+) -> Callable[[Any, jax.Array], jax.Array]:
   """Jitted `(params, inputs [batch, src_len]) -> int32 tokens [batch, out_len]` for the
   strategy of `options` (default: greedy), out_len = min(src_len + extra_tokens, max_length),
   traced on `mesh` with `rules` (the run's `sh.rules_for(config.mesh)`, fixed here). Each
@@ -300,25 +392,34 @@ def make_decode_fn(model: nn.Module, mesh: Mesh, max_length: int, options: Searc
   def run(params, inputs, out_len, draft_params=None):
     if draft is None:
       return decode_with(model, params, sharded(inputs), out_len, options, row_limits=limits(inputs))
-    tokens, accepted, rounds = speculative_greedy(model, params, draft.model, draft_params, sharded(inputs), out_len,
-                                                  draft.num_tokens, options.eos_id, row_limits=limits(inputs))
+    tokens, accepted, rounds = speculative_greedy(
+      model,
+      params,
+      draft.model,
+      draft_params,
+      sharded(inputs),
+      out_len,
+      draft.num_tokens,
+      options.eos_id,
+      row_limits=limits(inputs),
+    )
     return tokens, jnp.sum(accepted), jnp.sum(rounds) * draft.num_tokens
 
   @functools.partial(jax.jit, static_argnums=(2,), donate_argnums=(3,), keep_unused=True)
-  def run_reusing(params, inputs, out_len, workspace):   # workspace: a cache of this shape, values unused
-    return decode_with(model, params, sharded(inputs), out_len, options, return_cache=True,
-                       row_limits=limits(inputs))
+  def run_reusing(params, inputs, out_len, workspace):  # workspace: a cache of this shape, values unused
+    return decode_with(model, params, sharded(inputs), out_len, options, return_cache=True, row_limits=limits(inputs))
 
-  cache_shapes = {}   # per input shape: the cache's shapes (tracing them again would cost as much as a call)
+  cache_shapes = {}  # per input shape: the cache's shapes (tracing them again would cost as much as a call)
 
   def workspace_for(params, inputs, out_len):
     key = (inputs.shape, jnp.dtype(inputs.dtype).name, out_len)
     kept = decode_fn.workspace.pop(key, None)
-    decode_fn.workspace.clear()               # one shape's cache at most
+    decode_fn.workspace.clear()  # one shape's cache at most
     if kept is None:
       if key not in cache_shapes:
         cache_shapes[key] = jax.eval_shape(
-            lambda p, x: decode_with(model, p, x, out_len, options, return_cache=True)[1], params, inputs)
+          lambda p, x: decode_with(model, p, x, out_len, options, return_cache=True)[1], params, inputs
+        )
       kept = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), cache_shapes[key])
     return key, kept
 
@@ -334,6 +435,7 @@ def make_decode_fn(model: nn.Module, mesh: Mesh, max_length: int, options: Searc
       tokens, accepted, proposed = run(params, inputs, out_len, draft.params)
     decode_fn.speculation.append((int(accepted), int(proposed)))
     return tokens
+
   decode_fn.speculation = []
   decode_fn.workspace = {}
   return decode_fn

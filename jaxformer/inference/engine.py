@@ -54,12 +54,13 @@ from jaxformer.inference.search import check_sampling, check_seed, sample_tokens
 
 _ids = itertools.count()
 BATCHING = ("continuous", "static")
-MAX_LOGPROBS = 5   # most probable alternatives a request may ask for per token (the OpenAI API's limit)
+MAX_LOGPROBS = 5  # most probable alternatives a request may ask for per token (the OpenAI API's limit)
 
 
 class TokenLogprob(NamedTuple):
   """One token's log-probability and the `k` most probable tokens there: `top` holds
   `(token id, log-probability)` pairs, most probable first."""
+
   logprob: float
   top: tuple[tuple[int, float], ...]
 
@@ -79,6 +80,7 @@ class Request:
   `token_logprobs` (a `TokenLogprob` per generated token) and `prompt_token_logprobs` (one per
   input token, None for the first). `finish_reason`: "stop" (EOS or `stop`) or "length".
   """
+
   inputs: list[int]
   max_new_tokens: int
   temperature: float | None = None
@@ -127,8 +129,17 @@ class Engine:
     ValueError: bad sizes or batching (one line).
   """
 
-  def __init__(self, model, params, *, max_batch: int = 8, page_size: int = 16, num_pages: int | None = None,
-               max_input_len: int | None = None, batching: str = "continuous"):
+  def __init__(
+    self,
+    model,
+    params,
+    *,
+    max_batch: int = 8,
+    page_size: int = 16,
+    num_pages: int | None = None,
+    max_input_len: int | None = None,
+    batching: str = "continuous",
+  ):
     if max_batch < 1:
       raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     if batching not in BATCHING:
@@ -145,21 +156,25 @@ class Engine:
     cache = kv.paged_cache(model, decoding_params(params), max_batch, num_pages, page_size, per_row, src_per_row)
     self.layers, self._state = cache.layers, cache.state
     self.slots: list[Request | None] = [None] * max_batch
-    self.lengths = np.zeros((max_batch,), np.int32)        # tokens cached per slot
+    self.lengths = np.zeros((max_batch,), np.int32)  # tokens cached per slot
     self.source_lengths = np.zeros((max_batch,), np.int32)
-    self.next_token = np.zeros((max_batch,), np.int32)     # token each running slot feeds next
+    self.next_token = np.zeros((max_batch,), np.int32)  # token each running slot feeds next
     self.row_keys = jax.random.split(jax.random.key(0), max_batch)
     self.waiting: deque[Request] = deque()
     self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
     self._generate = jax.jit(self._generate_fn, donate_argnums=(1,))
     self._score_prompt = jax.jit(self._score_prompt_fn)
-    self._step_rows([])   # an idle step: the cache takes the placement jit gives it, so prefill compiles once
+    self._step_rows([])  # an idle step: the cache takes the placement jit gives it, so prefill compiles once
 
   # ---------------------------------------------------------------- jitted functions
 
   def _cache(self, layers, lengths, source_lengths, table, source_table) -> kv.KVCache:
-    return kv.KVCache(layers, self._state.replace(lengths=lengths, source_lengths=source_lengths,
-                                                  page_table=table, source_page_table=source_table))
+    return kv.KVCache(
+      layers,
+      self._state.replace(
+        lengths=lengths, source_lengths=source_lengths, page_table=table, source_page_table=source_table
+      ),
+    )
 
   def _choose(self, logits, keys, index, sampling, temperature, top_k, top_p):
     """(tokens int32 `[rows]`, their log-probabilities `[rows]`, the top alternatives' log-probabilities
@@ -167,10 +182,11 @@ class Engine:
     (or the vocabulary, if smaller)."""
     chosen = kv.no_pad(logits, self.model.config.pad_id)
     greedy = topk.argmax(chosen)
-    tokens = jax.lax.cond(jnp.any(sampling),
-                          lambda: jnp.where(sampling, sample_tokens(chosen, keys, index, temperature, top_k, top_p),
-                                            greedy),
-                          lambda: greedy)
+    tokens = jax.lax.cond(
+      jnp.any(sampling),
+      lambda: jnp.where(sampling, sample_tokens(chosen, keys, index, temperature, top_k, top_p), greedy),
+      lambda: greedy,
+    )
     return (tokens, *self._logprobs(logits, tokens))
 
   def _logprobs(self, logits, tokens):
@@ -181,18 +197,32 @@ class Engine:
     return (token, *topk.top_k_log_probs(logits, min(MAX_LOGPROBS, logits.shape[1])))
 
   def _prefill_fn(self, params, layers, inputs, resume, table, source_table, rng, sampling, options):
-    params = decoding_params(params)   # int8 weights stay int8 between calls (`inference.quantize`)
+    params = decoding_params(params)  # int8 weights stay int8 between calls (`inference.quantize`)
     zeros = jnp.zeros((1,), jnp.int32)
     cache = self._cache(layers, zeros, zeros, table, source_table)
     logits, cache = kv.prefill(self.model, params, cache, inputs)
-    if resume.shape[1]:   # a preempted request: feed back the tokens it had fed before
+    if resume.shape[1]:  # a preempted request: feed back the tokens it had fed before
       cache = kv.extend(self.model, params, cache, resume)[1]
     keys = source_row_keys(rng, inputs, self.model.config.pad_id)
     chosen = self._choose(logits, keys, zeros, sampling, *options)
     return chosen, cache.layers, cache.state.lengths, cache.state.source_lengths, keys
 
-  def _generate_fn(self, params, layers, tokens, lengths, source_lengths, table, source_table, keys, index,
-                   sampling, temperature, top_k, top_p):
+  def _generate_fn(
+    self,
+    params,
+    layers,
+    tokens,
+    lengths,
+    source_lengths,
+    table,
+    source_table,
+    keys,
+    index,
+    sampling,
+    temperature,
+    top_k,
+    top_p,
+  ):
     cache = self._cache(layers, lengths, source_lengths, table, source_table)
     logits, cache = kv.step(self.model, decoding_params(params), cache, tokens)
     return self._choose(logits, keys, index, sampling, temperature, top_k, top_p), cache.layers
@@ -201,7 +231,7 @@ class Engine:
     """A decoder-only prompt `[1, width]` (padded at the end) teacher-forced: the log-probability
     of each token after the first given the ones before, `[1, width - 1]`, and the top
     alternatives there (`_logprobs`)."""
-    inputs = jnp.maximum(inputs, 0)   # a model without a pad id (-1) reads its padding as token 0: causal, unseen
+    inputs = jnp.maximum(inputs, 0)  # a model without a pad id (-1) reads its padding as token 0: causal, unseen
     logits = self.model.apply({"params": decoding_params(params)}, inputs)[0, :-1]
     return self._logprobs(logits, inputs[0, 1:])
 
@@ -226,8 +256,10 @@ class Engine:
     own = self.pages.pages_for(min(1 + (1 if self.model.ENCODES_SOURCE else len(request.inputs)), self.max_length))
     source = self.source_pages.pages_for(len(request.inputs)) if self.model.ENCODES_SOURCE else 0
     if max(own, source) > usable:
-      raise ValueError(f"the input needs {max(own, source)} KV-cache pages but the pool has {usable}; "
-                       "start the server with more --num-pages")
+      raise ValueError(
+        f"the input needs {max(own, source)} KV-cache pages but the pool has {usable}; "
+        "start the server with more --num-pages"
+      )
 
   def submit(self, request: Request) -> Request:
     """Queues `request` (validated first; `eos_id` None becomes the model's). Raises ValueError for a bad request."""
@@ -275,12 +307,12 @@ class Engine:
   def _padded(self, tokens: list[int]) -> np.ndarray:
     """int32 `[1, width]` with `tokens` then padding; widths are page multiples (few shapes to compile)."""
     out = np.full((1, self.pages.pages_for(len(tokens)) * self.pages.page_size), self.model.config.pad_id, np.int32)
-    out[0, :len(tokens)] = tokens
+    out[0, : len(tokens)] = tokens
     return out
 
   def _admit(self) -> None:
     if self.batching == "static" and any(r is not None for r in self.slots):
-      return   # static batching: the next batch starts once every request of the running one has finished
+      return  # static batching: the next batch starts once every request of the running one has finished
     while self.waiting and None in self.slots:
       request = self.waiting[0]
       if request.cancelled:
@@ -289,30 +321,34 @@ class Engine:
         self._emit(request, None)
         continue
       slot = self.slots.index(None)
-      n, fed = len(request.inputs), request.tokens[:-1]   # a preempted request resumes after `fed`
+      n, fed = len(request.inputs), request.tokens[:-1]  # a preempted request resumes after `fed`
       cached = (1 if self.model.ENCODES_SOURCE else n) + len(fed)
       source_ok = self.source_pages.reserve(slot, n) if self.model.ENCODES_SOURCE else True
-      if not source_ok or not self.pages.reserve(slot, min(cached + 1, self.max_length)):   # + its next token
+      if not source_ok or not self.pages.reserve(slot, min(cached + 1, self.max_length)):  # + its next token
         self.pages.release(slot)
         self.source_pages.release(slot)
-        return   # the pool is full: wait for running requests to free pages
+        return  # the pool is full: wait for running requests to free pages
       self.waiting.popleft()
       self.slots[slot] = request
       t, k, p = request.options()
       rng = jax.random.key(request.seed)
       chosen, self.layers, lengths, source_lengths, keys = self._prefill(
-          self.params, self.layers, self._padded(request.inputs),
-          self._padded(fed) if fed else np.zeros((1, 0), np.int32),
-          self.pages.table[slot:slot + 1], self.source_pages.table[slot:slot + 1],
-          jax.random.fold_in(rng, request.choice) if request.choice else rng,
-          jnp.asarray([request.sampling]), (jnp.float32(t), jnp.int32(k), jnp.float32(p)))
+        self.params,
+        self.layers,
+        self._padded(request.inputs),
+        self._padded(fed) if fed else np.zeros((1, 0), np.int32),
+        self.pages.table[slot : slot + 1],
+        self.source_pages.table[slot : slot + 1],
+        jax.random.fold_in(rng, request.choice) if request.choice else rng,
+        jnp.asarray([request.sampling]),
+        (jnp.float32(t), jnp.int32(k), jnp.float32(p)),
+      )
       self.lengths[slot], self.source_lengths[slot] = int(lengths[0]), int(source_lengths[0])
       self.row_keys = self.row_keys.at[slot].set(keys[0])
       if request.prompt_logprobs and not request.prompt_token_logprobs:
         scored = [np.asarray(x) for x in self._score_prompt(self.params, self._padded(request.inputs))]
-        request.prompt_token_logprobs = [None] + [_logprob(scored, i, request.logprobs or 0)
-                                                  for i in range(n - 1)]
-      if request.tokens:   # resumed: its next token is the one it had not fed yet
+        request.prompt_token_logprobs = [None] + [_logprob(scored, i, request.logprobs or 0) for i in range(n - 1)]
+      if request.tokens:  # resumed: its next token is the one it had not fed yet
         self.next_token[slot] = request.tokens[-1]
       else:
         self._accept(slot, [np.asarray(x) for x in chosen], 0)
@@ -335,11 +371,14 @@ class Engine:
     self._admit()
     running = [s for s, r in enumerate(self.slots) if r is not None]
     ready = [s for s in running if self.pages.reserve(s, int(self.lengths[s]) + 1)]
-    while running and not ready:   # every row waits for a page: preempt the newest, so the oldest goes on
+    while running and not ready:  # every row waits for a page: preempt the newest, so the oldest goes on
       newest = max(running, key=lambda s: self.slots[s].id)
       if len(running) == 1:
-        self._retire(newest, f"out of KV-cache pages: the request outgrew the pool ({self.pages.num_pages} pages "
-                             f"of {self.pages.page_size} tokens); start the server with more --num-pages")
+        self._retire(
+          newest,
+          f"out of KV-cache pages: the request outgrew the pool ({self.pages.num_pages} pages "
+          f"of {self.pages.page_size} tokens); start the server with more --num-pages",
+        )
         return
       self._preempt(newest)
       running.remove(newest)
@@ -357,10 +396,20 @@ class Engine:
     opts = [r.options() if r is not None else (1.0, 0, 1.0) for r in self.slots]
     sampling = np.asarray([r is not None and r.sampling for r in self.slots])
     chosen, self.layers = self._generate(
-        self.params, self.layers, tokens, self.lengths, self.source_lengths, self.pages.table,
-        self.source_pages.table, self.row_keys, index, sampling,
-        np.asarray([o[0] for o in opts], np.float32), np.asarray([o[1] for o in opts], np.int32),
-        np.asarray([o[2] for o in opts], np.float32))
+      self.params,
+      self.layers,
+      tokens,
+      self.lengths,
+      self.source_lengths,
+      self.pages.table,
+      self.source_pages.table,
+      self.row_keys,
+      index,
+      sampling,
+      np.asarray([o[0] for o in opts], np.float32),
+      np.asarray([o[1] for o in opts], np.int32),
+      np.asarray([o[2] for o in opts], np.float32),
+    )
     chosen = [np.asarray(x) for x in chosen]
     self.lengths[ready] += 1
     for slot in ready:
@@ -386,8 +435,11 @@ class Engine:
 
   def stats(self) -> dict[str, Any]:
     """Pages in use, running and waiting requests (for /health and benchmarks)."""
-    return {"pages_in_use": self.pages.pages_in_use + self.source_pages.pages_in_use,
-            "running": sum(r is not None for r in self.slots), "waiting": len(self.waiting)}
+    return {
+      "pages_in_use": self.pages.pages_in_use + self.source_pages.pages_in_use,
+      "running": sum(r is not None for r in self.slots),
+      "waiting": len(self.waiting),
+    }
 
   @property
   def pages_free(self) -> int:

@@ -15,8 +15,16 @@ from jaxformer.inference.speculative import speculative_greedy
 from jaxformer.tasks import get_task
 
 
-def sample_continuation(model, params, context: jax.Array, row_keys: jax.Array, num_new: int,
-                        temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+def sample_continuation(
+  model,
+  params,
+  context: jax.Array,
+  row_keys: jax.Array,
+  num_new: int,
+  temperature: float = 1.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+) -> jax.Array:
   """Prefills the KV cache with `context` (int `[batch, ctx_len]`, no PAD) and samples
   `num_new` tokens, one cached decode step each.
 
@@ -24,12 +32,31 @@ def sample_continuation(model, params, context: jax.Array, row_keys: jax.Array, 
   ctx_len + num_new must not exceed `model.max_length`. Returns int32 `[batch, num_new]`.
   """
   logits, cache, logits_fn = start(model, params, context, num_new)
-  return sample_core(logits_fn, logits, cache, row_keys, max_decode_len=num_new,
-                     temperature=temperature, top_k=top_k, top_p=top_p, eos_id=-1)
+  return sample_core(
+    logits_fn,
+    logits,
+    cache,
+    row_keys,
+    max_decode_len=num_new,
+    temperature=temperature,
+    top_k=top_k,
+    top_p=top_p,
+    eos_id=-1,
+  )
 
 
-def generate(restored: Restored, prompt: str, max_new_tokens: int, *, temperature: float = 1.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int = 0, num_samples: int = 1, draft: Draft | None = None) -> list[str]:
+def generate(
+  restored: Restored,
+  prompt: str,
+  max_new_tokens: int,
+  *,
+  temperature: float = 1.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+  seed: int = 0,
+  num_samples: int = 1,
+  draft: Draft | None = None,
+) -> list[str]:
   """Samples `num_samples` continuations of `prompt` (text), each `max_new_tokens` long.
 
   The model sees at most `window` = min(data.max_length, model.max_length) tokens, the
@@ -66,8 +93,9 @@ def generate(restored: Restored, prompt: str, max_new_tokens: int, *, temperatur
   @functools.partial(jax.jit, static_argnums=(3,))
   def run(params, context, row_keys, num_new):
     if draft is not None:
-      return speculative_greedy(restored.model, params, draft.model, draft.params, context, num_new,
-                                draft.num_tokens, eos_id=-1)[0]
+      return speculative_greedy(
+        restored.model, params, draft.model, draft.params, context, num_new, draft.num_tokens, eos_id=-1
+      )[0]
     return sample_continuation(restored.model, params, context, row_keys, num_new, temperature, top_k, top_p)
 
   seqs = np.tile(np.asarray(ids, np.int32), (num_samples, 1))
@@ -82,4 +110,4 @@ def generate(restored: Restored, prompt: str, max_new_tokens: int, *, temperatur
   # Decode each continuation behind the prompt, then cut the prompt's text off: decoded
   # apart, a SentencePiece continuation would lose its leading space ("Citizen:we").
   prompt_text = restored.tokenizer.decode(ids)
-  return [restored.tokenizer.decode(row)[len(prompt_text):] for row in seqs[:, :len(ids) + max_new_tokens]]
+  return [restored.tokenizer.decode(row)[len(prompt_text) :] for row in seqs[:, : len(ids) + max_new_tokens]]

@@ -16,12 +16,14 @@ class PageAllocator:
 
   def __init__(self, num_pages: int, page_size: int, num_slots: int, pages_per_slot: int):
     if num_pages < 2 or page_size < 1:
-      raise ValueError(f"a page pool needs at least 2 pages (page 0 is the null page) of >= 1 token, "
-                       f"got {num_pages} pages of {page_size}")
+      raise ValueError(
+        f"a page pool needs at least 2 pages (page 0 is the null page) of >= 1 token, "
+        f"got {num_pages} pages of {page_size}"
+      )
     self.num_pages, self.page_size = num_pages, page_size
-    self.free = list(range(num_pages - 1, 0, -1))   # pop() hands out low ids first
+    self.free = list(range(num_pages - 1, 0, -1))  # pop() hands out low ids first
     self.table = np.zeros((num_slots, pages_per_slot), np.int32)
-    self.used = np.zeros((num_slots,), np.int32)     # pages held per slot
+    self.used = np.zeros((num_slots,), np.int32)  # pages held per slot
 
   @property
   def pages_in_use(self) -> int:
@@ -47,6 +49,6 @@ class PageAllocator:
 
   def release(self, slot: int) -> None:
     """Returns the pages of `slot` to the pool and points its table at the null page."""
-    self.free.extend(int(p) for p in self.table[slot, :self.used[slot]][::-1])
+    self.free.extend(int(p) for p in self.table[slot, : self.used[slot]][::-1])
     self.table[slot] = 0
     self.used[slot] = 0

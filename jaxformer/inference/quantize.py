@@ -32,9 +32,15 @@ from jaxformer.layers.int8 import INT8_MAX, QuantizedArray, is_quantized
 # `embedding` table `[rows, d_model]` (token lookup, tied output layer, learned positions) is
 # read by rows, so it scales per row: right for both the lookup and the tied logits.
 KERNELS: dict[str, tuple[int, tuple[int, ...]]] = {
-    "query": (3, (0,)), "key": (3, (0,)), "value": (3, (0,)), "out": (3, (0, 1)),
-    "wi": (2, (0,)), "wi_gate": (2, (0,)), "wo": (2, (0,)),
-    "output_proj": (2, (0,)), "embedding": (2, (1,)),
+  "query": (3, (0,)),
+  "key": (3, (0,)),
+  "value": (3, (0,)),
+  "out": (3, (0, 1)),
+  "wi": (2, (0,)),
+  "wi_gate": (2, (0,)),
+  "wo": (2, (0,)),
+  "output_proj": (2, (0,)),
+  "embedding": (2, (1,)),
 }
 
 
@@ -60,7 +66,7 @@ def _reduced_axes(name: str, ndim: int, depth: int) -> tuple[int, ...] | None:
   when the leaf is not a kernel (fewer than 2 axes per layer: norm scales, biases). Kernels
   of other names are taken as `[..., in, out]` (Flax's Dense convention); a known kernel with
   more leading axes (a mixture of experts' `[experts, ...]`) gets a scale per expert too."""
-  if name == "router":   # a mixture of experts' router: small, and its top-k choices are sensitive
+  if name == "router":  # a mixture of experts' router: small, and its top-k choices are sensitive
     return None
   if name in KERNELS and ndim >= KERNELS[name][0] + depth:
     return tuple(ndim - KERNELS[name][0] + a for a in KERNELS[name][1])
@@ -124,8 +130,10 @@ def quantize_params(params: Mapping[str, Any], min_size: int = 4096) -> Any:
 
   out = jax.tree_util.tree_map_with_path(quantize, params)
   if not count:
-    raise ValueError(f"quantize_params: no float kernel with >= {min_size} elements to quantize; "
-                     "pass the model's unboxed 'params' collection or a smaller min_size")
+    raise ValueError(
+      f"quantize_params: no float kernel with >= {min_size} elements to quantize; "
+      "pass the model's unboxed 'params' collection or a smaller min_size"
+    )
   return out
 
 
@@ -149,8 +157,11 @@ def int8_products() -> bool:
   1.3-2.8x slower than the float32 one, so the kernels are dequantized instead."""
   if jax.default_backend() != "cpu":
     return True
-  ynn = [f.split("=", 1)[1] for f in os.environ.get("XLA_FLAGS", "").split()
-         if f.startswith("--xla_cpu_experimental_ynn_fusion_type=")]
+  ynn = [
+    f.split("=", 1)[1]
+    for f in os.environ.get("XLA_FLAGS", "").split()
+    if f.startswith("--xla_cpu_experimental_ynn_fusion_type=")
+  ]
   return not ynn or "individual_dot" in ynn[-1].split(",")
 
 
@@ -174,6 +185,7 @@ def decoding_params(qparams: Mapping[str, Any], dtype: Any = jnp.float32) -> Any
     if keep and keys[-1] in KERNELS and x.values.ndim == KERNELS[keys[-1]][0] + depths.get(keys[0], 0):
       return x
     return x.dequantize(dtype)
+
   return jax.tree_util.tree_map_with_path(convert, qparams, is_leaf=is_quantized)
 
 

@@ -32,6 +32,7 @@ class Restored:
   """A model ready for inference: config, tokenizer (SentencePiece or characters; the
   target's), model (of `config.model.kind`), mesh, params (sharded), step, the rules, and
   the source tokenizer (`tokenizer` itself unless the vocabularies are separate)."""
+
   config: Config
   tokenizer: Tokenizer
   model: Any
@@ -40,9 +41,9 @@ class Restored:
   step: int
   rules: sh.Rules  # logical-axis rules the params were placed with (`mesh.rules`)
   source_tokenizer: Any = None
-  averaged: list[int] | None = None   # the steps whose mean `params` is (`--average-last`), else None
-  quantized: str | None = None        # "int8": `params` holds `quantize.QuantizedArray` kernels
-  config_workdir: str | None = None   # the workdir it was restored from
+  averaged: list[int] | None = None  # the steps whose mean `params` is (`--average-last`), else None
+  quantized: str | None = None  # "int8": `params` holds `quantize.QuantizedArray` kernels
+  config_workdir: str | None = None  # the workdir it was restored from
 
   def __post_init__(self):
     if self.source_tokenizer is None:
@@ -59,8 +60,9 @@ def workdir_config(workdir: str | Path, overrides: Sequence[str] = ()) -> Config
   """
   for o in overrides:
     if not o.startswith(RUNTIME_SECTIONS):
-      raise ConfigError(f"override {o!r} is not allowed at eval time; "
-                        "only runtime.*, mesh.*, train.batch_size and data.data_dir")
+      raise ConfigError(
+        f"override {o!r} is not allowed at eval time; only runtime.*, mesh.*, train.batch_size and data.data_dir"
+      )
   saved = to_dict(load_config(ckpt.run_file(workdir, ckpt.CONFIG_FILE)))
   # The training mesh rarely fits the evaluating machine: default to data parallelism over
   # whatever devices are here, unless mesh.* overrides say otherwise.
@@ -68,8 +70,13 @@ def workdir_config(workdir: str | Path, overrides: Sequence[str] = ()) -> Config
   return config_from_dict(saved, overrides)
 
 
-def restore(workdir: str | Path, config: Config, step: int | None = None, average_last: int | None = None,
-            quantize: str | None = None) -> Restored:
+def restore(
+  workdir: str | Path,
+  config: Config,
+  step: int | None = None,
+  average_last: int | None = None,
+  quantize: str | None = None,
+) -> Restored:
   """Restores the params of `step` (default: the newest intact step, reporting damaged newer
   ones on stderr; not the optimizer state) into the shardings of `config`'s mesh, whatever
   mesh the checkpoint was written from; or, with `average_last` N, the mean of the params of
@@ -84,7 +91,7 @@ def restore(workdir: str | Path, config: Config, step: int | None = None, averag
   checkpointer = ckpt.Checkpointer(workdir, read_only=True)
   if not checkpointer.all_steps():
     raise ckpt.CheckpointError(f"no checkpoint in {checkpointer.directory}; train first or check --workdir")
-  ckpt.run_file(workdir, ckpt.TOKENIZER_FILE)   # a one-line error if it is not a workdir
+  ckpt.run_file(workdir, ckpt.TOKENIZER_FILE)  # a one-line error if it is not a workdir
   vocab = ckpt.load_vocabulary(workdir)
   rules = sh.rules_for(config.mesh)
   mesh = build_mesh(config)
@@ -100,15 +107,17 @@ def restore(workdir: str | Path, config: Config, step: int | None = None, averag
     restored_step, params = layout.restore_params(checkpointer, target, model, step)
   checkpointer.close()
   if quantize == "int8":
-    params = jax.jit(lambda p: quantize_params(p, min_size=1))(params)   # every kernel, even a tiny model's
+    params = jax.jit(lambda p: quantize_params(p, min_size=1))(params)  # every kernel, even a tiny model's
   elif quantize is not None:
     raise ValueError(f"unknown quantization {quantize!r}; use int8")
-  return Restored(config, vocab.target, model, mesh, params, restored_step, rules, vocab.source, averaged, quantize,
-                  str(workdir))
+  return Restored(
+    config, vocab.target, model, mesh, params, restored_step, rules, vocab.source, averaged, quantize, str(workdir)
+  )
 
 
-def restore_draft(workdir: str | Path, target: Restored, overrides: Sequence[str] = (), num_tokens: int = 4,
-                  quantize: str | None = None):
+def restore_draft(
+  workdir: str | Path, target: Restored, overrides: Sequence[str] = (), num_tokens: int = 4, quantize: str | None = None
+):
   """The draft model of speculative decoding (`decode.Draft`) from its workdir: any
   checkpoint whose tokenizer files are the target's, restored with the same runtime/mesh
   overrides (so its params sit on the same devices).
@@ -118,16 +127,21 @@ def restore_draft(workdir: str | Path, target: Restored, overrides: Sequence[str
     CheckpointError: the draft workdir has no checkpoint.
   """
   from jaxformer.inference.decode import Draft  # noqa: PLC0415  (decode imports nothing from here)
+
   if num_tokens < 1:
     raise ValueError(f"--draft-tokens must be >= 1, got {num_tokens}")
   config = workdir_config(workdir, overrides)
   for name in (ckpt.TOKENIZER_FILE, ckpt.SOURCE_TOKENIZER_FILE):
     mine, theirs = Path(workdir) / name, Path(target.config_workdir) / name
     if mine.is_file() != theirs.is_file() or (mine.is_file() and mine.read_bytes() != theirs.read_bytes()):
-      raise ValueError(f"--draft-workdir {workdir} has another {name} than --workdir {target.config_workdir}; "
-                       "a draft must share the target's tokenizer (train it with data.tokenizer_model=...)")
+      raise ValueError(
+        f"--draft-workdir {workdir} has another {name} than --workdir {target.config_workdir}; "
+        "a draft must share the target's tokenizer (train it with data.tokenizer_model=...)"
+      )
   if config.model.vocab_size != target.config.model.vocab_size:
-    raise ValueError(f"--draft-workdir {workdir} has vocab_size {config.model.vocab_size}, the target "
-                     f"{target.config.model.vocab_size}; a draft must share the target's vocabulary")
+    raise ValueError(
+      f"--draft-workdir {workdir} has vocab_size {config.model.vocab_size}, the target "
+      f"{target.config.model.vocab_size}; a draft must share the target's vocabulary"
+    )
   draft = restore(workdir, config, quantize=quantize)
   return Draft(draft.model, draft.params, num_tokens)

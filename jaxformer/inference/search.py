@@ -31,10 +31,10 @@ from jaxformer.inference import topk
 from jaxformer.inference.cache import reorder_beams, repeat_rows
 from jaxformer.models.transformer import PAD_ID
 
-EOS_ID = SpecialIds().eos   # our tokenizers'; the decode functions take the model's (`model.eos_id`)
-BEAM_SIZE = 4          # paper section 6.1
-LENGTH_PENALTY = 0.6   # paper section 6.1 (alpha of Wu et al. 2016)
-EXTRA_TOKENS = 50      # paper section 6.1: maximum output length = input length + 50
+EOS_ID = SpecialIds().eos  # our tokenizers'; the decode functions take the model's (`model.eos_id`)
+BEAM_SIZE = 4  # paper section 6.1
+LENGTH_PENALTY = 0.6  # paper section 6.1 (alpha of Wu et al. 2016)
+EXTRA_TOKENS = 50  # paper section 6.1: maximum output length = input length + 50
 
 # logits_fn(tokens int32 [rows], cache, position int32 scalar) -> (float logits [rows, vocab], cache)
 LogitsFn = Callable[[jax.Array, Any, jax.Array], "tuple[jax.Array, Any]"]
@@ -61,18 +61,18 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
 
 def sampling_values(temperature: float | None, top_k: int | None, top_p: float | None) -> tuple[float, int, float]:
   """(temperature, top_k, top_p) with the unset (None) ones at their 'off' values 1.0, 0, 1.0."""
-  return (1.0 if temperature is None else temperature, 0 if top_k is None else top_k,
-          1.0 if top_p is None else top_p)
+  return (1.0 if temperature is None else temperature, 0 if top_k is None else top_k, 1.0 if top_p is None else top_p)
 
 
 def check_seed(seed: int) -> None:
   """Raises ValueError (one line) unless `seed` is an integer in [0, 2**32) (a JAX key's range)."""
-  if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 32:
+  if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
     raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
 
 
-def filter_logits(logits: jax.Array, temperature: jax.Array | float = 1.0, top_k: jax.Array | int = 0,
-                  top_p: jax.Array | float = 1.0) -> jax.Array:
+def filter_logits(
+  logits: jax.Array, temperature: jax.Array | float = 1.0, top_k: jax.Array | int = 0, top_p: jax.Array | float = 1.0
+) -> jax.Array:
   """float32 `[vocab]` logits / temperature, with tokens outside the top k (k > 0) and then
   outside the nucleus (the smallest set of most probable tokens whose probability reaches
   top_p; Holtzman et al. 2019) set to -inf. The most probable token is always kept; ties
@@ -81,12 +81,13 @@ def filter_logits(logits: jax.Array, temperature: jax.Array | float = 1.0, top_k
   logits = logits.astype(jnp.float32) / temperature
 
   def nucleus(logits):
-    order = jnp.argsort(-logits, stable=True)                       # most probable first, lower ids on ties
+    order = jnp.argsort(-logits, stable=True)  # most probable first, lower ids on ties
     rank_ok = jnp.arange(vocab) < jnp.where(top_k > 0, top_k, vocab)
     sorted_logits = jnp.where(rank_ok, logits[order], -jnp.inf)
     probs = jax.nn.softmax(sorted_logits)
-    keep_sorted = rank_ok & (jnp.cumsum(probs) - probs < top_p)    # mass strictly before the token
+    keep_sorted = rank_ok & (jnp.cumsum(probs) - probs < top_p)  # mass strictly before the token
     return jnp.where(jnp.zeros((vocab,), bool).at[order].set(keep_sorted), logits, -jnp.inf)
+
   return jax.lax.cond(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0), nucleus, lambda x: x, logits)
 
 
@@ -97,11 +98,13 @@ def source_row_keys(rng: jax.Array, inputs: jax.Array, pad_id: int = PAD_ID) -> 
   its neighbours or how much padding the batch adds; identical inputs share a key.
   Returns keys `[batch]` of `rng`'s kind (typed or raw uint32 `[batch, 2]`).
   """
+
   def fold(key, token):
     return jnp.where(token != pad_id, jax.random.fold_in(key, token), key), None
 
   def row(tokens):
     return jax.lax.scan(fold, rng, tokens)[0]
+
   return jax.vmap(row)(inputs.astype(jnp.int32))
 
 
@@ -109,14 +112,17 @@ def sample_tokens(logits: jax.Array, row_keys: jax.Array, index: jax.Array, temp
   """Token `index` of each row drawn from `filter_logits` of float `[rows, vocab]` logits
   with key `fold_in(row_keys[r], index)` (int32 `[rows]`); `index` and the options are
   scalars or `[rows]` arrays, so a row's draw depends only on its own key and options."""
+
   def draw(key, logits, i, t, k, p):
     return jax.random.categorical(jax.random.fold_in(key, i), filter_logits(logits, t, k, p))
+
   rows = logits.shape[0]
   per_row = [jnp.broadcast_to(jnp.asarray(a), (rows,)) for a in (index, temperature, top_k, top_p)]
   return jax.vmap(draw)(row_keys, logits, *per_row).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------- the one loop
+
 
 class Strategy(NamedTuple):
   """How a decode loop turns logits into tokens.
@@ -127,14 +133,21 @@ class Strategy(NamedTuple):
   done(state) -> bool scalar (every row finished); `rows_per_input` rows decode each input
   row (the beam size, else 1).
   """
+
   init: Callable
   step: Callable
   done: Callable
   rows_per_input: int = 1
 
 
-def decode_loop(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, strategy: Strategy,
-                max_decode_len: int, cache_batch_axis: int = 0) -> tuple[Any, Any]:
+def decode_loop(
+  logits_fn: LogitsFn,
+  init_logits: jax.Array,
+  cache: Any,
+  strategy: Strategy,
+  max_decode_len: int,
+  cache_batch_axis: int = 0,
+) -> tuple[Any, Any]:
   """Runs `strategy` for at most `max_decode_len` tokens or until it is done; returns its final
   state and the final cache.
 
@@ -166,12 +179,18 @@ def decode_loop(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, strateg
   return state, cache
 
 
-def token_strategy(choose: Callable[[jax.Array, jax.Array], jax.Array], max_decode_len: int,
-                   eos_id: int = EOS_ID, pad_id: int = PAD_ID, row_limits: jax.Array | None = None) -> Strategy:
+def token_strategy(
+  choose: Callable[[jax.Array, jax.Array], jax.Array],
+  max_decode_len: int,
+  eos_id: int = EOS_ID,
+  pad_id: int = PAD_ID,
+  row_limits: jax.Array | None = None,
+) -> Strategy:
   """One token per row per step, `choose(logits [batch, vocab], i) -> tokens [batch]`
   (argmax: greedy; a draw: sampling). State: (out int32 `[batch, L]`, finished `[batch]`);
   a row that emitted `eos_id` or reached its `row_limits` entry is fed `pad_id` (the model's
   padding: not cached) from then on, and its later columns hold `pad_id`."""
+
   def init(logits):
     batch = logits.shape[0]
     return jnp.full((batch, max_decode_len), pad_id, jnp.int32), jnp.zeros((batch,), bool)
@@ -183,39 +202,60 @@ def token_strategy(choose: Callable[[jax.Array, jax.Array], jax.Array], max_deco
     if row_limits is not None:
       finished = finished | (i + 1 >= row_limits)
     return (out.at[:, i].set(token), finished), token, None
+
   return Strategy(init, step, lambda state: jnp.all(state[1]))
 
 
-def greedy_strategy(max_decode_len: int, eos_id: int = EOS_ID, pad_id: int = PAD_ID,
-                    row_limits: jax.Array | None = None) -> Strategy:
+def greedy_strategy(
+  max_decode_len: int, eos_id: int = EOS_ID, pad_id: int = PAD_ID, row_limits: jax.Array | None = None
+) -> Strategy:
   """Greedy search: the highest-scoring token at every step."""
   return token_strategy(lambda logits, i: topk.argmax(logits), max_decode_len, eos_id, pad_id, row_limits)
 
 
-def sample_strategy(row_keys: jax.Array, max_decode_len: int, temperature: float = 1.0, top_k: int = 0,
-                    top_p: float = 1.0, eos_id: int = EOS_ID, pad_id: int = PAD_ID,
-                    row_limits: jax.Array | None = None) -> Strategy:
+def sample_strategy(
+  row_keys: jax.Array,
+  max_decode_len: int,
+  temperature: float = 1.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+  eos_id: int = EOS_ID,
+  pad_id: int = PAD_ID,
+  row_limits: jax.Array | None = None,
+) -> Strategy:
   """Ancestral sampling: token i of row b from `filter_logits` with key `fold_in(row_keys[b], i)`."""
-  return token_strategy(lambda logits, i: sample_tokens(logits, row_keys, i, temperature, top_k, top_p),
-                        max_decode_len, eos_id, pad_id, row_limits)
+  return token_strategy(
+    lambda logits, i: sample_tokens(logits, row_keys, i, temperature, top_k, top_p),
+    max_decode_len,
+    eos_id,
+    pad_id,
+    row_limits,
+  )
 
 
 class BeamState(NamedTuple):
   """The beam search loop state: per row, `beam` live hypotheses with their log-probabilities,
   `beam` finished ones with their scores, and whether the row is done (shapes in the comments)."""
-  live_seqs: jax.Array    # int32 [batch, beam, L]
-  live_logp: jax.Array    # float32 [batch, beam]
-  fin_seqs: jax.Array     # int32 [batch, beam, L]
-  fin_scores: jax.Array   # float32 [batch, beam]
-  done: jax.Array         # bool [batch]
+
+  live_seqs: jax.Array  # int32 [batch, beam, L]
+  live_logp: jax.Array  # float32 [batch, beam]
+  fin_seqs: jax.Array  # int32 [batch, beam, L]
+  fin_scores: jax.Array  # float32 [batch, beam]
+  done: jax.Array  # bool [batch]
 
 
 def _take(x, idx):  # x [B, M, ...] gathered at idx [B, K'] along axis 1
   return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-def beam_strategy(beam_size: int, max_decode_len: int, alpha: float = LENGTH_PENALTY,
-                  eos_id: int = EOS_ID, pad_id: int = PAD_ID, row_limits: jax.Array | None = None) -> Strategy:
+def beam_strategy(
+  beam_size: int,
+  max_decode_len: int,
+  alpha: float = LENGTH_PENALTY,
+  eos_id: int = EOS_ID,
+  pad_id: int = PAD_ID,
+  row_limits: jax.Array | None = None,
+) -> Strategy:
   """Beam search with a separate finished set and per-row early stopping.
 
   Each step scores the K*vocab extensions of the live beams and keeps the top 2K. EOS
@@ -252,14 +292,14 @@ def beam_strategy(beam_size: int, max_decode_len: int, alpha: float = LENGTH_PEN
     # The best 2K extensions of a sentence are among the best 2K of each of its beams: take
     # those first, so no [batch, K * vocab] array of log-probs is built.
     per_beam = min(2 * k, vocab)
-    top_logp, top_tok = topk.top_k_log_probs(logits, per_beam)                 # [B*K, P]
-    if logits.shape[0] != batch * k:   # step 0: one row per sentence, the same for its beams
+    top_logp, top_tok = topk.top_k_log_probs(logits, per_beam)  # [B*K, P]
+    if logits.shape[0] != batch * k:  # step 0: one row per sentence, the same for its beams
       top_logp, top_tok = jnp.repeat(top_logp, k, axis=0), jnp.repeat(top_tok, k, axis=0)
     flat = (s.live_logp.reshape(-1, 1) + top_logp).reshape(batch, k * per_beam)
-    cand_logp, cand_idx = jax.lax.top_k(flat, 2 * k)                         # [B, 2K]
+    cand_logp, cand_idx = jax.lax.top_k(flat, 2 * k)  # [B, 2K]
     cand_beam = cand_idx // per_beam
     cand_tok = jnp.take_along_axis(top_tok.reshape(batch, k * per_beam), cand_idx, axis=1).astype(jnp.int32)
-    cand_seqs = _take(s.live_seqs, cand_beam).at[:, :, i].set(cand_tok)      # [B, 2K, L]
+    cand_seqs = _take(s.live_seqs, cand_beam).at[:, :, i].set(cand_tok)  # [B, 2K, L]
     is_eos = cand_tok == eos_id
 
     # Finished set: old finished + EOS candidates within the top K, best K by score.
@@ -270,14 +310,17 @@ def beam_strategy(beam_size: int, max_decode_len: int, alpha: float = LENGTH_PEN
 
     # Live beams: best K non-EOS candidates.
     live_logp, live_idx = jax.lax.top_k(jnp.where(is_eos, neg_inf, cand_logp), k)
-    parent, tokens = _take(cand_beam, live_idx), _take(cand_tok, live_idx)   # [B, K]
+    parent, tokens = _take(cand_beam, live_idx), _take(cand_tok, live_idx)  # [B, K]
 
     # Stopped rows keep their state (so a row's result never depends on its neighbours).
     keep = s.done[:, None]
-    new = BeamState(jnp.where(keep[..., None], s.live_seqs, _take(cand_seqs, live_idx)),
-                    jnp.where(keep, s.live_logp, live_logp),
-                    jnp.where(keep[..., None], s.fin_seqs, fin_seqs),
-                    jnp.where(keep, s.fin_scores, fin_scores), s.done)
+    new = BeamState(
+      jnp.where(keep[..., None], s.live_seqs, _take(cand_seqs, live_idx)),
+      jnp.where(keep, s.live_logp, live_logp),
+      jnp.where(keep[..., None], s.fin_seqs, fin_seqs),
+      jnp.where(keep, s.fin_scores, fin_scores),
+      s.done,
+    )
     parent = jnp.where(keep, jnp.arange(k, dtype=parent.dtype), parent)
     # A live beam holds PAD only as a -inf candidate (fewer finite candidates than beams); it
     # still feeds a token (id 1), so all beams of a sentence stay the same length, which the
@@ -291,13 +334,14 @@ def beam_strategy(beam_size: int, max_decode_len: int, alpha: float = LENGTH_PEN
   return Strategy(init, step, lambda s: jnp.all(s.done), rows_per_input=k)
 
 
-def best_hypothesis(s: BeamState, max_decode_len: int, alpha: float,
-                    row_limits: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def best_hypothesis(
+  s: BeamState, max_decode_len: int, alpha: float, row_limits: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
   """(int32 `[batch, L]` tokens, float32 `[batch]` score) of each row's best hypothesis: its
   best finished one; only a row where none finished returns its best live beam, cut at its
   limit (`row_limits`, default L) and scored at |Y| = that limit."""
   neg_inf = jnp.float32(-jnp.inf)
-  has_finished = s.fin_scores[:, 0] > neg_inf                                 # top_k: column 0 is the best
+  has_finished = s.fin_scores[:, 0] > neg_inf  # top_k: column 0 is the best
   limit = max_decode_len if row_limits is None else row_limits[:, None]
   live_scores = jnp.where(has_finished[:, None], neg_inf, s.live_logp / length_penalty(limit, alpha))
   scores = jnp.concatenate([s.fin_scores, live_scores], axis=1)
@@ -305,10 +349,20 @@ def best_hypothesis(s: BeamState, max_decode_len: int, alpha: float,
   return _take(jnp.concatenate([s.fin_seqs, s.live_seqs], axis=1), best)[:, 0], _take(scores, best)[:, 0]
 
 
-def beam_search_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, *, beam_size: int,
-                     max_decode_len: int, alpha: float = LENGTH_PENALTY, eos_id: int = EOS_ID,
-                     cache_batch_axis: int = 0, return_cache: bool = False, pad_id: int = PAD_ID,
-                     row_limits: jax.Array | None = None) -> Any:
+def beam_search_core(
+  logits_fn: LogitsFn,
+  init_logits: jax.Array,
+  cache: Any,
+  *,
+  beam_size: int,
+  max_decode_len: int,
+  alpha: float = LENGTH_PENALTY,
+  eos_id: int = EOS_ID,
+  cache_batch_axis: int = 0,
+  return_cache: bool = False,
+  pad_id: int = PAD_ID,
+  row_limits: jax.Array | None = None,
+) -> Any:
   """Beam search (`beam_strategy`) over `logits_fn` for `batch * beam_size` rows (row
   b * beam_size + k is beam k of sentence b), from float `[batch, vocab]` first-token logits
   and a cache of `batch` rows (`cache_batch_axis` as in `decode_loop`). Returns
@@ -320,10 +374,21 @@ def beam_search_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, *,
   return (best, cache) if return_cache else best
 
 
-def sample_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, row_keys: jax.Array, *,
-                max_decode_len: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                eos_id: int = EOS_ID, return_cache: bool = False, pad_id: int = PAD_ID,
-                row_limits: jax.Array | None = None) -> Any:
+def sample_core(
+  logits_fn: LogitsFn,
+  init_logits: jax.Array,
+  cache: Any,
+  row_keys: jax.Array,
+  *,
+  max_decode_len: int,
+  temperature: float = 1.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+  eos_id: int = EOS_ID,
+  return_cache: bool = False,
+  pad_id: int = PAD_ID,
+  row_limits: jax.Array | None = None,
+) -> Any:
   """Sampling (`sample_strategy`) over `logits_fn`; int32 `[batch, max_decode_len]` tokens
   through EOS, then PAD (with `return_cache`: those and the final cache). `row_limits`: see
   the module docstring.
@@ -339,9 +404,17 @@ def sample_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, row_key
   return (state[0], cache) if return_cache else state[0]
 
 
-def greedy_core(logits_fn: LogitsFn, init_logits: jax.Array, cache: Any, *, max_decode_len: int,
-                eos_id: int = EOS_ID, return_cache: bool = False, pad_id: int = PAD_ID,
-                row_limits: jax.Array | None = None) -> Any:
+def greedy_core(
+  logits_fn: LogitsFn,
+  init_logits: jax.Array,
+  cache: Any,
+  *,
+  max_decode_len: int,
+  eos_id: int = EOS_ID,
+  return_cache: bool = False,
+  pad_id: int = PAD_ID,
+  row_limits: jax.Array | None = None,
+) -> Any:
   """Greedy search over `logits_fn`; int32 `[batch, max_decode_len]` tokens through EOS, then
   PAD (with `return_cache`: those and the final cache). `row_limits`: see the module docstring."""
   strategy = greedy_strategy(max_decode_len, eos_id, pad_id, row_limits)

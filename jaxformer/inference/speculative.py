@@ -34,13 +34,20 @@ def _set_lengths(cache: kv.KVCache, lengths: jax.Array) -> kv.KVCache:
 
 def _capacity(model: nn.Module, inputs: jax.Array, max_decode_len: int, k: int) -> int:
   prompt = 0 if model.ENCODES_SOURCE else inputs.shape[1]
-  return prompt + max_decode_len + k + 2   # a round may write k + 1 tokens past the last kept one
+  return prompt + max_decode_len + k + 2  # a round may write k + 1 tokens past the last kept one
 
 
-def speculative_greedy(target: nn.Module, target_params: Any, draft: nn.Module, draft_params: Any,
-                       inputs: jax.Array, max_decode_len: int, num_draft_tokens: int = 4,
-                       eos_id: int | None = None,
-                       row_limits: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+def speculative_greedy(
+  target: nn.Module,
+  target_params: Any,
+  draft: nn.Module,
+  draft_params: Any,
+  inputs: jax.Array,
+  max_decode_len: int,
+  num_draft_tokens: int = 4,
+  eos_id: int | None = None,
+  row_limits: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Greedy decoding of `target` sped up by `draft` (same vocabulary). Jittable.
 
   Args:
@@ -70,11 +77,11 @@ def speculative_greedy(target: nn.Module, target_params: Any, draft: nn.Module, 
   dcache = kv.contiguous_cache(draft, draft_params, batch, inputs.shape[1], _capacity(draft, inputs, length, k))
   t_logits, tcache = kv.prefill(target, target_params, tcache, inputs)
   _, dcache = kv.prefill(draft, draft_params, dcache, inputs)
-  first = jnp.argmax(kv.no_pad(t_logits, pad), axis=-1).astype(jnp.int32)          # [B]
+  first = jnp.argmax(kv.no_pad(t_logits, pad), axis=-1).astype(jnp.int32)  # [B]
   out = jnp.full((batch, length), pad, jnp.int32).at[:, 0].set(first)
   limits = jnp.full((batch,), length, jnp.int32) if row_limits is None else row_limits
   finished = (first == eos_id) | (limits <= 1)
-  catch_up = jnp.stack([first, jnp.full_like(first, pad)], axis=1)              # [B, 2]: not in the draft yet
+  catch_up = jnp.stack([first, jnp.full_like(first, pad)], axis=1)  # [B, 2]: not in the draft yet
   zeros = jnp.zeros((batch,), jnp.int32)
   carry = (tcache, dcache, first, catch_up, out, jnp.ones((batch,), jnp.int32), finished, zeros, zeros)
 
@@ -88,21 +95,21 @@ def speculative_greedy(target: nn.Module, target_params: Any, draft: nn.Module, 
     for _ in range(k - 1):
       logits, dcache = kv.step(draft, draft_params, dcache, jnp.where(live, proposal[-1], pad))
       proposal.append(topk.argmax(kv.no_pad(logits, pad)))
-    proposal = jnp.stack(proposal, axis=1)                                            # [B, k]
+    proposal = jnp.stack(proposal, axis=1)  # [B, k]
     # Target: score the pending token and the k proposals in one pass.
     fed = jnp.where(live[:, None], jnp.concatenate([pending[:, None], proposal], axis=1), pad)
     t_lengths = tcache.state.lengths
     logits, tcache = kv.extend(target, target_params, tcache, fed)
-    greedy = topk.argmax(kv.no_pad(logits, pad))                                    # [B, k + 1]
-    n = jnp.sum(jnp.cumprod(proposal == greedy[:, :k], axis=1), axis=1)              # accepted proposals
+    greedy = topk.argmax(kv.no_pad(logits, pad))  # [B, k + 1]
+    n = jnp.sum(jnp.cumprod(proposal == greedy[:, :k], axis=1), axis=1)  # accepted proposals
     n = jnp.where(live, n, 0)
     # Kept: greedy[0..n] (the accepted proposals equal the target's argmax, then its own token).
     j = jnp.arange(k + 1)[None]
     is_eos = (greedy == eos_id) & (j <= n[:, None])
-    stop = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1), n)             # last kept index
-    stop = jnp.minimum(stop, limits - count - 1)                                      # the row's cap
+    stop = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1), n)  # last kept index
+    stop = jnp.minimum(stop, limits - count - 1)  # the row's cap
     keep = (j <= stop[:, None]) & live[:, None]
-    slot = jnp.where(keep, count[:, None] + j, length)                                # past the end: dropped
+    slot = jnp.where(keep, count[:, None] + j, length)  # past the end: dropped
     out = out.at[jnp.arange(batch)[:, None], slot].set(greedy, mode="drop")
     new_count = count + jnp.where(live, stop + 1, 0)
     finished = finished | is_eos.any(axis=1) | (new_count >= limits)
@@ -112,10 +119,22 @@ def speculative_greedy(target: nn.Module, target_params: Any, draft: nn.Module, 
     dcache = _set_lengths(dcache, d_lengths)
     next_pending = jnp.take_along_axis(greedy, n[:, None], axis=1)[:, 0]
     last_proposal = proposal[:, k - 1]
-    catch_up = jnp.where((n == k)[:, None], jnp.stack([last_proposal, next_pending], axis=1),
-                         jnp.stack([next_pending, jnp.full_like(n, pad)], axis=1))
-    return (tcache, dcache, next_pending, catch_up, out, new_count, finished,
-            accepted + n, rounds + live.astype(jnp.int32))
+    catch_up = jnp.where(
+      (n == k)[:, None],
+      jnp.stack([last_proposal, next_pending], axis=1),
+      jnp.stack([next_pending, jnp.full_like(n, pad)], axis=1),
+    )
+    return (
+      tcache,
+      dcache,
+      next_pending,
+      catch_up,
+      out,
+      new_count,
+      finished,
+      accepted + n,
+      rounds + live.astype(jnp.int32),
+    )
 
   carry = jax.lax.while_loop(lambda c: ~jnp.all(c[6]), body, carry)
   return carry[4], carry[7], carry[8]

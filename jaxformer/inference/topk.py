@@ -25,8 +25,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-BLOCKS = (64, 8)   # `top_k`'s block sizes: ids per block, then kept ids per sub-block
-MAX_K = 16   # `top_k` by rounds of max up to this k; XLA's own top-k above it
+BLOCKS = (64, 8)  # `top_k`'s block sizes: ids per block, then kept ids per sub-block
+MAX_K = 16  # `top_k` by rounds of max up to this k; XLA's own top-k above it
 
 
 def argmax(logits: jax.Array) -> jax.Array:
@@ -46,7 +46,7 @@ def _extract(x: jax.Array, k: int) -> jax.Array:
   where = []
   for _ in range(k):
     top = jnp.max(jnp.where(taken, -jnp.inf, x), axis=-1, keepdims=True)
-    first = jnp.min(jnp.where(~taken & (x == top), ids, n), axis=-1, keepdims=True)   # < n: `top` is untaken
+    first = jnp.min(jnp.where(~taken & (x == top), ids, n), axis=-1, keepdims=True)  # < n: `top` is untaken
     where.append(first)
     taken = taken | (ids == first)
   return jnp.concatenate(where, axis=-1)
@@ -67,19 +67,19 @@ def _ranked(logits: jax.Array) -> jax.Array:
 def _top_ids(ranked: jax.Array, k: int) -> jax.Array:
   """int32 `[rows, k]`: ids of the k largest of float `[rows, vocab]` `_ranked` logits, by blocks."""
   rows = ranked.shape[0]
-  values, ids = ranked, None                  # ids[r, j]: the id of values[r, j] (None: j itself)
+  values, ids = ranked, None  # ids[r, j]: the id of values[r, j] (None: j itself)
   for block in BLOCKS:
     n = values.shape[1]
     blocks = -(-n // block)
-    if blocks <= k:                           # every block would be kept
+    if blocks <= k:  # every block would be kept
       continue
-    if blocks * block != n:                   # pad the last block with -inf (never chosen over a real id)
+    if blocks * block != n:  # pad the last block with -inf (never chosen over a real id)
       values = jnp.pad(values, ((0, 0), (0, blocks * block - n)), constant_values=-jnp.inf)
     grouped = values.reshape(rows, blocks, block)
     # The barrier keeps XLA from rewriting the first round's max of the block maxima into a
     # second pass over the whole row.
     block_max = jax.lax.optimization_barrier(jnp.max(grouped, axis=-1))
-    best = jnp.sort(_extract(block_max, k), axis=-1)                            # [rows, k], in id order
+    best = jnp.sort(_extract(block_max, k), axis=-1)  # [rows, k], in id order
     values = jnp.take_along_axis(grouped, best[:, :, None], axis=1).reshape(rows, k * block)
     kept = (best[:, :, None] * block + jnp.arange(block)).reshape(rows, k * block)
     ids = kept if ids is None else jnp.take_along_axis(ids, kept, axis=1)

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxformer.data.tokenizer import BOS_ID, PAD_ID
 
-NEVER = -1e9   # the output bias of a token that is never generated
+NEVER = -1e9  # the output bias of a token that is never generated
 
 
 def _converter_class():
@@ -37,6 +37,7 @@ def _converter_class():
       bias[PAD_ID] = NEVER
       spec.decoder.projection.bias = bias
       return spec
+
   return Converter
 
 
@@ -46,17 +47,17 @@ def convert(hf_dir: str | Path, out: str | Path, quantization: str = "float32") 
   return _converter_class()(str(hf_dir)).convert(str(out), quantization=quantization, force=True)
 
 
-def translate(ct2_dir: str | Path, hf_dir: str | Path, sources: list[str], max_length: int,
-              batch_size: int = 64, threads: int = 2) -> list[str]:
+def translate(
+  ct2_dir: str | Path, hf_dir: str | Path, sources: list[str], max_length: int, batch_size: int = 64, threads: int = 2
+) -> list[str]:
   """Greedy translations of `sources` by the converted model `ct2_dir`, with the exported
   tokenizer of `hf_dir` (source ids end with EOS, as ours); at most `max_length` target
   tokens (EOS included) per sentence, our decoding's cap at model.max_length."""
   import ctranslate2  # noqa: PLC0415
   from transformers import AutoTokenizer  # noqa: PLC0415
+
   tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
   translator = ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type="float32", intra_threads=threads)
   tokens = [tokenizer.convert_ids_to_tokens(ids) for ids in tokenizer(sources)["input_ids"]]
-  results = translator.translate_batch(tokens, beam_size=1, max_batch_size=batch_size,
-                                       max_decoding_length=max_length)
-  return [tokenizer.decode(tokenizer.convert_tokens_to_ids(r.hypotheses[0]), skip_special_tokens=True)
-          for r in results]
+  results = translator.translate_batch(tokens, beam_size=1, max_batch_size=batch_size, max_decoding_length=max_length)
+  return [tokenizer.decode(tokenizer.convert_tokens_to_ids(r.hypotheses[0]), skip_special_tokens=True) for r in results]

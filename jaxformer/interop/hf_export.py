@@ -55,10 +55,19 @@ from jaxformer.interop import links as L
 from jaxformer.interop.hf_tokenizer import save_tokenizer
 
 # The first that fits a model is its export (`select_mapping`): Llama's variants come before it.
-MAPPINGS: tuple[ModuleType, ...] = (hf_marian, hf_t5, hf_qwen2, hf_mistral, hf_llama, hf_gpt2, hf_bert, hf_bert_mlm,
-                                    hf_roberta)
-CONFIG_KEY = "jaxformer"   # our run config inside config.json
-EXPORT_FILE = "jaxformer_export.json"   # which workdir and step(s) an export holds
+MAPPINGS: tuple[ModuleType, ...] = (
+  hf_marian,
+  hf_t5,
+  hf_qwen2,
+  hf_mistral,
+  hf_llama,
+  hf_gpt2,
+  hf_bert,
+  hf_bert_mlm,
+  hf_roberta,
+)
+CONFIG_KEY = "jaxformer"  # our run config inside config.json
+EXPORT_FILE = "jaxformer_export.json"  # which workdir and step(s) an export holds
 
 
 def select_mapping(config: Config, prefer: str | None = None) -> ModuleType:
@@ -68,31 +77,37 @@ def select_mapping(config: Config, prefer: str | None = None) -> ModuleType:
   Raises:
     ConfigError: no architecture fits; names the options of the closest one that do not.
   """
-  experts = [f"model.num_experts={config.model.num_experts}"] if config.model.num_experts else []   # none maps them
+  experts = [f"model.num_experts={config.model.num_experts}"] if config.model.num_experts else []  # none maps them
   misses = [(experts + m.unsupported(config.model), m) for m in MAPPINGS]
   fitting = [m for bad, m in misses if not bad]
   if fitting:
     return next((m for m in fitting if m.ARCHITECTURE == prefer), fitting[0])
   bad, closest = min(misses, key=lambda x: len(x[0]))
-  raise ConfigError(f"no Hugging Face counterpart for {', '.join(bad)} (closest architecture: "
-                    f"{closest.ARCHITECTURE}); the export table is in jaxformer/interop/hf_export.py")
+  raise ConfigError(
+    f"no Hugging Face counterpart for {', '.join(bad)} (closest architecture: "
+    f"{closest.ARCHITECTURE}); the export table is in jaxformer/interop/hf_export.py"
+  )
 
 
 def merged(config: Config, params: Any) -> tuple[Config, Any]:
   """`(config, params)` of the plain model a LoRA model's merged params make (`model.lora_rank=0`,
   `W + (alpha / r) A B`, no adapters); a model without LoRA comes back as it is."""
   from jaxformer.layers.lora import merge_params  # noqa: PLC0415
+
   m = config.model
   if not m.lora_rank:
     return config, params
-  return (dataclasses.replace(config, model=dataclasses.replace(m, lora_rank=0)),
-          merge_params(params, m.lora_alpha / m.lora_rank))
+  return (
+    dataclasses.replace(config, model=dataclasses.replace(m, lora_rank=0)),
+    merge_params(params, m.lora_alpha / m.lora_rank),
+  )
 
 
 def unrolled(config: Config, params: Any) -> Any:
   """`config`'s model params (either layer layout) in the unrolled layout the link tables name."""
   from jaxformer.models import layout  # noqa: PLC0415
   from jaxformer.tasks import get_task  # noqa: PLC0415
+
   stacks = layout.layer_stacks(get_task(config).make_model())
   return layout.unstack_layers(params, stacks) if layout.is_scanned(params, stacks) else params
 
@@ -114,17 +129,18 @@ def hf_model(config: Config, params: Any, prefer: str | None = None):
   """
   import torch  # noqa: PLC0415
   import transformers  # noqa: PLC0415
+
   config, params = merged(config, params)
   mapping = select_mapping(config, prefer)
   hf_config = mapping.hf_config(config)
   hf_config.update({CONFIG_KEY: to_dict(config)})
   model = getattr(transformers, mapping.ARCHITECTURE)(hf_config).eval()
-  if hasattr(mapping, "prepare"):   # T5: a head of its own where transformers ties it
+  if hasattr(mapping, "prepare"):  # T5: a head of its own where transformers ties it
     mapping.prepare(model, config.model)
   state = model.state_dict()
   ours = hf_state(config, params)
   written = {state[name].data_ptr() for name in ours}
-  unset = getattr(mapping, "HF_COMPUTED", ()) + getattr(mapping, "HF_UNUSED", ())   # buffers; tensors never read
+  unset = getattr(mapping, "HF_COMPUTED", ()) + getattr(mapping, "HF_UNUSED", ())  # buffers; tensors never read
   missing = [k for k, v in state.items() if k not in ours and v.data_ptr() not in written and not k.endswith(unset)]
   if missing:
     raise ValueError(f"the export mapping leaves {missing[:3]} of {mapping.ARCHITECTURE} unset")
@@ -153,8 +169,9 @@ def staged_dir(out: Path) -> Iterator[Path]:
   tmp.rename(out)
 
 
-def export_params(config: Config, params: Any, tokenizer, out: str | Path,
-                  origin: dict | None = None, prefer: str | None = None) -> dict[str, Any]:
+def export_params(
+  config: Config, params: Any, tokenizer, out: str | Path, origin: dict | None = None, prefer: str | None = None
+) -> dict[str, Any]:
   """Writes our model as a Hugging Face directory `out` (config, safetensors weights,
   generation config, tokenizer), under a temporary name renamed when complete.
 
@@ -178,7 +195,7 @@ def export_params(config: Config, params: Any, tokenizer, out: str | Path,
   model = hf_model(config, params, prefer)
   with staged_dir(out) as tmp:
     model.save_pretrained(str(tmp))
-    if config.data.tokenizer in ("hf", "marian"):   # a published model's own tokenizer goes back as it came
+    if config.data.tokenizer in ("hf", "marian"):  # a published model's own tokenizer goes back as it came
       tokenizer.save(tmp)
     else:
       save_tokenizer(tokenizer, tmp, config.model.vocab_size, **mapping.TOKENIZER)
@@ -187,8 +204,14 @@ def export_params(config: Config, params: Any, tokenizer, out: str | Path,
   return {"out": str(out), "architecture": mapping.ARCHITECTURE, "files": sorted(p.name for p in out.iterdir())}
 
 
-def export_workdir(workdir: str | Path, out: str | Path, step: int | None = None, average_last: int | None = None,
-                   overrides=(), lora_format: str = "merged") -> dict[str, Any]:
+def export_workdir(
+  workdir: str | Path,
+  out: str | Path,
+  step: int | None = None,
+  average_last: int | None = None,
+  overrides=(),
+  lora_format: str = "merged",
+) -> dict[str, Any]:
   """`jaxformer export --workdir DIR --format hf --out OUT [--step N | --average-last N] [--lora-format F]`:
   restores the workdir's params (`inference.restore`: the newest step, `step`, or the mean of
   the newest `average_last`) and writes them with `export_params`, as the architecture it was
@@ -202,19 +225,26 @@ def export_workdir(workdir: str | Path, out: str | Path, step: int | None = None
   import jax  # noqa: PLC0415
 
   from jaxformer.inference import restore as inference_restore  # noqa: PLC0415
-  if Path(out).exists():   # before reading any checkpoint
+
+  if Path(out).exists():  # before reading any checkpoint
     raise ConfigError(f"--out {out} already exists; remove it or pass another --out")
   config = inference_restore.workdir_config(workdir, overrides)
   if not config.data.shared_vocab or config.data.tokenizer == "char":
-    raise ConfigError("export needs one shared SentencePiece or Hugging Face tokenizer; this workdir has "
-                      + ("separate source and target vocabularies" if not config.data.shared_vocab
-                         else "a character tokenizer (data.tokenizer=char)"))
-  imported = Path(workdir) / "imported.json"   # hf_import.IMPORT_FILE (that module imports this one)
+    raise ConfigError(
+      "export needs one shared SentencePiece or Hugging Face tokenizer; this workdir has "
+      + (
+        "separate source and target vocabularies"
+        if not config.data.shared_vocab
+        else "a character tokenizer (data.tokenizer=char)"
+      )
+    )
+  imported = Path(workdir) / "imported.json"  # hf_import.IMPORT_FILE (that module imports this one)
   prefer = json.loads(imported.read_text()).get("architecture") if imported.is_file() else None
   select_mapping(config)
   write = export_params
   if lora_format == "peft":
     from jaxformer.interop import hf_peft  # noqa: PLC0415
+
     hf_peft.check_exportable(config, prefer)
     write = hf_peft.export_adapter
   restored = inference_restore.restore(workdir, config, step, average_last)

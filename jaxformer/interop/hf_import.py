@@ -34,11 +34,17 @@ from jaxformer.interop.hf_export import CONFIG_KEY, MAPPINGS
 from jaxformer.interop.hf_tokenizer import load_tokenizer
 
 IMPORT_FILE = "imported.json"
-TOKENIZER_DIR = "hf_tokenizer"   # a published model's own tokenizer files, which data.tokenizer_model names
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "source.spm", "target.spm",
-                   "vocab.json")
-TOKENIZER_SIGNS = ("tokenizer.json", *SPM_FILES, "source.spm")   # one of them: the directory has a tokenizer
-OWN_TOKENIZERS = ("hf", "marian")   # data.tokenizer values naming a published model's own tokenizer files
+TOKENIZER_DIR = "hf_tokenizer"  # a published model's own tokenizer files, which data.tokenizer_model names
+TOKENIZER_FILES = (
+  "tokenizer.json",
+  "tokenizer_config.json",
+  "special_tokens_map.json",
+  "source.spm",
+  "target.spm",
+  "vocab.json",
+)
+TOKENIZER_SIGNS = ("tokenizer.json", *SPM_FILES, "source.spm")  # one of them: the directory has a tokenizer
+OWN_TOKENIZERS = ("hf", "marian")  # data.tokenizer values naming a published model's own tokenizer files
 
 
 def open_hf(hf_dir: str | Path) -> tuple[Config, Any]:
@@ -55,6 +61,7 @@ def open_hf(hf_dir: str | Path) -> tuple[Config, Any]:
   import transformers  # noqa: PLC0415
 
   from jaxformer.interop.hf_weights import HFWeights  # noqa: PLC0415
+
   path = Path(hf_dir) / "config.json"
   if not path.is_file():
     raise ConfigError(f"{path} is missing; --from-hf takes a local Hugging Face model directory")
@@ -62,13 +69,14 @@ def open_hf(hf_dir: str | Path) -> tuple[Config, Any]:
   by_type = {m.MODEL_TYPE: m for m in MAPPINGS}
   mapping = by_type.get(raw.get("model_type"))
   if mapping is None:
-    raise ConfigError(f"{hf_dir} holds a {raw.get('model_type')!r} model; import supports "
-                      f"{', '.join(m.ARCHITECTURE for m in MAPPINGS)}")
+    raise ConfigError(
+      f"{hf_dir} holds a {raw.get('model_type')!r} model; import supports {', '.join(m.ARCHITECTURE for m in MAPPINGS)}"
+    )
   hf_config = transformers.AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
   config = config_from_dict(raw[CONFIG_KEY]) if CONFIG_KEY in raw else published_config(hf_dir, mapping, hf_config)
-  prefix = getattr(mapping, "BASE_MODEL_PREFIX", None)   # T5's names are not under its base_model_prefix
+  prefix = getattr(mapping, "BASE_MODEL_PREFIX", None)  # T5's names are not under its base_model_prefix
   if prefix is None:
-    prefix = getattr(transformers, mapping.ARCHITECTURE).base_model_prefix   # a class attribute: no model built
+    prefix = getattr(transformers, mapping.ARCHITECTURE).base_model_prefix  # a class attribute: no model built
   return config, HFWeights(hf_dir, prefix)
 
 
@@ -97,16 +105,18 @@ def special_ids(hf_config, tokenizer) -> dict[str, int]:
   ids = tokenizer.special_ids if tokenizer is not None else None
   vocab = getattr(hf_config, "vocab_size", None) or 0
 
-  def config_id(name: str) -> int | None:   # an id past the vocabulary (GPT-2's 50256 in a small model) is none
+  def config_id(name: str) -> int | None:  # an id past the vocabulary (GPT-2's 50256 in a small model) is none
     value = _first(getattr(hf_config, name, None))
     return -1 if value is not None and vocab and not 0 <= value < vocab else value
 
   bos, eos = config_id("bos_token_id"), config_id("eos_token_id")
-  out = {"bos_id": bos if bos is not None else (ids.bos if ids else -1),
-         "eos_id": eos if eos is not None else (ids.eos if ids else -1)}
+  out = {
+    "bos_id": bos if bos is not None else (ids.bos if ids else -1),
+    "eos_id": eos if eos is not None else (ids.eos if ids else -1),
+  }
   pad = config_id("pad_token_id")
   out["pad_id"] = -1 if pad is None or pad == out["eos_id"] else pad
-  if ids is not None and ids.mask >= 0:   # a masked LM's [MASK] is the tokenizer's own token
+  if ids is not None and ids.mask >= 0:  # a masked LM's [MASK] is the tokenizer's own token
     out["mask_id"] = ids.mask
   start = getattr(hf_config, "decoder_start_token_id", None)
   if getattr(hf_config, "is_encoder_decoder", False) and start is not None:
@@ -125,8 +135,10 @@ def own_tokenizer(kind: str, folder: str | Path, side: str = "target"):
   """
   if kind == "marian":
     from jaxformer.data.tokenizer_marian import MarianTokenizer  # noqa: PLC0415
+
     return MarianTokenizer.load(folder, side)
   from jaxformer.data.tokenizer_hf import HFTokenizer  # noqa: PLC0415
+
   return HFTokenizer.load(folder)
 
 
@@ -141,9 +153,13 @@ def published_config(hf_dir: str | Path, mapping, hf_config) -> Config:
   """
   from jaxformer.data.tokenizer_hf import slow_model  # noqa: PLC0415
   from jaxformer.data.tokenizer_marian import is_marian_dir  # noqa: PLC0415
+
   hf_dir = Path(hf_dir).absolute()
-  kind = ("hf" if (hf_dir / "tokenizer.json").is_file() or slow_model(hf_dir) is not None
-          else ("marian" if is_marian_dir(hf_dir) else None))
+  kind = (
+    "hf"
+    if (hf_dir / "tokenizer.json").is_file() or slow_model(hf_dir) is not None
+    else ("marian" if is_marian_dir(hf_dir) else None)
+  )
   tokenizer = own_tokenizer(kind, hf_dir) if kind else None
   model = {**mapping.model_config(hf_config), **special_ids(hf_config, tokenizer)}
   length = min(DataConfig.max_length, model["max_length"])
@@ -165,10 +181,12 @@ def params_from_hf(config: Config, tensors: Any) -> dict[str, Any]:
     ValueError: a tensor is missing or holds what our model cannot express (one line).
   """
   from jaxformer.interop.hf_export import select_mapping  # noqa: PLC0415
+
   links, consts = select_mapping(config).links(config.model)
   out = None
   if config.model.scan_layers:
     from jaxformer.tasks import get_task  # noqa: PLC0415
+
     paths = {p for link in links if link.from_hf is not None for p in link.ours}
     out = _ScannedParams(get_task(config).make_model(), paths)
   return L.unflatten(L.from_hf_checked(links, consts, tensors, config.model.kind, out))
@@ -196,9 +214,11 @@ class _ScannedParams:
     import jax  # noqa: PLC0415
 
     from jaxformer.models import layout  # noqa: PLC0415
+
     stacks = layout.layer_stacks(model)
-    shapes = _leaves(layout.stack_layers(L.unflatten({p: jax.ShapeDtypeStruct((), np.float32) for p in paths}),
-                                         stacks))   # a stack's leaf: ([layers],)
+    shapes = _leaves(
+      layout.stack_layers(L.unflatten({p: jax.ShapeDtypeStruct((), np.float32) for p in paths}), stacks)
+    )  # a stack's leaf: ([layers],)
     self._layers = {path: sds.shape[0] if sds.shape else None for path, sds in shapes.items()}
     self._slots = _leaves(layout.unstack_layers(L.unflatten({p: _Slot(p) for p in shapes}), stacks))
     self._arrays: dict[str, np.ndarray] = {}
@@ -208,7 +228,7 @@ class _ScannedParams:
     if slot.layer is None:
       self._arrays[slot.path] = value
       return
-    if slot.path not in self._arrays:   # pages are taken as layers are copied in
+    if slot.path not in self._arrays:  # pages are taken as layers are copied in
       self._arrays[slot.path] = np.empty((self._layers[slot.path], *np.shape(value)), np.float32)
     self._arrays[slot.path][slot.layer] = value
 
@@ -232,8 +252,9 @@ def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
   return out
 
 
-def write_workdir(config: Config, params: Any, tokenizer, workdir: str | Path, origin: dict,
-                  tokenizer_files: Path | None = None) -> Path:
+def write_workdir(
+  config: Config, params: Any, tokenizer, workdir: str | Path, origin: dict, tokenizer_files: Path | None = None
+) -> Path:
   """Writes a workdir (see the module docstring) under a temporary name, renamed when complete.
   `tokenizer_files`: a directory whose Hugging Face tokenizer files are copied to `TOKENIZER_DIR`.
   A Marian `tokenizer` (the target side) also writes its source side (`source_tokenizer.model`).
@@ -242,6 +263,7 @@ def write_workdir(config: Config, params: Any, tokenizer, workdir: str | Path, o
     ConfigError: `workdir` exists.
   """
   from jaxformer.checkpoint import manager as ckpt  # noqa: PLC0415
+
   workdir = Path(workdir)
   if workdir.exists():
     raise ConfigError(f"--workdir {workdir} already exists; import writes a new workdir")
@@ -256,12 +278,12 @@ def write_workdir(config: Config, params: Any, tokenizer, workdir: str | Path, o
         if (tokenizer_files / name).is_file():
           shutil.copyfile(tokenizer_files / name, tmp / TOKENIZER_DIR / name)
       if config.data.tokenizer == "hf" and not (tokenizer_files / "tokenizer.json").is_file():
-        tokenizer.save(tmp / TOKENIZER_DIR)   # converted from the directory's SentencePiece model
+        tokenizer.save(tmp / TOKENIZER_DIR)  # converted from the directory's SentencePiece model
     (tmp / IMPORT_FILE).write_text(json.dumps(origin) + "\n")
     # Params alone (no optimizer state, which training creates), written without Orbax's copies.
     ckpt.save_host_params(tmp, 0, params)
     tmp.rename(workdir)
-  except BaseException:   # a failed or interrupted write leaves no .incomplete directory behind
+  except BaseException:  # a failed or interrupted write leaves no .incomplete directory behind
     shutil.rmtree(tmp, ignore_errors=True)
     raise
   return workdir
@@ -276,15 +298,17 @@ def import_hf(hf_dir: str | Path, workdir: str | Path) -> dict[str, Any]:
   Raises:
     ConfigError, ValueError, FileNotFoundError: one line naming the problem.
   """
-  if Path(workdir).exists():   # before reading any weights
+  if Path(workdir).exists():  # before reading any weights
     raise ConfigError(f"--workdir {workdir} already exists; import writes a new workdir")
   if (Path(hf_dir) / "config.json").is_file() and not any((Path(hf_dir) / f).is_file() for f in TOKENIZER_SIGNS):
-    raise ConfigError(f"{hf_dir} has no tokenizer ({', '.join(TOKENIZER_SIGNS)}); save the model's tokenizer "
-                      "beside it (AutoTokenizer's save_pretrained)")
+    raise ConfigError(
+      f"{hf_dir} has no tokenizer ({', '.join(TOKENIZER_SIGNS)}); save the model's tokenizer "
+      "beside it (AutoTokenizer's save_pretrained)"
+    )
   config, weights = open_hf(hf_dir)
-  with weights:   # one tensor read at a time (a pytorch_model.bin's temporary safetensors go at the end)
+  with weights:  # one tensor read at a time (a pytorch_model.bin's temporary safetensors go at the end)
     params = params_from_hf(config, weights)
-  own = config.data.tokenizer in OWN_TOKENIZERS   # a published model's tokenizer (else our SentencePiece model)
+  own = config.data.tokenizer in OWN_TOKENIZERS  # a published model's tokenizer (else our SentencePiece model)
   if own:
     tokenizer = own_tokenizer(config.data.tokenizer, hf_dir)
     folder = Path(workdir).absolute() / TOKENIZER_DIR
@@ -292,6 +316,7 @@ def import_hf(hf_dir: str | Path, workdir: str | Path) -> dict[str, Any]:
   else:
     tokenizer = load_tokenizer(hf_dir)
   from jaxformer.interop.hf_export import select_mapping  # noqa: PLC0415
+
   model_type = json.loads((Path(hf_dir) / "config.json").read_text()).get("model_type")
   prefer = next((m.ARCHITECTURE for m in MAPPINGS if m.MODEL_TYPE == model_type), None)
   architecture = select_mapping(config, prefer).ARCHITECTURE

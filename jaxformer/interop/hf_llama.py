@@ -21,20 +21,34 @@ MODEL_TYPE = "llama"
 ARCHITECTURE = "LlamaForCausalLM"
 TOKENIZER = {"add_eos": False}
 ROPE_TYPES = {"default": "none", "linear": "linear", "dynamic": "dynamic", "yarn": "yarn", "llama3": "llama3"}
-YARN_DEFAULTS = {"beta_fast": 32, "beta_slow": 1, "truncate": True}   # ours (layers.positions)
+YARN_DEFAULTS = {"beta_fast": 32, "beta_slow": 1, "truncate": True}  # ours (layers.positions)
 
 
 def unsupported(m: ModelConfig, attention_bias=("none", "all"), sliding_window: bool = False) -> list[str]:
   """`key=value` of each option of `m` Llama has no counterpart for (empty: it maps). The variants
   pass which `attention_bias` values and whether a sliding window they express."""
-  wanted = {"kind": CausalLM.kind, "pre_norm": True, "position": "rope", "norm": "rmsnorm", "ffn": "swiglu",
-            "attn_logit_softcap": 0.0, "global_tokens": 0, "embedding_norm": False, "type_vocab_size": 0}
-  return L.mismatches(m, wanted, {"attention_bias": m.attention_bias in attention_bias,
-                                  "rope_scaling": m.rope_scaling != "ntk",
-                                  # transformers' dynamic scaling counts from max_position_embeddings
-                                  "rope_trained_length": m.rope_scaling != "dynamic"
-                                  or m.rope_trained_length == m.max_length,
-                                  "sliding_window": sliding_window or not m.sliding_window})
+  wanted = {
+    "kind": CausalLM.kind,
+    "pre_norm": True,
+    "position": "rope",
+    "norm": "rmsnorm",
+    "ffn": "swiglu",
+    "attn_logit_softcap": 0.0,
+    "global_tokens": 0,
+    "embedding_norm": False,
+    "type_vocab_size": 0,
+  }
+  return L.mismatches(
+    m,
+    wanted,
+    {
+      "attention_bias": m.attention_bias in attention_bias,
+      "rope_scaling": m.rope_scaling != "ntk",
+      # transformers' dynamic scaling counts from max_position_embeddings
+      "rope_trained_length": m.rope_scaling != "dynamic" or m.rope_trained_length == m.max_length,
+      "sliding_window": sliding_window or not m.sliding_window,
+    },
+  )
 
 
 def rope_parameters(m: ModelConfig) -> dict:
@@ -53,17 +67,30 @@ def rope_parameters(m: ModelConfig) -> dict:
 def hf_config(config: Config, cls: str = "LlamaConfig", **extra):
   """The `transformers.LlamaConfig` (or a variant's `cls`, with its `extra` fields) of our model config."""
   import transformers  # noqa: PLC0415
+
   m = config.model
   if cls == "LlamaConfig":
     extra = {"attention_bias": m.attention_bias == "all", "mlp_bias": m.mlp_bias, **extra}
   return getattr(transformers, cls)(
-      vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.d_ff, num_hidden_layers=m.num_decoder_layers,
-      num_attention_heads=m.num_heads, num_key_value_heads=m.kv_heads, head_dim=m.head_dim, hidden_act="silu",
-      max_position_embeddings=m.max_length, rms_norm_eps=m.norm_epsilon, tie_word_embeddings=tied_in_hf(m),
-      attention_dropout=m.attention_dropout_rate, pad_token_id=pad_token(m), bos_token_id=m.bos_id,
-      eos_token_id=m.eos_id,
-      rope_parameters=rope_parameters(m), architectures=[getattr(transformers, cls).__name__[:-6] + "ForCausalLM"],
-      **extra)
+    vocab_size=m.vocab_size,
+    hidden_size=m.d_model,
+    intermediate_size=m.d_ff,
+    num_hidden_layers=m.num_decoder_layers,
+    num_attention_heads=m.num_heads,
+    num_key_value_heads=m.kv_heads,
+    head_dim=m.head_dim,
+    hidden_act="silu",
+    max_position_embeddings=m.max_length,
+    rms_norm_eps=m.norm_epsilon,
+    tie_word_embeddings=tied_in_hf(m),
+    attention_dropout=m.attention_dropout_rate,
+    pad_token_id=pad_token(m),
+    bos_token_id=m.bos_id,
+    eos_token_id=m.eos_id,
+    rope_parameters=rope_parameters(m),
+    architectures=[getattr(transformers, cls).__name__[:-6] + "ForCausalLM"],
+    **extra,
+  )
 
 
 def pad_token(m: ModelConfig) -> int | None:
@@ -74,8 +101,13 @@ def pad_token(m: ModelConfig) -> int | None:
 def generation(m: ModelConfig) -> dict:
   """generation_config.json fields: PAD, if the model has one, is never generated (our decoding excludes it)."""
   pad = pad_token(m)
-  return {"bos_token_id": m.bos_id, "eos_token_id": m.eos_id, "pad_token_id": pad,
-          "suppress_tokens": [] if pad is None else [pad], "max_length": m.max_length}
+  return {
+    "bos_token_id": m.bos_id,
+    "eos_token_id": m.eos_id,
+    "pad_token_id": pad,
+    "suppress_tokens": [] if pad is None else [pad],
+    "max_length": m.max_length,
+  }
 
 
 def rope_options(hf) -> dict:
@@ -89,8 +121,10 @@ def rope_options(hf) -> dict:
   if kind not in ROPE_TYPES:
     raise ValueError(f"rope_type={kind} has no counterpart in jaxformer; supported: {', '.join(ROPE_TYPES)}")
   if rope.get("partial_rotary_factor", 1.0) != 1.0:
-    raise ValueError(f"partial_rotary_factor={rope['partial_rotary_factor']} has no counterpart in jaxformer "
-                     "(it rotates all of each head)")
+    raise ValueError(
+      f"partial_rotary_factor={rope['partial_rotary_factor']} has no counterpart in jaxformer "
+      "(it rotates all of each head)"
+    )
   factor = rope.get("factor") or 1.0
   original = rope.get("original_max_position_embeddings") or hf.max_position_embeddings
   if kind == "yarn":
@@ -99,13 +133,18 @@ def rope_options(hf) -> dict:
     odd = {k: rope[k] for k, v in YARN_DEFAULTS.items() if rope.get(k) not in (None, v)}
     odd.update({k: rope[k] for k in ("attention_factor", "mscale", "mscale_all_dim") if rope.get(k) is not None})
     if odd:
-      raise ValueError(f"yarn rope_parameters {odd} have no counterpart in jaxformer (it uses beta_fast=32, "
-                       "beta_slow=1, truncate=true and the attention factor 0.1 ln(factor) + 1)")
-  return dict(rope_theta=float(rope.get("rope_theta", 10000.0)), rope_scaling=ROPE_TYPES[kind],
-              rope_scaling_factor=float(factor),
-              rope_trained_length=int(hf.max_position_embeddings if kind == "dynamic" else original),
-              rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-              rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)))
+      raise ValueError(
+        f"yarn rope_parameters {odd} have no counterpart in jaxformer (it uses beta_fast=32, "
+        "beta_slow=1, truncate=true and the attention factor 0.1 ln(factor) + 1)"
+      )
+  return dict(
+    rope_theta=float(rope.get("rope_theta", 10000.0)),
+    rope_scaling=ROPE_TYPES[kind],
+    rope_scaling_factor=float(factor),
+    rope_trained_length=int(hf.max_position_embeddings if kind == "dynamic" else original),
+    rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+    rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+  )
 
 
 def model_config(hf, attention_bias: str | None = None, sliding_window: int = 0) -> dict:
@@ -119,15 +158,31 @@ def model_config(hf, attention_bias: str | None = None, sliding_window: int = 0)
   if attention_bias is None:
     attention_bias = "all" if hf.attention_bias else "none"
   head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-  return dict(kind=CausalLM.kind, vocab_size=hf.vocab_size, d_model=hf.hidden_size, num_heads=hf.num_attention_heads,
-              attention_head_dim=0 if head_dim * hf.num_attention_heads == hf.hidden_size else head_dim,
-              num_kv_heads=hf.num_key_value_heads, d_ff=hf.intermediate_size, num_decoder_layers=hf.num_hidden_layers,
-              attention_dropout_rate=hf.attention_dropout, dropout_rate=0.0, pre_norm=True,
-              tie_embeddings=bool(hf.tie_word_embeddings), embedding_scale=False, max_length=hf.max_position_embeddings,
-              position="rope", norm="rmsnorm", norm_epsilon=hf.rms_norm_eps, ffn="swiglu",
-              mlp_bias=bool(getattr(hf, "mlp_bias", False)), attention_bias=attention_bias,
-              sliding_window=sliding_window, pad_id=-1 if hf.pad_token_id is None else hf.pad_token_id,
-              **rope_options(hf))
+  return dict(
+    kind=CausalLM.kind,
+    vocab_size=hf.vocab_size,
+    d_model=hf.hidden_size,
+    num_heads=hf.num_attention_heads,
+    attention_head_dim=0 if head_dim * hf.num_attention_heads == hf.hidden_size else head_dim,
+    num_kv_heads=hf.num_key_value_heads,
+    d_ff=hf.intermediate_size,
+    num_decoder_layers=hf.num_hidden_layers,
+    attention_dropout_rate=hf.attention_dropout,
+    dropout_rate=0.0,
+    pre_norm=True,
+    tie_embeddings=bool(hf.tie_word_embeddings),
+    embedding_scale=False,
+    max_length=hf.max_position_embeddings,
+    position="rope",
+    norm="rmsnorm",
+    norm_epsilon=hf.rms_norm_eps,
+    ffn="swiglu",
+    mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+    attention_bias=attention_bias,
+    sliding_window=sliding_window,
+    pad_id=-1 if hf.pad_token_id is None else hf.pad_token_id,
+    **rope_options(hf),
+  )
 
 
 def tied_in_hf(m: ModelConfig) -> bool:
@@ -157,22 +212,28 @@ def links(m: ModelConfig) -> tuple[list[L.Link], list[L.Const]]:
   for i in range(m.num_decoder_layers):
     ours, hf = f"layer_{i}", f"model.layers.{i}"
     attn = f"{ours}/self_attention"
-    out += [L.vector(f"{ours}/attention_sublayer/norm/scale", f"{hf}.input_layernorm.weight", b),
-            L.linear_in(f"{attn}/query", f"{hf}.self_attn.q_proj.weight", b, (d, n, h)),
-            L.linear_in(f"{attn}/key", f"{hf}.self_attn.k_proj.weight", b, (d, k, h)),
-            L.linear_in(f"{attn}/value", f"{hf}.self_attn.v_proj.weight", b, (d, k, h)),
-            L.linear_out(f"{attn}/out", f"{hf}.self_attn.o_proj.weight", b, (n, h, d)),
-            L.vector(f"{ours}/ffn_sublayer/norm/scale", f"{hf}.post_attention_layernorm.weight", b),
-            L.linear_in(f"{ours}/ffn/wi_gate", f"{hf}.mlp.gate_proj.weight", b, (d, f)),
-            L.linear_in(f"{ours}/ffn/wi", f"{hf}.mlp.up_proj.weight", b, (d, f)),
-            L.linear_out(f"{ours}/ffn/wo", f"{hf}.mlp.down_proj.weight", b, (f, d))]
+    out += [
+      L.vector(f"{ours}/attention_sublayer/norm/scale", f"{hf}.input_layernorm.weight", b),
+      L.linear_in(f"{attn}/query", f"{hf}.self_attn.q_proj.weight", b, (d, n, h)),
+      L.linear_in(f"{attn}/key", f"{hf}.self_attn.k_proj.weight", b, (d, k, h)),
+      L.linear_in(f"{attn}/value", f"{hf}.self_attn.v_proj.weight", b, (d, k, h)),
+      L.linear_out(f"{attn}/out", f"{hf}.self_attn.o_proj.weight", b, (n, h, d)),
+      L.vector(f"{ours}/ffn_sublayer/norm/scale", f"{hf}.post_attention_layernorm.weight", b),
+      L.linear_in(f"{ours}/ffn/wi_gate", f"{hf}.mlp.gate_proj.weight", b, (d, f)),
+      L.linear_in(f"{ours}/ffn/wi", f"{hf}.mlp.up_proj.weight", b, (d, f)),
+      L.linear_out(f"{ours}/ffn/wo", f"{hf}.mlp.down_proj.weight", b, (f, d)),
+    ]
     if m.attention_bias != "none":
-      out += [L.reshaped(f"{attn}/{p}_bias", f"{hf}.self_attn.{p[0]}_proj.bias", shape)
-              for p, shape in (("query", (n, h)), ("key", (k, h)), ("value", (k, h)))]
+      out += [
+        L.reshaped(f"{attn}/{p}_bias", f"{hf}.self_attn.{p[0]}_proj.bias", shape)
+        for p, shape in (("query", (n, h)), ("key", (k, h)), ("value", (k, h)))
+      ]
     if m.attention_bias == "all":
       out.append(L.vector(f"{attn}/out_bias", f"{hf}.self_attn.o_proj.bias", b))
     if m.mlp_bias:
-      out += [L.plain(f"{ours}/ffn/bi_gate", f"{hf}.mlp.gate_proj.bias"),
-              L.plain(f"{ours}/ffn/bi", f"{hf}.mlp.up_proj.bias"),
-              L.vector(f"{ours}/ffn/bo", f"{hf}.mlp.down_proj.bias", b)]
+      out += [
+        L.plain(f"{ours}/ffn/bi_gate", f"{hf}.mlp.gate_proj.bias"),
+        L.plain(f"{ours}/ffn/bi", f"{hf}.mlp.up_proj.bias"),
+        L.vector(f"{ours}/ffn/bo", f"{hf}.mlp.down_proj.bias", b),
+      ]
   return out, []

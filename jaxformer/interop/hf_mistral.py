@@ -16,7 +16,8 @@ ARCHITECTURE = "MistralForCausalLM"
 def unsupported(m: ModelConfig) -> list[str]:
   """`key=value` of each option of `m` Mistral has no counterpart for (empty: it maps)."""
   return hf_llama.unsupported(m, attention_bias=("none",), sliding_window=True) + (
-      [f"model.mlp_bias={m.mlp_bias}"] if m.mlp_bias else [])
+    [f"model.mlp_bias={m.mlp_bias}"] if m.mlp_bias else []
+  )
 
 
 def hf_config(config: Config):

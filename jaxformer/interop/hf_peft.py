@@ -33,21 +33,26 @@ from jaxformer.layers import lora
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-BASE_DIR = "base"   # the frozen base model, inside the adapter directory
-PREFIX = "base_model.model."   # PEFT's prefix of the wrapped model's module names
+BASE_DIR = "base"  # the frozen base model, inside the adapter directory
+PREFIX = "base_model.model."  # PEFT's prefix of the wrapped model's module names
 
 
 def check_exportable(config: Config, prefer: str | None = None) -> None:
   """Raises ConfigError (one line) unless `config` is a LoRA model of the Llama family."""
   from jaxformer.interop.hf_export import select_mapping  # noqa: PLC0415  (that module imports this one)
+
   if not config.model.lora_rank:
-    raise ConfigError("--lora-format peft writes LoRA adapters, and this workdir has none (model.lora_rank=0); "
-                      "export without --lora-format")
+    raise ConfigError(
+      "--lora-format peft writes LoRA adapters, and this workdir has none (model.lora_rank=0); "
+      "export without --lora-format"
+    )
   architecture = select_mapping(config, prefer).ARCHITECTURE
   if architecture not in ARCHITECTURES:
-    raise ConfigError(f"--lora-format peft is written for the Llama family ({', '.join(ARCHITECTURES)}), not "
-                      f"{architecture} (its projections do not map one to one onto PEFT's per-module LoRA); "
-                      "export with --lora-format merged")
+    raise ConfigError(
+      f"--lora-format peft is written for the Llama family ({', '.join(ARCHITECTURES)}), not "
+      f"{architecture} (its projections do not map one to one onto PEFT's per-module LoRA); "
+      "export with --lora-format merged"
+    )
 
 
 def peft_tensors(config: Config, params: Any, prefer: str | None = None) -> tuple[dict[str, np.ndarray], list[str]]:
@@ -58,6 +63,7 @@ def peft_tensors(config: Config, params: Any, prefer: str | None = None) -> tupl
     ConfigError: as `check_exportable`.
   """
   from jaxformer.interop.hf_export import select_mapping, unrolled  # noqa: PLC0415
+
   check_exportable(config, prefer)
   links, _ = select_mapping(config, prefer).links(config.model)
   modules = {link.ours[0]: link.hf.removesuffix(".weight") for link in links if len(link.ours) == 1}
@@ -78,15 +84,28 @@ def adapter_config(config: Config, targets: list[str], base: str, architecture: 
   """The `adapter_config.json` fields of a LoRA model (PEFT's `LoraConfig`; the rest take PEFT's defaults)."""
   m = config.model
   alpha = int(m.lora_alpha) if float(m.lora_alpha).is_integer() else m.lora_alpha
-  return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": m.lora_rank,
-          "lora_alpha": alpha, "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
-          "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
-          "inference_mode": True, "modules_to_save": None,
-          "auto_mapping": {"base_model_class": architecture, "parent_library": "transformers"}}
+  return {
+    "peft_type": "LORA",
+    "task_type": "CAUSAL_LM",
+    "base_model_name_or_path": base,
+    "r": m.lora_rank,
+    "lora_alpha": alpha,
+    "target_modules": targets,
+    "lora_dropout": 0.0,
+    "bias": "none",
+    "fan_in_fan_out": False,
+    "use_rslora": False,
+    "use_dora": False,
+    "init_lora_weights": True,
+    "inference_mode": True,
+    "modules_to_save": None,
+    "auto_mapping": {"base_model_class": architecture, "parent_library": "transformers"},
+  }
 
 
-def export_adapter(config: Config, params: Any, tokenizer, out: str | Path, origin: dict | None = None,
-                   prefer: str | None = None) -> dict[str, Any]:
+def export_adapter(
+  config: Config, params: Any, tokenizer, out: str | Path, origin: dict | None = None, prefer: str | None = None
+) -> dict[str, Any]:
   """Writes the PEFT adapter directory `out` (see the module docstring) under a temporary name,
   renamed when complete; arguments as `hf_export.export_params`.
 
@@ -99,6 +118,7 @@ def export_adapter(config: Config, params: Any, tokenizer, out: str | Path, orig
   from safetensors.numpy import save_file  # noqa: PLC0415
 
   from jaxformer.interop.hf_export import export_params, staged_dir  # noqa: PLC0415
+
   out = Path(out)
   if out.exists():
     raise ConfigError(f"--out {out} already exists; remove it or pass another --out")
@@ -110,5 +130,9 @@ def export_adapter(config: Config, params: Any, tokenizer, out: str | Path, orig
     save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     settings = adapter_config(config, targets, base, written["architecture"])
     (tmp / ADAPTER_CONFIG).write_text(json.dumps(settings, indent=2) + "\n")
-  return {"out": str(out), "architecture": written["architecture"], "files": sorted(p.name for p in out.iterdir()),
-          "base": base}
+  return {
+    "out": str(out),
+    "architecture": written["architecture"],
+    "files": sorted(p.name for p in out.iterdir()),
+    "base": base,
+  }

@@ -13,13 +13,13 @@ from jaxformer.interop.hf_bert_mlm import TOKENIZER, generation  # noqa: F401  (
 
 MODEL_TYPE = "roberta"
 ARCHITECTURE = "RobertaForMaskedLM"
-HF_UNUSED = ("lm_head.bias",)   # tied to the decoder's bias; never read when untied (see hf_bert_mlm)
+HF_UNUSED = ("lm_head.bias",)  # tied to the decoder's bias; never read when untied (see hf_bert_mlm)
 HEAD = {"dense": "lm_head.dense", "norm": "lm_head.layer_norm", "decoder": "lm_head.decoder", "bias": "lm_head.bias"}
 
 
 def unsupported(m: ModelConfig) -> list[str]:
   """`key=value` of each option of `m` RoBERTa has no counterpart for (empty: it maps)."""
-  bad = [] if m.pad_id >= 0 else [f"model.pad_id={m.pad_id}"]   # RoBERTa's positions count from it
+  bad = [] if m.pad_id >= 0 else [f"model.pad_id={m.pad_id}"]  # RoBERTa's positions count from it
   return bad + hf_bert_mlm.unsupported(m, offset=max(m.pad_id, 0) + 1, activations=("gelu",))
 
 
@@ -36,8 +36,9 @@ def model_config(hf) -> dict:
     ValueError: options jaxformer has no counterpart for (named in one line).
   """
   if hf.pad_token_id is None:
-    raise ValueError("this RoBERTa model has pad_token_id=None; its positions count from pad_token_id + 1, "
-                     "so jaxformer needs one")
+    raise ValueError(
+      "this RoBERTa model has pad_token_id=None; its positions count from pad_token_id + 1, so jaxformer needs one"
+    )
   return hf_bert_mlm.model_config(hf, "RoBERTa", offset=hf.pad_token_id + 1, activations=("gelu", "gelu_python"))
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from jaxformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
 SPM_FILE = "spiece.model"
-_CONTROL, _BYTE = 3, 6   # SentencePiece piece types
+_CONTROL, _BYTE = 3, 6  # SentencePiece piece types
 
 
 def fast_tokenizer(tokenizer: Tokenizer, *, add_eos: bool, extra_pad: str | None = None, mask_id: int | None = None):
@@ -42,49 +42,74 @@ def fast_tokenizer(tokenizer: Tokenizer, *, add_eos: bool, extra_pad: str | None
   proto.ParseFromString(tokenizer.serialized)
   pieces = [p.piece for p in proto.pieces]
   if extra_pad is not None and pieces[PAD_ID] == extra_pad:
-    pieces[PAD_ID] = "<blank>"   # one name, one id: the extra token takes the name
+    pieces[PAD_ID] = "<blank>"  # one name, one id: the extra token takes the name
   byte_fallback = proto.trainer_spec.byte_fallback
   model_type = proto.trainer_spec.model_type
   if model_type == 1:
-    model = tokenizers.models.Unigram([(name, p.score) for name, p in zip(pieces, proto.pieces)], UNK_ID,
-                                      byte_fallback=byte_fallback)
+    model = tokenizers.models.Unigram(
+      [(name, p.score) for name, p in zip(pieces, proto.pieces)], UNK_ID, byte_fallback=byte_fallback
+    )
   elif model_type == 2:
     vocab = {name: i for i, name in enumerate(pieces)}
-    model = tokenizers.models.BPE(vocab, generate_merges(vocab), unk_token=pieces[UNK_ID],
-                                  byte_fallback=byte_fallback, fuse_unk=True)
+    model = tokenizers.models.BPE(
+      vocab, generate_merges(vocab), unk_token=pieces[UNK_ID], byte_fallback=byte_fallback, fuse_unk=True
+    )
   else:
-    raise ValueError(f"the tokenizer is a SentencePiece model of type {model_type}; export supports unigram "
-                     "and bpe (data.tokenizer=unigram|bpe)")
+    raise ValueError(
+      f"the tokenizer is a SentencePiece model of type {model_type}; export supports unigram "
+      "and bpe (data.tokenizer=unigram|bpe)"
+    )
   fast = tokenizers.Tokenizer(model)
   fast.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
-  fast.decoder = tokenizers.decoders.Sequence([
-      tokenizers.decoders.Replace("▁", " "), tokenizers.decoders.ByteFallback(), tokenizers.decoders.Fuse(),
-      tokenizers.decoders.Strip(" ", 1, 0)])
+  fast.decoder = tokenizers.decoders.Sequence(
+    [
+      tokenizers.decoders.Replace("▁", " "),
+      tokenizers.decoders.ByteFallback(),
+      tokenizers.decoders.Fuse(),
+      tokenizers.decoders.Strip(" ", 1, 0),
+    ]
+  )
   specials = [name for name, p in zip(pieces, proto.pieces) if p.type == _CONTROL or pieces.index(name) == UNK_ID]
   if extra_pad is not None:
     specials.append(extra_pad)
   if mask_id is not None:
     if mask_id < len(pieces):
-      raise ValueError(f"[MASK] id {mask_id} is a piece of the tokenizer ({len(pieces)} pieces); a masked LM "
-                       "keeps [MASK] after the tokenizer's pieces")
+      raise ValueError(
+        f"[MASK] id {mask_id} is a piece of the tokenizer ({len(pieces)} pieces); a masked LM "
+        "keeps [MASK] after the tokenizer's pieces"
+      )
     specials += [f"<unused_{i}>" for i in range(len(pieces), mask_id)] + ["<mask>"]
   fast.add_special_tokens([tokenizers.AddedToken(s, special=True, normalized=False) for s in specials])
   eos = pieces[EOS_ID]
   if add_eos:
     fast.post_processor = tokenizers.processors.TemplateProcessing(
-        single=f"$A {eos}", pair=f"$A $B {eos}", special_tokens=[(eos, EOS_ID)])
-  return PreTrainedTokenizerFast(tokenizer_object=fast, unk_token=pieces[UNK_ID], bos_token=pieces[BOS_ID],
-                                 eos_token=eos, pad_token=extra_pad or pieces[PAD_ID],
-                                 **({"mask_token": "<mask>"} if mask_id is not None else {}))
+      single=f"$A {eos}", pair=f"$A $B {eos}", special_tokens=[(eos, EOS_ID)]
+    )
+  return PreTrainedTokenizerFast(
+    tokenizer_object=fast,
+    unk_token=pieces[UNK_ID],
+    bos_token=pieces[BOS_ID],
+    eos_token=eos,
+    pad_token=extra_pad or pieces[PAD_ID],
+    **({"mask_token": "<mask>"} if mask_id is not None else {}),
+  )
 
 
-def save_tokenizer(tokenizer: Tokenizer, out: str | Path, vocab_size: int, *, add_eos: bool,
-                   extra_pad: str | None = None, mask: bool = False) -> None:
+def save_tokenizer(
+  tokenizer: Tokenizer,
+  out: str | Path,
+  vocab_size: int,
+  *,
+  add_eos: bool,
+  extra_pad: str | None = None,
+  mask: bool = False,
+) -> None:
   """Writes `tokenizer.json`, `tokenizer_config.json` (loadable by `AutoTokenizer`) and our
   SentencePiece model `spiece.model` into the directory `out` (see `fast_tokenizer`; `mask`:
   the model's last id, `vocab_size - 1`, is [MASK])."""
-  fast_tokenizer(tokenizer, add_eos=add_eos, extra_pad=extra_pad,
-                 mask_id=vocab_size - 1 if mask else None).save_pretrained(str(out))
+  fast_tokenizer(
+    tokenizer, add_eos=add_eos, extra_pad=extra_pad, mask_id=vocab_size - 1 if mask else None
+  ).save_pretrained(str(out))
   (Path(out) / SPM_FILE).write_bytes(tokenizer.serialized)
 
 
@@ -100,5 +125,7 @@ def load_tokenizer(hf_dir: str | Path) -> Tokenizer:
   for name in (SPM_FILE, "source.spm", "tokenizer.model"):
     if (Path(hf_dir) / name).is_file():
       return Tokenizer.load(Path(hf_dir) / name)
-  raise FileNotFoundError(f"{hf_dir} has no SentencePiece model ({SPM_FILE}, source.spm or tokenizer.model); "
-                          "import needs one with pad 0, unk 1, bos 2, eos 3")
+  raise FileNotFoundError(
+    f"{hf_dir} has no SentencePiece model ({SPM_FILE}, source.spm or tokenizer.model); "
+    "import needs one with pad 0, unk 1, bos 2, eos 3"
+  )

@@ -45,14 +45,25 @@ BUFFERS = (".attn.bias", ".attn.masked_bias", ".position_ids", ".rotary_emb.inv_
 # Old names transformers renames on load in every model (BERT's hub files: `LayerNorm.gamma`).
 LEGACY = (("LayerNorm.gamma", "LayerNorm.weight"), ("LayerNorm.beta", "LayerNorm.bias"))
 # safetensors dtype -> the little-endian numpy dtype its bytes are read as (BF16: as uint16 bit patterns).
-DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "I64": "<i8", "I32": "<i4", "I16": "<i2",
-          "I8": "i1", "U8": "u1", "BOOL": "?"}
-CHUNK = 1 << 24   # elements read from disk at a time
+DTYPES = {
+  "F64": "<f8",
+  "F32": "<f4",
+  "F16": "<f2",
+  "BF16": "<u2",
+  "I64": "<i8",
+  "I32": "<i4",
+  "I16": "<i2",
+  "I8": "i1",
+  "U8": "u1",
+  "BOOL": "?",
+}
+CHUNK = 1 << 24  # elements read from disk at a time
 
 
 @dataclass(frozen=True)
 class _Entry:
   """Where one tensor's bytes lie: `file`, from byte `start` (absolute), `dtype` (safetensors') and `shape`."""
+
   file: Path
   start: int
   dtype: str
@@ -78,8 +89,9 @@ class HFWeights:
     self._tmp: Path | None = None
     self._cleanup = None
     if not (self.hf_dir / "config.json").is_file():
-      raise ConfigError(f"{self.hf_dir / 'config.json'} is missing; --from-hf takes a local Hugging Face model "
-                        "directory")
+      raise ConfigError(
+        f"{self.hf_dir / 'config.json'} is missing; --from-hf takes a local Hugging Face model directory"
+      )
     entries: dict[str, _Entry] = {}
     try:
       for file in self._safetensors_files():
@@ -87,8 +99,7 @@ class HFWeights:
           for old, new in LEGACY:
             name = name.replace(old, new)
           if name in entries:
-            raise ConfigError(f"{name} is in both {entries[name].file.name} and {file.name}; download the model "
-                              "again")
+            raise ConfigError(f"{name} is in both {entries[name].file.name} and {file.name}; download the model again")
           entries[name] = entry
     except BaseException:
       self.close()
@@ -136,14 +147,14 @@ class HFWeights:
         if part.size != min(CHUNK, count - i):
           raise ConfigError(f"{entry.file} ends inside {name}; the file is truncated: download it again")
         if entry.dtype == "BF16":
-          bits[i:i + part.size] = part
-          bits[i:i + part.size] <<= 16   # a bfloat16 is the upper 16 bits of the float32 of the same value
+          bits[i : i + part.size] = part
+          bits[i : i + part.size] <<= 16  # a bfloat16 is the upper 16 bits of the float32 of the same value
         else:
-          out[i:i + part.size] = part
+          out[i : i + part.size] = part
     return out.reshape(entry.shape)
 
   def __getitem__(self, name: str) -> np.ndarray:
-    return self.get(name)   # read on each call: a new array
+    return self.get(name)  # read on each call: a new array
 
   def items(self) -> Iterator[tuple[str, np.ndarray]]:
     """`(name, float32 array)` for every tensor, read one at a time."""
@@ -171,8 +182,10 @@ class HFWeights:
     if (d / TORCH_BIN).is_file() or (d / TORCH_BIN_INDEX).is_file():
       bins = [d / TORCH_BIN] if (d / TORCH_BIN).is_file() else _shards(d / TORCH_BIN_INDEX)
       return self._convert(bins)
-    raise ConfigError(f"{d} holds no weights ({SAFETENSORS}, {SAFETENSORS_INDEX} or {TORCH_BIN}); download the "
-                      "model's weight files into it")
+    raise ConfigError(
+      f"{d} holds no weights ({SAFETENSORS}, {SAFETENSORS_INDEX} or {TORCH_BIN}); download the "
+      "model's weight files into it"
+    )
 
   def _convert(self, bins: list[Path]) -> list[Path]:
     """`bins` (torch pickles of state dicts) as safetensors files in a temporary directory."""
@@ -180,16 +193,17 @@ class HFWeights:
       import torch  # noqa: PLC0415
       from safetensors.torch import save_file  # noqa: PLC0415
     except ImportError:
-      raise ConfigError(f"{self.hf_dir} holds only {TORCH_BIN}, which needs torch to read: pip install "
-                        '"jaxformer[hf]", or convert it with transformers\' save_pretrained(safe_serialization=True)'
-                        ) from None
+      raise ConfigError(
+        f"{self.hf_dir} holds only {TORCH_BIN}, which needs torch to read: pip install "
+        '"jaxformer[hf]", or convert it with transformers\' save_pretrained(safe_serialization=True)'
+      ) from None
     self._tmp = Path(tempfile.mkdtemp(prefix="jaxformer-hf-"))
     self._cleanup = weakref.finalize(self, shutil.rmtree, str(self._tmp), True)
     out = []
     for k, path in enumerate(bins):
       try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-      except Exception as e:   # a truncated zip, a bad pickle, a non-tensor object
+      except Exception as e:  # a truncated zip, a bad pickle, a non-tensor object
         raise ConfigError(f"{path} cannot be read as a torch state dict ({_one_line(e)}); download it again") from None
       if not isinstance(state, dict):
         raise ConfigError(f"{path} holds a {type(state).__name__}, not a state dict; download it again")
@@ -199,7 +213,7 @@ class HFWeights:
         if not isinstance(value, torch.Tensor):
           raise ConfigError(f"{path} holds {name}, which is not a tensor; download it again")
         value = value.detach().contiguous()
-        if value.untyped_storage().data_ptr() in seen:   # tied: safetensors refuses shared storage, so copy it
+        if value.untyped_storage().data_ptr() in seen:  # tied: safetensors refuses shared storage, so copy it
           value = value.clone()
         seen.add(value.untyped_storage().data_ptr())
         tensors[name] = value
@@ -235,8 +249,9 @@ def _read_header(file: Path) -> dict[str, _Entry]:
     ConfigError: the file is truncated or corrupt, or holds a dtype with no float32 reading.
   """
   from safetensors import SafetensorError, safe_open  # noqa: PLC0415
+
   try:
-    with safe_open(str(file), framework="numpy"):   # validates the header against the file's size
+    with safe_open(str(file), framework="numpy"):  # validates the header against the file's size
       pass
   except (SafetensorError, OSError) as e:
     raise ConfigError(f"{file} is truncated or corrupt ({_one_line(e)}); download it again") from None
@@ -247,7 +262,8 @@ def _read_header(file: Path) -> dict[str, _Entry]:
   entries = {}
   for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
     if info["dtype"] not in DTYPES:
-      raise ConfigError(f"{file} holds {name} as {info['dtype']}; jaxformer reads F32, F16 and BF16 checkpoints "
-                        "(dequantize it first)")
+      raise ConfigError(
+        f"{file} holds {name} as {info['dtype']}; jaxformer reads F32, F16 and BF16 checkpoints (dequantize it first)"
+      )
     entries[name] = _Entry(file, 8 + size + info["data_offsets"][0], info["dtype"], tuple(info["shape"]))
   return entries

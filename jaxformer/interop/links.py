@@ -33,6 +33,7 @@ class Link:
   computed from params other links carry: import skips it, and its round trip checks it.
   `absent`: the shape of a tensor some checkpoints leave out (a bias they do not have), read as zeros.
   `fallback`: the tensor read when `hf` is left out (T5's head: transformers 5 ties it to `shared.weight`)."""
+
   ours: tuple[str, ...]
   hf: str
   to_hf: Callable[..., Array]
@@ -44,6 +45,7 @@ class Link:
 @dataclasses.dataclass(frozen=True)
 class Const:
   """A Hugging Face tensor that must hold `value` (float32)."""
+
   hf: str
   value: Array
 
@@ -91,12 +93,14 @@ def linear_in(ours: str, hf: str, basis: Basis, shape: Sequence[int], transpose:
   """Our kernel `[d_model, *rest]` (attention `[d_model, heads, head_dim]`, FFN `[d_model, d_ff]`)
   as a torch `Linear` weight `[prod(rest), d_model]` (or, `transpose=False`, a GPT-2 `Conv1D`
   weight `[d_model, prod(rest)]`). `shape` is our kernel's shape."""
+
   def to_hf(x):
     y = basis.to_hf(x.reshape(shape[0], -1), 0)
     return y.T if transpose else y
 
   def from_hf(y):
     return (basis.from_hf(y.T if transpose else y, 0).reshape(shape),)
+
   return Link((ours,), hf, to_hf, from_hf)
 
 
@@ -104,12 +108,14 @@ def linear_out(ours: str, hf: str, basis: Basis, shape: Sequence[int], transpose
   """Our kernel `[*rest, d_model]` (attention output `[heads, head_dim, d_model]`, FFN
   `[d_ff, d_model]`) as a torch `Linear` weight `[d_model, prod(rest)]` (or a `Conv1D`
   weight `[prod(rest), d_model]` with `transpose=False`)."""
+
   def to_hf(x):
     y = basis.to_hf(x.reshape(-1, shape[-1]), 1)
     return y.T if transpose else y
 
   def from_hf(y):
     return (basis.from_hf(y.T if transpose else y, 1).reshape(shape),)
+
   return Link((ours,), hf, to_hf, from_hf)
 
 
@@ -117,12 +123,14 @@ def embedding(ours: str, hf: str, basis: Basis, scale: float = 1.0, extra_rows: 
   """Our `[rows, d_model]` table (token embedding, learned positions) as a Hugging Face table
   times `scale` (Hugging Face models that do not multiply embeddings by sqrt(d_model) get
   it folded in), with `row_offset` rows before ours and `extra_rows` after (zeros)."""
+
   def to_hf(x):
     y = basis.to_hf(x, 1) * np.float32(scale)
     return np.pad(y, ((row_offset, extra_rows), (0, 0)))
 
   def from_hf(y):
-    return (basis.from_hf(y[row_offset:y.shape[0] - extra_rows], 1) / np.float32(scale),)
+    return (basis.from_hf(y[row_offset : y.shape[0] - extra_rows], 1) / np.float32(scale),)
+
   return Link((ours,), hf, to_hf, from_hf)
 
 
@@ -159,8 +167,9 @@ def to_hf(links: Sequence[Link], consts: Sequence[Const], params: dict[str, Arra
   return dict(to_hf_items(links, consts, params))
 
 
-def to_hf_items(links: Sequence[Link], consts: Sequence[Const],
-                params: dict[str, Array]) -> Iterator[tuple[str, Array]]:
+def to_hf_items(
+  links: Sequence[Link], consts: Sequence[Const], params: dict[str, Array]
+) -> Iterator[tuple[str, Array]]:
   """`to_hf`'s (name, float32 tensor) pairs one at a time, so a caller holds one tensor at once.
 
   Raises:
@@ -184,9 +193,11 @@ def from_hf(links: Sequence[Link], consts: Sequence[Const], tensors: dict[str, A
   """
   for c in consts:
     if c.hf in tensors and not np.array_equal(tensors[c.hf], np.broadcast_to(c.value, tensors[c.hf].shape)):
-      raise ValueError(f"{c.hf} holds values jaxformer's model has no counterpart for (it expects "
-                       f"{'zeros' if not np.any(c.value) else 'a fixed value'}); "
-                       "this checkpoint cannot be imported exactly")
+      raise ValueError(
+        f"{c.hf} holds values jaxformer's model has no counterpart for (it expects "
+        f"{'zeros' if not np.any(c.value) else 'a fixed value'}); "
+        "this checkpoint cannot be imported exactly"
+      )
   out = {}
   for link in links:
     if link.from_hf is None:
@@ -209,11 +220,10 @@ def allclose(a: Array, b: Array, rtol: float = 1e-5, atol: float = 1e-6, block: 
   if a.shape != b.shape or a.ndim == 0:
     return bool(np.allclose(a, b, rtol=rtol, atol=atol))
   rows = max(1, block // max(1, math.prod(a.shape[1:])))
-  return all(np.allclose(a[i:i + rows], b[i:i + rows], rtol=rtol, atol=atol) for i in range(0, a.shape[0], rows))
+  return all(np.allclose(a[i : i + rows], b[i : i + rows], rtol=rtol, atol=atol) for i in range(0, a.shape[0], rows))
 
 
-def from_hf_checked(links: Sequence[Link], consts: Sequence[Const], tensors: Any, kind: str,
-                    out: Any = None) -> Any:
+def from_hf_checked(links: Sequence[Link], consts: Sequence[Const], tensors: Any, kind: str, out: Any = None) -> Any:
   """`from_hf`, each param checked by mapping it back (`to_hf`) against the checkpoint, holding
   the params and about one tensor at a time.
 
@@ -238,12 +248,14 @@ def from_hf_checked(links: Sequence[Link], consts: Sequence[Const], tensors: Any
     if c.hf in tensors:
       value = tensors[c.hf]
       if not np.array_equal(value, np.broadcast_to(c.value, value.shape)):
-        raise ValueError(f"{c.hf} holds values jaxformer's model has no counterpart for (it expects "
-                         f"{'zeros' if not np.any(c.value) else 'a fixed value'}); "
-                         "this checkpoint cannot be imported exactly")
+        raise ValueError(
+          f"{c.hf} holds values jaxformer's model has no counterpart for (it expects "
+          f"{'zeros' if not np.any(c.value) else 'a fixed value'}); "
+          "this checkpoint cannot be imported exactly"
+        )
       del value
 
-  def source(link: Link) -> str | None:   # the tensor a link reads: its own, else its fallback
+  def source(link: Link) -> str | None:  # the tensor a link reads: its own, else its fallback
     if link.hf in tensors:
       return link.hf
     return link.fallback if link.fallback is not None and link.fallback in tensors else None
@@ -253,7 +265,7 @@ def from_hf_checked(links: Sequence[Link], consts: Sequence[Const], tensors: Any
       raise ValueError(f"the checkpoint has no tensor {link.hf}")
   derived = {link.hf for link in links if link.from_hf is None}
   fallbacks = {link.hf: link.fallback for link in links if link.fallback}
-  shape = getattr(tensors, "shape", None)   # HFWeights: a tensor's shape without reading it
+  shape = getattr(tensors, "shape", None)  # HFWeights: a tensor's shape without reading it
 
   def size(link: Link) -> int:
     name = source(link)
@@ -262,17 +274,23 @@ def from_hf_checked(links: Sequence[Link], consts: Sequence[Const], tensors: Any
     return math.prod(shape(name) if callable(shape) else tensors[name].shape)
 
   def check(name: str, again: Array, expected: Array | None = None) -> None:
-    if expected is None:   # read it: the tensor, else its fallback, else zeros
+    if expected is None:  # read it: the tensor, else its fallback, else zeros
       fallback = fallbacks.get(name)
-      expected = (tensors[name] if name in tensors else tensors[fallback] if fallback is not None and
-                  fallback in tensors else np.zeros(again.shape, np.float32))
+      expected = (
+        tensors[name]
+        if name in tensors
+        else tensors[fallback]
+        if fallback is not None and fallback in tensors
+        else np.zeros(again.shape, np.float32)
+      )
     if not allclose(again, expected):
-      raise ValueError(f"{name} has values jaxformer's {kind} model cannot express exactly; "
-                       "this checkpoint cannot be imported")
+      raise ValueError(
+        f"{name} has values jaxformer's {kind} model cannot express exactly; this checkpoint cannot be imported"
+      )
 
-  last = {p: k for k, link in enumerate(links) if link.from_hf is not None for p in link.ours}   # a path's writer
+  last = {p: k for k, link in enumerate(links) if link.from_hf is not None for p in link.ours}  # a path's writer
   out = {} if out is None else out
-  later = set()   # links checked once every param is converted
+  later = set()  # links checked once every param is converted
   order = sorted((k for k, link in enumerate(links) if link.from_hf is not None), key=lambda k: -size(links[k]))
   for k in order:
     link = links[k]
@@ -283,7 +301,7 @@ def from_hf_checked(links: Sequence[Link], consts: Sequence[Const], tensors: Any
         out[p] = v
     if any(last[p] != k for p in link.ours):
       later.add(k)
-    elif link.hf in tensors or link.hf not in derived:   # (a derived tensor the file leaves out is not checked)
+    elif link.hf in tensors or link.hf not in derived:  # (a derived tensor the file leaves out is not checked)
       check(link.hf, np.asarray(link.to_hf(*[out[p] for p in link.ours]), np.float32), value)
     del value
   for k, link in enumerate(links):

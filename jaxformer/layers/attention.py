@@ -31,9 +31,17 @@ from jaxformer.layers.scores import attention_mask, attention_scores, repeat_kv
 from jaxformer.layers.splash import splash_attention
 
 
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
-                          dropout_rng: jax.Array | None = None, dropout_rate: float = 0.0, *,
-                          bias: jax.Array | None = None, softcap: float = 0.0) -> jax.Array:
+def dot_product_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  mask: jax.Array | None,
+  dropout_rng: jax.Array | None = None,
+  dropout_rate: float = 0.0,
+  *,
+  bias: jax.Array | None = None,
+  softcap: float = 0.0,
+) -> jax.Array:
   """softmax(q k^T / sqrt(head_dim) + bias) v, softmax in float32 (paper eq. 1).
 
   Args:
@@ -49,15 +57,17 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
   return attend(attention_weights(q, k, mask, bias=bias, softcap=softcap), v, dropout_rng, dropout_rate)
 
 
-def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array | None, *, bias: jax.Array | None = None,
-                      softcap: float = 0.0) -> jax.Array:
+def attention_weights(
+  q: jax.Array, k: jax.Array, mask: jax.Array | None, *, bias: jax.Array | None = None, softcap: float = 0.0
+) -> jax.Array:
   """softmax(q k^T / sqrt(head_dim) + bias) over the keys: float32 `[batch, num_heads, q_len, kv_len]`,
   each row summing to 1 (shapes and arguments as in `dot_product_attention`)."""
   return jax.nn.softmax(attention_scores(q, k, bias, mask, softcap), axis=-1)
 
 
-def attend(weights: jax.Array, v: jax.Array, dropout_rng: jax.Array | None = None,
-           dropout_rate: float = 0.0) -> jax.Array:
+def attend(
+  weights: jax.Array, v: jax.Array, dropout_rng: jax.Array | None = None, dropout_rate: float = 0.0
+) -> jax.Array:
   """The weighted sum of values: `weights` `[batch, num_heads, q_len, kv_len]` (dropped out when
   `dropout_rng` is a key) times `v` `[batch, kv_len, num_kv_heads, head_dim]` ->
   `[batch, q_len, num_heads, head_dim]` in v's dtype."""
@@ -66,8 +76,15 @@ def attend(weights: jax.Array, v: jax.Array, dropout_rng: jax.Array | None = Non
   return jnp.einsum("bnts,bsnh->btnh", weights.astype(v.dtype), repeat_kv(v, weights.shape[1]))
 
 
-def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, *,
-                    bias: jax.Array | None = None, is_causal: bool = False) -> jax.Array:
+def fused_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  mask: jax.Array | None,
+  *,
+  bias: jax.Array | None = None,
+  is_causal: bool = False,
+) -> jax.Array:
   """`dot_product_attention` (no dropout, no soft-cap) through `jax.nn.dot_product_attention`.
 
   On a GPU with bfloat16/float16 inputs it asks for cuDNN's fused flash attention
@@ -80,14 +97,16 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | 
   """
   cudnn = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
   if cudnn and bias is not None:
-    bias = bias.astype(q.dtype)   # cuDNN takes the bias in the inputs' dtype
-  return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, is_causal=is_causal,
-                                      implementation="cudnn" if cudnn else None)
+    bias = bias.astype(q.dtype)  # cuDNN takes the bias in the inputs' dtype
+  return jax.nn.dot_product_attention(
+    q, k, v, bias=bias, mask=mask, is_causal=is_causal, implementation="cudnn" if cudnn else None
+  )
 
 
 class _Options(NamedTuple):
   """How `_attention` attends (static): the implementation, masks, soft-cap, block size, bias function,
   whether the mask is causal by token index (`fused_attention`'s hint) and the dropout rate."""
+
   implementation: str
   causal: bool
   sliding_window: int
@@ -107,22 +126,47 @@ def _attention(opts: _Options, arrays, bias_params, gather_axes: tuple[str, ...]
   q, k, v, q_pos, kv_pos, q_valid, kv_valid, q_seg, kv_seg = arrays
   if opts.implementation == "blockwise":
     bias = (opts.bias_fn, bias_params) if opts.bias_fn is not None else None
-    return blockwise_attention(q, k, v, q_positions=q_pos, kv_positions=kv_pos, q_valid=q_valid, kv_valid=kv_valid,
-                               causal=opts.causal, sliding_window=opts.sliding_window, position_bias=bias,
-                               softcap=opts.softcap, block_size=opts.block_size, q_segment_ids=q_seg,
-                               kv_segment_ids=kv_seg, global_tokens=opts.global_tokens,
-                               gather_axes=gather_axes), None
+    return blockwise_attention(
+      q,
+      k,
+      v,
+      q_positions=q_pos,
+      kv_positions=kv_pos,
+      q_valid=q_valid,
+      kv_valid=kv_valid,
+      causal=opts.causal,
+      sliding_window=opts.sliding_window,
+      position_bias=bias,
+      softcap=opts.softcap,
+      block_size=opts.block_size,
+      q_segment_ids=q_seg,
+      kv_segment_ids=kv_seg,
+      global_tokens=opts.global_tokens,
+      gather_axes=gather_axes,
+    ), None
   if opts.implementation == "splash":
-    return splash_attention(q, k, v, q_valid, kv_valid, q_seg, kv_seg, causal=opts.causal, softcap=opts.softcap,
-                            sliding_window=opts.sliding_window, block_size=opts.block_size,
-                            gather_axes=gather_axes), None
+    return splash_attention(
+      q,
+      k,
+      v,
+      q_valid,
+      kv_valid,
+      q_seg,
+      kv_seg,
+      causal=opts.causal,
+      softcap=opts.softcap,
+      sliding_window=opts.sliding_window,
+      block_size=opts.block_size,
+      gather_axes=gather_axes,
+    ), None
   k, v, kv_pos, kv_valid, kv_seg = (gather_length(x, gather_axes) for x in (k, v, kv_pos, kv_valid, kv_seg))
-  mask = attention_mask(q_pos, kv_pos, q_valid, kv_valid, opts.causal, opts.sliding_window, q_seg, kv_seg,
-                        opts.global_tokens)
+  mask = attention_mask(
+    q_pos, kv_pos, q_valid, kv_valid, opts.causal, opts.sliding_window, q_seg, kv_seg, opts.global_tokens
+  )
   bias = opts.bias_fn(bias_params, q_pos, kv_pos) if opts.bias_fn is not None else None
   if opts.implementation == "fused":
     return fused_attention(q, k, v, mask, bias=bias, is_causal=opts.causal_by_index and not gather_axes), None
-  weights = attention_weights(q, k, mask, bias=bias, softcap=opts.softcap)   # [B, N, T, S]
+  weights = attention_weights(q, k, mask, bias=bias, softcap=opts.softcap)  # [B, N, T, S]
   return attend(weights, v, dropout_rng, opts.dropout_rate), weights
 
 
@@ -197,30 +241,31 @@ class MultiHeadAttention(nn.Module):
       prefill; decode with segment ids or positions; position t5 without `bias_table`.
     ConfigError: linformer attention that is causal, decodes with the cache, or gets segment ids.
   """
+
   num_heads: int
   head_dim: int
   dropout_rate: float = 0.0
   dtype: jnp.dtype = jnp.float32
   is_cross: bool = False
-  num_kv_heads: int = 0      # grouped-query key/value heads; 0 = num_heads
+  num_kv_heads: int = 0  # grouped-query key/value heads; 0 = num_heads
   causal: bool = False
-  sliding_window: int = 0    # tokens; 0 = unlimited
-  position: str = "none"     # rope | alibi | t5 act here; sinusoidal / learned / none are added outside
-  softcap: float = 0.0       # attention score soft-cap c (c * tanh(s / c)); 0 = off
+  sliding_window: int = 0  # tokens; 0 = unlimited
+  position: str = "none"  # rope | alibi | t5 act here; sinusoidal / learned / none are added outside
+  softcap: float = 0.0  # attention score soft-cap c (c * tanh(s / c)); 0 = off
   implementation: str = "dense"  # dense | blockwise | linformer | fused | splash (layers/splash.py)
-  block_size: int = 128      # blockwise: keys per block
-  global_tokens: int = 0     # with a sliding window: positions < G see and are seen by all
+  block_size: int = 128  # blockwise: keys per block
+  global_tokens: int = 0  # with a sliding window: positions < G see and are seen by all
   rope_scaling: RopeScaling = RopeScaling()  # rope: context-extension scaling
-  relative_buckets: int = 32       # t5: buckets of the bias table
+  relative_buckets: int = 32  # t5: buckets of the bias table
   relative_max_distance: int = 128  # t5: distance of the last bucket, tokens
-  linformer_k: int = 64      # linformer: projected key/value rows
-  max_length: int = 0        # linformer: longest sequence (rows of E and F)
-  bias: str = "none"         # none | qkv | all: which projections have biases
+  linformer_k: int = 64  # linformer: projected key/value rows
+  max_length: int = 0  # linformer: longest sequence (rows of E and F)
+  bias: str = "none"  # none | qkv | all: which projections have biases
   lora: LoraSpec | None = None  # LoRA adapters beside the query/key/value/out kernels (layers/lora.py)
 
   def _kernel(self, name: str, shape, axes, in_axis, out_axis):
     w = self.param(name, sh.param_with_axes(_proj_init(in_axis, out_axis), axes), shape)
-    return w if int8.is_quantized(w) else w.astype(self.dtype)   # int8 kernels: decoding (`layers.int8`)
+    return w if int8.is_quantized(w) else w.astype(self.dtype)  # int8 kernels: decoding (`layers.int8`)
 
   def _heads(self, x: jax.Array, w: jax.Array, name: str) -> jax.Array:
     """`_project(x, w)` `[batch, length, heads, head_dim]` plus the `name` projection's LoRA update
@@ -232,11 +277,22 @@ class MultiHeadAttention(nn.Module):
     return y + b.astype(self.dtype)
 
   @nn.compact
-  def __call__(self, x: jax.Array, kv: jax.Array | None, q_valid: jax.Array | None = None,
-               kv_valid: jax.Array | None = None, *, deterministic: bool, decode: bool = False,
-               q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
-               positions: jax.Array | None = None, dropout_rng: jax.Array | None = None,
-               cache_state: kvc.CacheState | None = None, bias_table: jax.Array | None = None) -> jax.Array:
+  def __call__(
+    self,
+    x: jax.Array,
+    kv: jax.Array | None,
+    q_valid: jax.Array | None = None,
+    kv_valid: jax.Array | None = None,
+    *,
+    deterministic: bool,
+    decode: bool = False,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    dropout_rng: jax.Array | None = None,
+    cache_state: kvc.CacheState | None = None,
+    bias_table: jax.Array | None = None,
+  ) -> jax.Array:
     """Attention of `x` over `kv` (or itself); see the class docstring for the arguments.
 
     Returns:
@@ -247,8 +303,10 @@ class MultiHeadAttention(nn.Module):
       ValueError: `decode=True` with segment ids or positions, or without `cache_state`.
     """
     if self.implementation == "linformer" and not self.is_cross and (self.causal or decode):
-      raise ConfigError("model.attention=linformer is for non-causal self-attention without a KV cache (encoder, "
-                        "encoder-only); use model.attention=dense or blockwise for causal or cached decoding")
+      raise ConfigError(
+        "model.attention=linformer is for non-causal self-attention without a KV cache (encoder, "
+        "encoder-only); use model.attention=dense or blockwise for causal or cached decoding"
+      )
     if decode and (q_segment_ids is not None or kv_segment_ids is not None or positions is not None):
       raise ValueError("attention with decode=True takes no segment ids or positions: it uses the cache slots")
     if decode and cache_state is None:
@@ -269,8 +327,9 @@ class MultiHeadAttention(nn.Module):
     if decode:
       out = self._cached(x, q, kv, q_valid, wk, wv, bias, cache_state)
     else:
-      out = self._uncached(x, q, kv, q_valid, kv_valid, wk, wv, bias, deterministic, q_segment_ids,
-                           kv_segment_ids, positions, dropout_rng)
+      out = self._uncached(
+        x, q, kv, q_valid, kv_valid, wk, wv, bias, deterministic, q_segment_ids, kv_segment_ids, positions, dropout_rng
+      )
     out = checkpoint_name(out, remat.ATTENTION_OUT)
     b, t = out.shape[:2]  # out: [B, T, N, H]
     # One contracting axis (heads x head_dim): with two, XLA:CPU transposed the cached decode
@@ -282,7 +341,8 @@ class MultiHeadAttention(nn.Module):
     y = add_adapter(self, self.lora, "out", "out", out, y, (sh.HEADS, sh.KV), (sh.EMBED,), self.dtype)
     if self.bias == "all":
       y = y + self.param("out_bias", sh.param_with_axes(nn.initializers.zeros, (sh.EMBED,)), (d_model,)).astype(
-          self.dtype)
+        self.dtype
+      )
     return y
 
   def _position_bias(self, bias_table):
@@ -295,20 +355,34 @@ class MultiHeadAttention(nn.Module):
       raise ValueError("attention with position=t5 needs the stack's bias_table (positions.t5_table)")
     return T5Bias(self.relative_buckets, self.relative_max_distance, not self.causal), bias_table
 
-  def _uncached(self, x, q, kv, q_valid, kv_valid, wk, wv, bias, deterministic, q_segment_ids, kv_segment_ids,
-                positions, dropout_rng):
+  def _uncached(
+    self,
+    x,
+    q,
+    kv,
+    q_valid,
+    kv_valid,
+    wk,
+    wv,
+    bias,
+    deterministic,
+    q_segment_ids,
+    kv_segment_ids,
+    positions,
+    dropout_rng,
+  ):
     head_axes = (sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_HEADS, sh.ACT_KV)
-    q_pos = jnp.arange(x.shape[1])[None]                              # [1, T]
+    q_pos = jnp.arange(x.shape[1])[None]  # [1, T]
     causal, window = False, 0
     if self.is_cross:
       kv = kv.astype(self.dtype)
       k, v = self._heads(kv, wk, "key"), self._heads(kv, wv, "value")  # [B, S, K, H]
-      kv_pos = jnp.arange(k.shape[1])[None]                           # [1, S]
+      kv_pos = jnp.arange(k.shape[1])[None]  # [1, S]
     else:
       causal, window = self.causal, self.sliding_window
       k, v = self._heads(x, wk, "key"), self._heads(x, wv, "value")  # [B, S, K, H]
       if positions is not None:
-        q_pos = positions                                             # [B, T]
+        q_pos = positions  # [B, T]
       kv_valid, kv_pos, kv_segment_ids = q_valid, q_pos, q_segment_ids
       if self.position == "rope":
         q, k = apply_rope(q, q_pos, scaling=self.rope_scaling), apply_rope(k, kv_pos, scaling=self.rope_scaling)
@@ -325,19 +399,32 @@ class MultiHeadAttention(nn.Module):
       dropout_rng = self.make_rng("dropout")
     if self.implementation == "linformer" and not self.is_cross:
       if q_segment_ids is not None:
-        raise ConfigError("model.attention=linformer mixes all positions of a row, so it cannot keep packed "
-                          "examples apart; set data.packing=false")
+        raise ConfigError(
+          "model.attention=linformer mixes all positions of a row, so it cannot keep packed "
+          "examples apart; set data.packing=false"
+        )
       k, v = self._linformer_project(k, v, kv_valid)
       return dot_product_attention(q, k, v, None, dropout_rng, self.dropout_rate, softcap=self.softcap)
     bias_fn, bias_params = bias if bias is not None else (None, None)
-    opts = _Options(self.implementation, causal, window, self.global_tokens, self.softcap, self.block_size, bias_fn,
-                    causal and positions is None, self.dropout_rate)
+    opts = _Options(
+      self.implementation,
+      causal,
+      window,
+      self.global_tokens,
+      self.softcap,
+      self.block_size,
+      bias_fn,
+      causal and positions is None,
+      self.dropout_rate,
+    )
     arrays = (q, k, v, q_pos, kv_pos, q_valid, kv_valid, q_segment_ids, kv_segment_ids)
     axes = context_axes(q.shape[1], k.shape[1])
     if axes:  # context parallelism: each device attends with its queries over the gathered keys
       if dropout:
-        raise ValueError("attention dropout does not run on a context-split sequence; set "
-                         "model.attention_dropout_rate=0 or mesh.context=1")
+        raise ValueError(
+          "attention dropout does not run on a context-split sequence; set "
+          "model.attention_dropout_rate=0 or mesh.context=1"
+        )
       return over_length(lambda a, p: _attention(opts, a, p, axes)[0], axes, arrays, bias_params)
     out, weights = _attention(opts, arrays, bias_params, (), dropout_rng)
     if weights is not None:
@@ -350,26 +437,30 @@ class MultiHeadAttention(nn.Module):
     the first S rows of E, F `[max_length, linformer_k]` (Wang et al. 2020, eq. 7), padded keys zeroed."""
     length = k.shape[1]
     if length > self.max_length:
-      raise ValueError(f"linformer attention got {length} tokens; its projections cover "
-                       f"model.max_length={self.max_length}")
+      raise ValueError(
+        f"linformer attention got {length} tokens; its projections cover model.max_length={self.max_length}"
+      )
     init = nn.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=0, out_axis=1)
     shape = (self.max_length, self.linformer_k)
-    e, f = (self.param(name, sh.param_with_axes(init, (None, None)), shape).astype(self.dtype)[:length]
-            for name in ("key_projection", "value_projection"))
+    e, f = (
+      self.param(name, sh.param_with_axes(init, (None, None)), shape).astype(self.dtype)[:length]
+      for name in ("key_projection", "value_projection")
+    )
     if kv_valid is not None:
       keep = kv_valid[:, :, None, None].astype(k.dtype)
       k, v = k * keep, v * keep
-    return jnp.einsum("bskh,sr->brkh", k, e), jnp.einsum("bskh,sr->brkh", v, f)       # [B, R, K, H]
+    return jnp.einsum("bskh,sr->brkh", k, e), jnp.einsum("bskh,sr->brkh", v, f)  # [B, R, K, H]
 
-  def _storage(self, name: str, state: kvc.CacheState, rows: int, tokens: int, kh: int, h: int, dtype,
-               segmented: bool = True):
+  def _storage(
+    self, name: str, state: kvc.CacheState, rows: int, tokens: int, kh: int, h: int, dtype, segmented: bool = True
+  ):
     return self.variable("cache", name, kvc.empty_storage, state, rows, tokens, kh, h, dtype, segmented)
 
   def _cached(self, x, q, kv, q_valid, wk, wv, bias, state: kvc.CacheState):
     """Attention through the KV cache (see the class docstring); dense over the cached keys."""
     batch, t = x.shape[:2]
     kh, h = wk.shape[1], wk.shape[2]
-    q_pos = state.lengths[:, None] + jnp.arange(t)[None]                # [B, T]
+    q_pos = state.lengths[:, None] + jnp.arange(t)[None]  # [B, T]
     if self.is_cross:
       if kv is None and not self.has_variable("cache", "key"):
         raise ValueError("cross-attention decode step before prefill: pass the encoder output first")
@@ -387,12 +478,17 @@ class MultiHeadAttention(nn.Module):
       if state.beam_size > 1:
         return kvc.beam_attention(q, k_all, v_all, state, None, softcap=self.softcap)
       return kvc.cached_attention(q, k_all, v_all, q_pos, state.source_lengths, causal=False, softcap=self.softcap)
-    k, v = self._heads(x, wk, "key"), self._heads(x, wv, "value")       # [B, T, K, H]
+    k, v = self._heads(x, wk, "key"), self._heads(x, wv, "value")  # [B, T, K, H]
     if self.position == "rope":
       q, k = apply_rope(q, q_pos, scaling=self.rope_scaling), apply_rope(k, q_pos, scaling=self.rope_scaling)
     valid = jnp.ones((batch, t), bool) if q_valid is None else q_valid
-    opts = dict(causal=self.causal, sliding_window=self.sliding_window, global_tokens=self.global_tokens,
-                position_bias=bias, softcap=self.softcap)
+    opts = dict(
+      causal=self.causal,
+      sliding_window=self.sliding_window,
+      global_tokens=self.global_tokens,
+      position_bias=bias,
+      softcap=self.softcap,
+    )
     if state.beam_size > 1:
       stored = []
       for name, new in (("key", k), ("value", v)):

@@ -32,18 +32,30 @@ class _Spec(NamedTuple):
   sliding_window: int
   softcap: float
   block_size: int
-  bias_fn: Callable | None    # positions.PositionBias's function, or None
+  bias_fn: Callable | None  # positions.PositionBias's function, or None
   global_tokens: int
   gather_axes: tuple[str, ...]  # mesh axes the keys/values are split over (context parallelism), or ()
 
 
-def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array,
-                        kv_positions: jax.Array, q_valid: jax.Array | None = None,
-                        kv_valid: jax.Array | None = None, causal: bool = False, sliding_window: int = 0,
-                        position_bias: PositionBias | None = None, softcap: float = 0.0,
-                        block_size: int = 128, q_segment_ids: jax.Array | None = None,
-                        kv_segment_ids: jax.Array | None = None, global_tokens: int = 0,
-                        gather_axes: tuple[str, ...] = ()) -> jax.Array:
+def blockwise_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  q_positions: jax.Array,
+  kv_positions: jax.Array,
+  q_valid: jax.Array | None = None,
+  kv_valid: jax.Array | None = None,
+  causal: bool = False,
+  sliding_window: int = 0,
+  position_bias: PositionBias | None = None,
+  softcap: float = 0.0,
+  block_size: int = 128,
+  q_segment_ids: jax.Array | None = None,
+  kv_segment_ids: jax.Array | None = None,
+  global_tokens: int = 0,
+  gather_axes: tuple[str, ...] = (),
+) -> jax.Array:
   """Exact softmax attention over key/value blocks, with a memory-linear gradient.
 
   Args:
@@ -98,8 +110,8 @@ def _kv_blocks(spec: _Spec, kv):
     x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
     return jnp.moveaxis(x.reshape(x.shape[0], -1, block, *x.shape[2:]), 1, 0)
 
-  in_range = blocks(jnp.ones((1, kv_len), bool))                              # [nb, 1, block]
-  kv_seg = None if kv_seg is None else blocks(kv_seg)                         # [nb, B, block] or None
+  in_range = blocks(jnp.ones((1, kv_len), bool))  # [nb, 1, block]
+  kv_seg = None if kv_seg is None else blocks(kv_seg)  # [nb, B, block] or None
   return blocks(k), blocks(v), blocks(kv_pos), blocks(kv_valid), in_range, kv_seg
 
 
@@ -109,15 +121,15 @@ def _unblock(spec: _Spec, d_blocks, like):
   d = jnp.moveaxis(d_blocks, 0, 1)
   d = d.reshape(d.shape[0], -1, *d.shape[3:])
   if not spec.gather_axes:
-    return d[:, :like.shape[1]]
-  return scatter_length(d[:, :like.shape[1] * jax.lax.axis_size(spec.gather_axes)], spec.gather_axes)
+    return d[:, : like.shape[1]]
+  return scatter_length(d[:, : like.shape[1] * jax.lax.axis_size(spec.gather_axes)], spec.gather_axes)
 
 
-def _block_scores(spec: _Spec, q, k_blk, kpos_blk, kvalid_blk, in_range, kseg_blk, q_pos, q_valid, q_seg,
-                  bias_params):
+def _block_scores(spec: _Spec, q, k_blk, kpos_blk, kvalid_blk, in_range, kseg_blk, q_pos, q_valid, q_seg, bias_params):
   """Masked scores float32 `[B, N, T, block]` of one key block; out-of-range keys get -inf."""
-  mask = attention_mask(q_pos, kpos_blk, q_valid, kvalid_blk, spec.causal, spec.sliding_window, q_seg, kseg_blk,
-                        spec.global_tokens)
+  mask = attention_mask(
+    q_pos, kpos_blk, q_valid, kvalid_blk, spec.causal, spec.sliding_window, q_seg, kseg_blk, spec.global_tokens
+  )
   bias = spec.bias_fn(bias_params, q_pos, kpos_blk) if spec.bias_fn is not None else None
   scores = attention_scores(q, k_blk, bias, mask, spec.softcap)
   return jnp.where(in_range[:, None, None, :], scores, -jnp.inf)
@@ -127,20 +139,24 @@ def _forward(spec: _Spec, q, kv, q_pos, q_valid, q_seg, bias_params):
   batch, length, heads, head_dim = q.shape
 
   def step(carry, blk):
-    m, l, acc = carry                                    # [B, N, T], [B, N, T], [B, T, N, H]
+    m, l, acc = carry  # [B, N, T], [B, N, T], [B, T, N, H]
     k_blk, v_blk, kpos, kvalid, in_range, kseg = blk
     s = _block_scores(spec, q, k_blk, kpos, kvalid, in_range, kseg, q_pos, q_valid, q_seg, bias_params)
     m_new = jnp.maximum(m, s.max(axis=-1))
-    correction = jnp.exp(m - m_new)                      # 0 at the first block (m = -inf)
-    p = jnp.exp(s - m_new[..., None])                    # [B, N, T, block]
+    correction = jnp.exp(m - m_new)  # 0 at the first block (m = -inf)
+    p = jnp.exp(s - m_new[..., None])  # [B, N, T, block]
     l = l * correction + p.sum(axis=-1)
-    pv = jnp.einsum("bnts,bsnh->btnh", p.astype(v_blk.dtype), repeat_kv(v_blk, heads),
-                    preferred_element_type=jnp.float32)
+    pv = jnp.einsum(
+      "bnts,bsnh->btnh", p.astype(v_blk.dtype), repeat_kv(v_blk, heads), preferred_element_type=jnp.float32
+    )
     acc = acc * jnp.moveaxis(correction, 1, 2)[..., None] + pv
     return (m_new, l, acc), None
 
-  init = (jnp.full((batch, heads, length), -jnp.inf, jnp.float32), jnp.zeros((batch, heads, length), jnp.float32),
-          jnp.zeros((batch, length, heads, head_dim), jnp.float32))
+  init = (
+    jnp.full((batch, heads, length), -jnp.inf, jnp.float32),
+    jnp.zeros((batch, heads, length), jnp.float32),
+    jnp.zeros((batch, length, heads, head_dim), jnp.float32),
+  )
   init = jax.lax.pcast(init, _varying(q), to="varying")  # the carry meets each device's own values
   (m, l, acc), _ = jax.lax.scan(step, init, _kv_blocks(spec, kv))
   out = (acc / jnp.moveaxis(l, 1, 2)[..., None]).astype(q.dtype)
@@ -164,7 +180,7 @@ def _flash_bwd(spec, residuals, d_out):
   q, kv, q_pos, q_valid, q_seg, bias_params, out, m, l = residuals
   heads = q.shape[2]
   d_out = d_out.astype(jnp.float32)
-  delta = jnp.einsum("btnh,btnh->bnt", d_out, out.astype(jnp.float32))     # [B, N, T]
+  delta = jnp.einsum("btnh,btnh->bnt", d_out, out.astype(jnp.float32))  # [B, N, T]
   # Split keys: each device sums its queries' share of the bias gradient, then one psum adds the shares.
   bias_local = jax.lax.pcast(bias_params, _varying(q), to="varying")
 
@@ -172,14 +188,17 @@ def _flash_bwd(spec, residuals, d_out):
     dq, dbias = carry
     k_blk, v_blk, kpos, kvalid, in_range, kseg = blk
     s, scores_vjp = jax.vjp(
-        lambda q_, k_, b_: _block_scores(spec, q_, k_, kpos, kvalid, in_range, kseg, q_pos, q_valid, q_seg, b_),
-        q, k_blk, bias_local)
-    p = jnp.exp(s - m[..., None]) / l[..., None]                            # [B, N, T, block]
+      lambda q_, k_, b_: _block_scores(spec, q_, k_, kpos, kvalid, in_range, kseg, q_pos, q_valid, q_seg, b_),
+      q,
+      k_blk,
+      bias_local,
+    )
+    p = jnp.exp(s - m[..., None]) / l[..., None]  # [B, N, T, block]
     v_rep = repeat_kv(v_blk, heads)
-    dv = jnp.einsum("bnts,btnh->bsnh", p, d_out)                            # [B, block, N, H]
+    dv = jnp.einsum("bnts,btnh->bsnh", p, d_out)  # [B, block, N, H]
     dp = jnp.einsum("btnh,bsnh->bnts", d_out, v_rep.astype(jnp.float32))
     dq_blk, dk, dbias_blk = scores_vjp(p * (dp - delta[..., None]))
-    dv = dv.reshape(*v_blk.shape[:3], -1, v_blk.shape[-1]).sum(axis=3)      # sum query heads per kv head
+    dv = dv.reshape(*v_blk.shape[:3], -1, v_blk.shape[-1]).sum(axis=3)  # sum query heads per kv head
     return (dq + dq_blk.astype(jnp.float32), dbias + dbias_blk), (dk, dv.astype(v_blk.dtype))
 
   init = jax.lax.pcast((jnp.zeros(q.shape, jnp.float32), jnp.zeros_like(bias_params)), _varying(q), to="varying")
@@ -187,8 +206,14 @@ def _flash_bwd(spec, residuals, d_out):
   if spec.gather_axes:
     dbias = jax.lax.psum(dbias, spec.gather_axes)
   # Positions, validity, segment ids: integer / bool inputs, no gradient.
-  return dq.astype(q.dtype), (_unblock(spec, dk, kv[0]), _unblock(spec, dv, kv[1]), None, None, None), None, None, \
-      None, dbias
+  return (
+    dq.astype(q.dtype),
+    (_unblock(spec, dk, kv[0]), _unblock(spec, dv, kv[1]), None, None, None),
+    None,
+    None,
+    None,
+    dbias,
+  )
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -99,5 +99,6 @@ def over_length(fn: Callable[[Any, Any], jax.Array], axes: Sequence[str], split:
   # JAX 0.10's varying-axes check rejects mixing per-stage masks with stage-invariant positions, so it
   # is off: every collective here names its axes explicitly.
   stages = frozenset(sh.split_axes(sh.STAGES))
-  return jax.shard_map(fn, in_specs=in_specs, out_specs=spec, axis_names=frozenset(axes) | stages,
-                       check_vma=not stages)(split, whole)
+  return jax.shard_map(
+    fn, in_specs=in_specs, out_specs=spec, axis_names=frozenset(axes) | stages, check_vma=not stages
+  )(split, whole)

@@ -146,6 +146,7 @@ class Dropout(nn.Module):
   only on the module path and call count, or on `rng`, so an `nn.remat` recomputation
   redraws the same mask.
   """
+
   rate: float
 
   @nn.compact

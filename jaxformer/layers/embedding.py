@@ -20,7 +20,7 @@ def sinusoid_table(max_length: int, d_model: int) -> jax.Array:
   if d_model % 2:
     raise ValueError(f"sinusoidal positions need an even d_model, got {d_model}")
   inv_freq = 1.0 / (10000.0 ** (np.arange(0, d_model, 2, dtype=np.float32) / d_model))  # [D/2]
-  angles = jnp.arange(max_length, dtype=jnp.float32)[:, None] * inv_freq                # [L, D/2]
+  angles = jnp.arange(max_length, dtype=jnp.float32)[:, None] * inv_freq  # [L, D/2]
   return jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(max_length, d_model)
 
 
@@ -47,6 +47,7 @@ class Embed(nn.Module):
   maps `[batch, length, d_model]` to float32 logits
   `[batch, length, vocab_size]` with the same matrix (weight tying, section 3.4).
   """
+
   vocab_size: int
   d_model: int
   dtype: jnp.dtype = jnp.float32
@@ -54,20 +55,21 @@ class Embed(nn.Module):
 
   def setup(self):
     """Creates the `[vocab_size, d_model]` table, initialised N(0, 1/d_model)."""
-    init = nn.initializers.normal(stddev=self.d_model ** -0.5)
+    init = nn.initializers.normal(stddev=self.d_model**-0.5)
     self.embedding = self.param(
-        "embedding", sh.param_with_axes(init, (sh.VOCAB, sh.EMBED)), (self.vocab_size, self.d_model))
+      "embedding", sh.param_with_axes(init, (sh.VOCAB, sh.EMBED)), (self.vocab_size, self.d_model)
+    )
 
   def __call__(self, ids: jax.Array) -> jax.Array:
     """int `[batch, length]` ids -> `[batch, length, d_model]` vectors (times sqrt(d_model) if `scale`), in `dtype`."""
     # Gather the table over the vocab (tensor) axis first: a lookup into a vocab-sharded
     # table would make XLA replicate it anyway, with a warning and extra copies.
     table = self.embedding
-    if int8.is_quantized(table):   # decoding with int8 weights (`layers.int8`): rows scaled per row
+    if int8.is_quantized(table):  # decoding with int8 weights (`layers.int8`): rows scaled per row
       table = table.replace(values=sh.constrain(table.values, (None, sh.EMBED)))
     else:
       table = sh.constrain(table, (None, sh.EMBED))
-    x = int8.take_rows(table, ids, mode="clip")   # clip: a model without a pad token pads with -1
+    x = int8.take_rows(table, ids, mode="clip")  # clip: a model without a pad token pads with -1
     return (x * np.sqrt(self.d_model) if self.scale else x).astype(self.dtype)
 
   def attend(self, x: jax.Array, vocab_major: bool = False) -> jax.Array:
@@ -78,8 +80,8 @@ class Embed(nn.Module):
     # One 2-D matmul over the flattened tokens: from the 3-D form XLA:CPU computes the
     # weight gradient through a transposed copy of the whole [batch, length, vocab]
     # logits gradient, which doubles the logits' share of the train step.
-    flat = x.reshape(-1, x.shape[-1]).astype(self.dtype)                       # [B*T, D]
-    if int8.is_quantized(self.embedding):   # int8 x int8, tokens first (`layers.int8`)
+    flat = x.reshape(-1, x.shape[-1]).astype(self.dtype)  # [B*T, D]
+    if int8.is_quantized(self.embedding):  # int8 x int8, tokens first (`layers.int8`)
       logits = int8.matmul_rows(flat, self.embedding)
       return logits.reshape(*x.shape[:-1], self.vocab_size)
     table = self.embedding.astype(self.dtype)
@@ -90,5 +92,5 @@ class Embed(nn.Module):
       # folding the transpose back into the product.
       logits = jax.lax.optimization_barrier(jnp.einsum("vd,nd->vn", table, flat)).T
     else:
-      logits = jnp.einsum("nd,vd->nv", flat, table)                            # [B*T, V]
+      logits = jnp.einsum("nd,vd->nv", flat, table)  # [B*T, V]
     return logits.reshape(*x.shape[:-1], self.vocab_size).astype(jnp.float32)

@@ -14,13 +14,13 @@ xavier_uniform = nn.initializers.xavier_uniform
 # activation name -> (nonlinearity, gated?). GELU is the exact (erf) one; the `_tanh` names use
 # the tanh approximation (GPT-2's `gelu_new`, T5 v1.1's gated-GELU); silu is Marian's `swish`.
 ACTIVATIONS = {
-    "relu": (nn.relu, False),
-    "gelu": (lambda h: nn.gelu(h, approximate=False), False),
-    "gelu_tanh": (lambda h: nn.gelu(h, approximate=True), False),
-    "silu": (nn.silu, False),
-    "swiglu": (nn.silu, True),
-    "geglu": (lambda h: nn.gelu(h, approximate=False), True),
-    "geglu_tanh": (lambda h: nn.gelu(h, approximate=True), True),
+  "relu": (nn.relu, False),
+  "gelu": (lambda h: nn.gelu(h, approximate=False), False),
+  "gelu_tanh": (lambda h: nn.gelu(h, approximate=True), False),
+  "silu": (nn.silu, False),
+  "swiglu": (nn.silu, True),
+  "geglu": (lambda h: nn.gelu(h, approximate=False), True),
+  "geglu_tanh": (lambda h: nn.gelu(h, approximate=True), True),
 }
 
 
@@ -44,6 +44,7 @@ class FeedForward(nn.Module):
   Raises:
     ValueError: an unknown activation.
   """
+
   d_ff: int
   dtype: jnp.dtype = jnp.float32
   activation: str = "relu"  # a key of ACTIVATIONS

@@ -33,6 +33,7 @@ class QuantizedArray:
       `[1, heads, head_dim]` for a `[d_model, heads, head_dim]` projection, `[layers, 1, d_ff]`
       for stacked `[layers, d_model, d_ff]` kernels, `[vocab, 1]` for an embedding table.
   """
+
   values: jax.Array
   scale: jax.Array
 
@@ -57,7 +58,7 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   gets scale 0 and values 0)."""
   x = x.astype(jnp.float32)
   scale = jnp.max(jnp.abs(x), axis=1, keepdims=True) / INT8_MAX
-  values = jnp.round(x / jnp.where(scale > 0, scale, 1.0)).astype(jnp.int8)   # |x / scale| <= 127
+  values = jnp.round(x / jnp.where(scale > 0, scale, 1.0)).astype(jnp.int8)  # |x / scale| <= 127
   return values, scale
 
 
@@ -70,9 +71,9 @@ def matmul(x: jax.Array, w: QuantizedArray, in_axes: int = 1, dtype: Any = jnp.f
   """`x` times a quantized kernel whose first `in_axes` axes are its input: float `[rows, k]`
   x `[*in, *out]` (prod(in) = k, scales `[1, ..., *out]`) -> `[rows, prod(out)]` in `dtype`.
   The activations are quantized per row (module docstring)."""
-  values = w.values.reshape(math.prod(w.shape[:in_axes]), -1)                    # [k, out]
+  values = w.values.reshape(math.prod(w.shape[:in_axes]), -1)  # [k, out]
   xq, x_scale = quantize_rows(x)
-  acc = _int8_dot(xq, values, 0)                                                  # [rows, out]
+  acc = _int8_dot(xq, values, 0)  # [rows, out]
   return (acc.astype(jnp.float32) * (x_scale * w.scale.reshape(1, -1))).astype(dtype)
 
 
@@ -80,7 +81,7 @@ def matmul_rows(x: jax.Array, table: QuantizedArray, dtype: Any = jnp.float32) -
   """`x` times the transpose of a quantized table scaled per row: float `[rows, d]` and
   `[n, d]` (scales `[n, 1]`) -> `[rows, n]` in `dtype` (the tied output layer's logits)."""
   xq, x_scale = quantize_rows(x)
-  acc = _int8_dot(xq, table.values, 1)                                            # [rows, n]
+  acc = _int8_dot(xq, table.values, 1)  # [rows, n]
   return (acc.astype(jnp.float32) * (x_scale * table.scale.reshape(1, -1))).astype(dtype)
 
 

@@ -64,6 +64,7 @@ class CacheState:
     num_pages, page_size: paged layout: pages in each pool and tokens per page. Static.
     beam_size: rows per sentence of the grouped beam layout; 1 = one storage row per row. Static.
   """
+
   lengths: jax.Array
   source_lengths: jax.Array | None = None
   page_table: jax.Array | None = None
@@ -80,8 +81,8 @@ class CacheState:
     return self.page_table is not None
 
 
-MIN_SEGMENT = 8    # tokens: the first segment of contiguous storage (and the second)
-MAX_SEGMENTS = 6   # each segment is one more cond per layer and step, and one more scatter
+MIN_SEGMENT = 8  # tokens: the first segment of contiguous storage (and the second)
+MAX_SEGMENTS = 6  # each segment is one more cond per layer and step, and one more scatter
 
 
 def segment_bounds(tokens: int) -> tuple[int, ...]:
@@ -94,50 +95,51 @@ def segment_bounds(tokens: int) -> tuple[int, ...]:
   return (0, *reversed(bounds))
 
 
-Storage = jax.Array | tuple[jax.Array, ...]   # the paged pool, or contiguous segments
+Storage = jax.Array | tuple[jax.Array, ...]  # the paged pool, or contiguous segments
 
 
 def join_segments(segments: tuple[jax.Array, ...], beams: int = 1, axis: int = 2) -> jax.Array:
   """Contiguous segments (slots on `axis`, `beams * length_j` each: the grouped beam layout's
   beam-major slots) as one array of `beams * capacity` slots, beam m's position p at slot
   `m * capacity + p`."""
-  grouped = [x.reshape(x.shape[:axis] + (beams, x.shape[axis] // beams) + x.shape[axis + 1:]) for x in segments]
+  grouped = [x.reshape(x.shape[:axis] + (beams, x.shape[axis] // beams) + x.shape[axis + 1 :]) for x in segments]
   whole = jnp.concatenate(grouped, axis=axis + 1)
-  return whole.reshape(whole.shape[:axis] + (-1,) + whole.shape[axis + 2:])
+  return whole.reshape(whole.shape[:axis] + (-1,) + whole.shape[axis + 2 :])
 
 
 def split_segments(x: jax.Array, beams: int = 1, axis: int = 2) -> tuple[jax.Array, ...]:
   """`join_segments` undone: `x` with `beams * capacity` slots on `axis` as segments at
   `segment_bounds(capacity)`."""
   capacity = x.shape[axis] // beams
-  grouped = x.reshape(x.shape[:axis] + (beams, capacity) + x.shape[axis + 1:])
+  grouped = x.reshape(x.shape[:axis] + (beams, capacity) + x.shape[axis + 1 :])
   bounds = segment_bounds(capacity)
   cut = (jax.lax.slice_in_dim(grouped, start, end, axis=axis + 1) for start, end in zip(bounds, bounds[1:]))
-  return tuple(c.reshape(c.shape[:axis] + (-1,) + c.shape[axis + 2:]) for c in cut)
+  return tuple(c.reshape(c.shape[:axis] + (-1,) + c.shape[axis + 2 :]) for c in cut)
 
 
-def empty_storage(state: CacheState, rows: int, tokens: int, num_kv_heads: int, head_dim: int, dtype,
-                  segmented: bool = True) -> Storage:
+def empty_storage(
+  state: CacheState, rows: int, tokens: int, num_kv_heads: int, head_dim: int, dtype, segmented: bool = True
+) -> Storage:
   """One layer's zero key (or value) storage: the paged pool `[num_pages, num_kv_heads,
   page_size, head_dim]`, or contiguous segments `[rows, num_kv_heads, length_j, head_dim]`
   at `segment_bounds(tokens)` (`segmented`), else one segment of all `tokens`."""
   if state.paged:
     return jnp.zeros((state.num_pages, num_kv_heads, state.page_size, head_dim), dtype)
   bounds = segment_bounds(tokens) if segmented else (0, tokens)
-  return tuple(jnp.zeros((rows, num_kv_heads, end - start, head_dim), dtype)
-               for start, end in zip(bounds, bounds[1:]))
+  return tuple(jnp.zeros((rows, num_kv_heads, end - start, head_dim), dtype) for start, end in zip(bounds, bounds[1:]))
 
 
 def _write_rows(segment: jax.Array, new: jax.Array, slots: jax.Array, valid: jax.Array) -> jax.Array:
   """`segment` `[rows, K, S, H]` with `new` `[rows, T, K, H]` at slots int `[rows, T]`
   (those with `valid` False, or out of range, dropped)."""
   rows = jnp.broadcast_to(jnp.arange(new.shape[0])[:, None], slots.shape)
-  slots = jnp.where(valid & (slots >= 0), slots, segment.shape[2])           # out of range: dropped
+  slots = jnp.where(valid & (slots >= 0), slots, segment.shape[2])  # out of range: dropped
   return segment.at[rows, :, slots].set(new.astype(segment.dtype), mode="drop")
 
 
-def write(storage: Storage, new: jax.Array, positions: jax.Array, valid: jax.Array,
-          page_table: jax.Array | None, page_size: int) -> Storage:
+def write(
+  storage: Storage, new: jax.Array, positions: jax.Array, valid: jax.Array, page_table: jax.Array | None, page_size: int
+) -> Storage:
   """Writes `new` `[batch, T, num_kv_heads, head_dim]` at token positions int `[batch, T]`
   of each row; tokens with `valid` False (padding, idle rows) are dropped (contiguous) or go
   to page 0 (paged). Returns the updated storage."""
@@ -161,16 +163,28 @@ def read(storage: Storage, page_table: jax.Array | None) -> tuple[jax.Array, ...
   gathered through the page table."""
   if page_table is None:
     return storage
-  pages = storage[page_table]                                         # [B, P, K, ps, H]
+  pages = storage[page_table]  # [B, P, K, ps, H]
   b, p, k, ps, h = pages.shape
   return (pages.transpose(0, 2, 1, 3, 4).reshape(b, k, p * ps, h),)
 
 
-def cached_attention(q: jax.Array, k: tuple[jax.Array, ...], v: tuple[jax.Array, ...], q_positions: jax.Array,
-                     kv_lengths: jax.Array | None, *, causal: bool, sliding_window: int = 0, global_tokens: int = 0,
-                     position_bias: PositionBias | None = None, softcap: float = 0.0,
-                     kv_positions: jax.Array | None = None, kv_mask: jax.Array | None = None,
-                     kv_used: jax.Array | None = None, slots_per_position: int = 1) -> jax.Array:
+def cached_attention(
+  q: jax.Array,
+  k: tuple[jax.Array, ...],
+  v: tuple[jax.Array, ...],
+  q_positions: jax.Array,
+  kv_lengths: jax.Array | None,
+  *,
+  causal: bool,
+  sliding_window: int = 0,
+  global_tokens: int = 0,
+  position_bias: PositionBias | None = None,
+  softcap: float = 0.0,
+  kv_positions: jax.Array | None = None,
+  kv_mask: jax.Array | None = None,
+  kv_used: jax.Array | None = None,
+  slots_per_position: int = 1,
+) -> jax.Array:
   """Attention of new queries over a row's cached keys (paper eq. 1, softmax in float32).
 
   Args:
@@ -212,21 +226,23 @@ def cached_attention(q: jax.Array, k: tuple[jax.Array, ...], v: tuple[jax.Array,
   # the queries-first product (keys transposed) 1.7x slower in beam search, where G*T = beams.
   # The barrier keeps XLA from folding the transpose back into that product; softmax and the
   # value product then run on the small [B, K, G, T, S] scores.
-  qg = jnp.moveaxis((q * jnp.asarray(h ** -0.5, q.dtype)).reshape(b, t, kh, g, h), 1, 3)
+  qg = jnp.moveaxis((q * jnp.asarray(h**-0.5, q.dtype)).reshape(b, t, kh, g, h), 1, 3)
 
   def segment_scores(keys, qg):
     return jax.lax.optimization_barrier(jnp.einsum("bksh,bkgth->bksgt", keys.astype(qg.dtype), qg)).astype(jnp.float32)
-  scores = jnp.concatenate([skippable(j, segment_scores, (b, kh, keys.shape[2], g, t), keys, qg)
-                            for j, keys in enumerate(k)], axis=2)
+
+  scores = jnp.concatenate(
+    [skippable(j, segment_scores, (b, kh, keys.shape[2], g, t), keys, qg) for j, keys in enumerate(k)], axis=2
+  )
   s = scores.shape[2]
-  scores = jnp.moveaxis(scores, 2, 4)                                                       # [B, K, G, T, S]
+  scores = jnp.moveaxis(scores, 2, 4)  # [B, K, G, T, S]
   if softcap > 0:
     scores = softcap * jnp.tanh(scores / softcap)
-  kv_pos = jnp.arange(s)[None] if kv_positions is None else kv_positions              # [1, S]
+  kv_pos = jnp.arange(s)[None] if kv_positions is None else kv_positions  # [1, S]
   if position_bias is not None:
     fn, params = position_bias
     scores = scores + fn(params, q_positions, kv_pos).reshape(-1, kh, g, t, s)
-  mask = kv_mask if kv_lengths is None else kv_pos[:, None, :] < kv_lengths[:, None, None]   # [B, T or 1, S]
+  mask = kv_mask if kv_lengths is None else kv_pos[:, None, :] < kv_lengths[:, None, None]  # [B, T or 1, S]
   positional = position_mask(q_positions, kv_pos, causal, sliding_window, global_tokens)
   if positional is not None:
     mask = mask & positional
@@ -235,16 +251,18 @@ def cached_attention(q: jax.Array, k: tuple[jax.Array, ...], v: tuple[jax.Array,
 
   def segment_values(w, values):
     return jnp.einsum("bkgts,bksh->bkgth", w, values).astype(jnp.float32)
+
   out, offset = 0.0, 0
   for j, values in enumerate(v):
-    w = weights[..., offset:offset + values.shape[2]]
+    w = weights[..., offset : offset + values.shape[2]]
     out = out + skippable(j, segment_values, (b, kh, g, t, h), w, values)
     offset += values.shape[2]
-  out = jnp.moveaxis(out, 3, 1)                                                             # [B, T, K, G, H]
+  out = jnp.moveaxis(out, 3, 1)  # [B, T, K, G, H]
   return out.reshape(b, t, n, h).astype(q.dtype)
 
 
 # ----------------------------------------------------------------------------- beam layout
+
 
 def _by_sentence(x: jax.Array, beams: int) -> jax.Array:
   """`[rows, 1, ...]` (one token per decode row) -> `[rows / beams, beams, ...]`."""
@@ -258,7 +276,7 @@ def mark_beams(state: CacheState, fed: jax.Array) -> CacheState:
   (`lengths[r]`) is held by its own beam slot r % beam_size, for the rows with `fed` True
   (bool `[rows]`: a token, not PAD, goes in this step). Call before the step's attention."""
   rows, capacity = state.beam_origin.shape
-  here = (jnp.arange(capacity)[None] == state.lengths[:, None]) & fed[:, None]          # [rows, S]
+  here = (jnp.arange(capacity)[None] == state.lengths[:, None]) & fed[:, None]  # [rows, S]
   own = (jnp.arange(rows, dtype=jnp.int32) % state.beam_size)[:, None]
   return state.replace(beam_origin=jnp.where(here, own, state.beam_origin))
 
@@ -273,17 +291,27 @@ def write_beams(storage: tuple[jax.Array, ...], new: jax.Array, state: CacheStat
   out = []
   for seg, start in zip(storage, _starts(storage, beams)):
     length = seg.shape[2] // beams
-    offset = state.lengths - start                                                          # [rows]
-    ok = valid[:, 0] & (offset >= 0) & (offset < length)    # else the slot would be another beam's
-    out.append(_write_rows(seg, _by_sentence(new, beams), (beam * length + offset).reshape(-1, beams),
-                           ok.reshape(-1, beams)))
+    offset = state.lengths - start  # [rows]
+    ok = valid[:, 0] & (offset >= 0) & (offset < length)  # else the slot would be another beam's
+    out.append(
+      _write_rows(seg, _by_sentence(new, beams), (beam * length + offset).reshape(-1, beams), ok.reshape(-1, beams))
+    )
   return tuple(out)
 
 
-def beam_attention(q: jax.Array, k: tuple[jax.Array, ...], v: tuple[jax.Array, ...], state: CacheState,
-                   valid: jax.Array | None, *,
-                   causal: bool = False, sliding_window: int = 0, global_tokens: int = 0,
-                   position_bias: PositionBias | None = None, softcap: float = 0.0) -> jax.Array:
+def beam_attention(
+  q: jax.Array,
+  k: tuple[jax.Array, ...],
+  v: tuple[jax.Array, ...],
+  state: CacheState,
+  valid: jax.Array | None,
+  *,
+  causal: bool = False,
+  sliding_window: int = 0,
+  global_tokens: int = 0,
+  position_bias: PositionBias | None = None,
+  softcap: float = 0.0,
+) -> jax.Array:
   """Grouped beam layout: attention of each decode row's query `[rows, 1, num_heads, head_dim]`
   over its sentence's key/value segments `[rows / beams, num_kv_heads, S_j, head_dim]`, the beams of a
   sentence being its queries. Self-attention (`valid` bool `[rows, 1]`: the row's token is
@@ -292,10 +320,11 @@ def beam_attention(q: jax.Array, k: tuple[jax.Array, ...], v: tuple[jax.Array, .
   num_heads, head_dim]`, equal to `cached_attention` over a per-row copy of the row's history."""
   beams = state.beam_size
   rows, _, n, h = q.shape
-  q_pos = state.lengths.reshape(-1, beams)                                                 # [B, beams]
+  q_pos = state.lengths.reshape(-1, beams)  # [B, beams]
   if valid is None:
-    out = cached_attention(_by_sentence(q, beams), k, v, q_pos, state.source_lengths.reshape(-1, beams)[:, 0],
-                           causal=False, softcap=softcap)
+    out = cached_attention(
+      _by_sentence(q, beams), k, v, q_pos, state.source_lengths.reshape(-1, beams)[:, 0], causal=False, softcap=softcap
+    )
     return out.reshape(rows, 1, n, h)
   # Each segment's slots are beam-major: slot m * length_j + i holds position start_j + i of beam m.
   kv_pos, slot_beam, origin = [], [], []
@@ -303,12 +332,24 @@ def beam_attention(q: jax.Array, k: tuple[jax.Array, ...], v: tuple[jax.Array, .
     length = seg.shape[2] // beams
     kv_pos.append(jnp.tile(jnp.arange(start, start + length), beams))
     slot_beam.append(jnp.repeat(jnp.arange(beams, dtype=jnp.int32), length))
-    origin.append(jnp.tile(state.beam_origin[:, start:start + length], (1, beams)))
-  kv_pos = jnp.concatenate(kv_pos)[None]                                                   # [1, beams * S]
+    origin.append(jnp.tile(state.beam_origin[:, start : start + length], (1, beams)))
+  kv_pos = jnp.concatenate(kv_pos)[None]  # [1, beams * S]
   kv_lengths = state.lengths + valid[:, 0]
   mask = (jnp.concatenate(origin, axis=1) == jnp.concatenate(slot_beam)[None]) & (kv_pos < kv_lengths[:, None])
-  out = cached_attention(_by_sentence(q, beams), k, v, q_pos, None, causal=causal, sliding_window=sliding_window,
-                         global_tokens=global_tokens, position_bias=position_bias, softcap=softcap,
-                         kv_positions=kv_pos, kv_mask=mask.reshape(-1, beams, kv_pos.shape[1]),
-                         kv_used=jnp.max(kv_lengths), slots_per_position=beams)
+  out = cached_attention(
+    _by_sentence(q, beams),
+    k,
+    v,
+    q_pos,
+    None,
+    causal=causal,
+    sliding_window=sliding_window,
+    global_tokens=global_tokens,
+    position_bias=position_bias,
+    softcap=softcap,
+    kv_positions=kv_pos,
+    kv_mask=mask.reshape(-1, beams, kv_pos.shape[1]),
+    kv_used=jnp.max(kv_lengths),
+    slots_per_position=beams,
+  )
   return out.reshape(rows, 1, n, h)

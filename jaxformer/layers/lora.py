@@ -48,6 +48,7 @@ COMPUTE_KERNELS = frozenset({"query", "key", "value", "out", "wi", "wi_gate", "w
 
 class LoraSpec(NamedTuple):
   """Adapter rank r, `alpha` (the update is scaled by alpha / r) and the targets (`model.lora_targets`)."""
+
   rank: int
   alpha: float
   targets: tuple[str, ...]
@@ -66,12 +67,20 @@ def lora_spec(model_config: Any) -> LoraSpec | None:
 
 def _a_init(num_in: int):
   # Kaiming-uniform with a = sqrt(5) over the flattened fan-in, as torch's Linear and PEFT: bound 1/sqrt(fan_in).
-  return nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform", in_axis=tuple(range(num_in)),
-                                          out_axis=num_in)
+  return nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform", in_axis=tuple(range(num_in)), out_axis=num_in)
 
 
-def add_adapter(module: nn.Module, lora: LoraSpec | None, target: str, kernel: str, x: jax.Array, y: jax.Array,
-                in_axes: tuple[str, ...], out_axes: tuple[str, ...], dtype: Any) -> jax.Array:
+def add_adapter(
+  module: nn.Module,
+  lora: LoraSpec | None,
+  target: str,
+  kernel: str,
+  x: jax.Array,
+  y: jax.Array,
+  in_axes: tuple[str, ...],
+  out_axes: tuple[str, ...],
+  dtype: Any,
+) -> jax.Array:
   """`y + (alpha / r) (x A) B`: the projection `kernel` of `module` (called inside its compact
   method) with its LoRA update, or `y` itself when `lora` is None or does not name `target`.
 
@@ -89,12 +98,10 @@ def add_adapter(module: nn.Module, lora: LoraSpec | None, target: str, kernel: s
   if lora is None or target not in lora.targets:
     return y
   r = lora.rank
-  in_shape, out_shape = x.shape[x.ndim - len(in_axes):], y.shape[y.ndim - len(out_axes):]
-  a = module.param(kernel + SUFFIX_A, sh.param_with_axes(_a_init(len(in_shape)), (*in_axes, sh.LORA)),
-                   (*in_shape, r))
-  b = module.param(kernel + SUFFIX_B, sh.param_with_axes(nn.initializers.zeros, (sh.LORA, *out_axes)),
-                   (r, *out_shape))
-  h = jnp.dot(x.reshape(-1, math.prod(in_shape)), a.reshape(-1, r).astype(dtype))   # [tokens, r]
+  in_shape, out_shape = x.shape[x.ndim - len(in_axes) :], y.shape[y.ndim - len(out_axes) :]
+  a = module.param(kernel + SUFFIX_A, sh.param_with_axes(_a_init(len(in_shape)), (*in_axes, sh.LORA)), (*in_shape, r))
+  b = module.param(kernel + SUFFIX_B, sh.param_with_axes(nn.initializers.zeros, (sh.LORA, *out_axes)), (r, *out_shape))
+  h = jnp.dot(x.reshape(-1, math.prod(in_shape)), a.reshape(-1, r).astype(dtype))  # [tokens, r]
   update = jnp.dot(h, b.reshape(r, -1).astype(dtype)) * jnp.asarray(lora.scale, dtype)
   return y + update.reshape(y.shape)
 
@@ -182,6 +189,6 @@ def _merged_kernel(w, a, b, scale: float):
   lead = a.ndim + b.ndim - w.ndim - 2
   r = a.shape[-1]
   a2 = jnp.asarray(a, jnp.float32).reshape(*a.shape[:lead], math.prod(a.shape[lead:-1]), r)
-  b2 = jnp.asarray(b, jnp.float32).reshape(*b.shape[:lead], r, math.prod(b.shape[lead + 1:]))
+  b2 = jnp.asarray(b, jnp.float32).reshape(*b.shape[:lead], r, math.prod(b.shape[lead + 1 :]))
   delta = jnp.einsum("...ir,...ro->...io", a2, b2).reshape(w.shape)
   return jnp.asarray(w, jnp.float32) + jnp.float32(scale) * delta

@@ -24,6 +24,7 @@ class MaskedLMHead(nn.Module):
   with `model.norm_epsilon`) and `output_bias` `[vocab_size]`. `act` is the FFN's nonlinearity
   (`model.ffn`; SiLU for swiglu, GELU for geglu).
   """
+
   config: ModelConfig
 
   @nn.compact
@@ -35,7 +36,7 @@ class MaskedLMHead(nn.Module):
     d = cfg.d_model
     kernel = self.param("dense_kernel", sh.param_with_axes(nn.initializers.xavier_uniform(), (sh.EMBED, None)), (d, d))
     bias = self.param("dense_bias", sh.param_with_axes(nn.initializers.zeros, (sh.EMBED,)), (d,))
-    b, t, _ = y.shape   # one 2-D matmul over the tokens (see layers/attention.py `_project`)
+    b, t, _ = y.shape  # one 2-D matmul over the tokens (see layers/attention.py `_project`)
     h = jnp.einsum("md,de->me", y.reshape(b * t, d).astype(dtype), kernel.astype(dtype)) + bias.astype(dtype)
     h = ACTIVATIONS[cfg.ffn][0](h.reshape(b, t, d))
     h = make_norm(cfg.norm, dtype, name="norm", epsilon=cfg.norm_epsilon)(h)

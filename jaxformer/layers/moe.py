@@ -46,9 +46,9 @@ from flax import struct
 from jaxformer import sharding as sh
 from jaxformer.layers.feed_forward import ACTIVATIONS
 
-AUX = "aux"   # the collection of per-layer auxiliary sums (the auxiliary-loss channel)
+AUX = "aux"  # the collection of per-layer auxiliary sums (the auxiliary-loss channel)
 
-_EXPERT_AXES = (sh.ACT_EXPERT_BATCH, sh.ACT_EXPERTS, None)   # [batch, experts, capacity, ...]
+_EXPERT_AXES = (sh.ACT_EXPERT_BATCH, sh.ACT_EXPERTS, None)  # [batch, experts, capacity, ...]
 
 
 def expert_capacity(length: int, num_experts: int, k: int, factor: float) -> int:
@@ -65,6 +65,7 @@ class Routing:
   """Where each token goes. `dispatch` `[batch, length, experts, capacity]` is 1 where token t
   of row b sits in slot c of expert e's buffer; `combine` (same shape, float32) is its gate
   there; `stats` the per-layer sums named in the module docstring (float32)."""
+
   dispatch: jax.Array
   combine: jax.Array
   stats: dict
@@ -76,26 +77,26 @@ def route(logits: jax.Array, valid: jax.Array | None, k: int, capacity: int) -> 
   batch, length, num_experts = logits.shape
   valid = jnp.ones((batch, length), bool) if valid is None else valid
   real = valid.astype(jnp.float32)
-  probs = jax.nn.softmax(logits, axis=-1)                                   # [B, T, E]
-  top_p, top_e = jax.lax.top_k(probs, k)                                    # [B, T, k]
+  probs = jax.nn.softmax(logits, axis=-1)  # [B, T, E]
+  top_p, top_e = jax.lax.top_k(probs, k)  # [B, T, k]
   gates = top_p / jnp.sum(top_p, axis=-1, keepdims=True) if k > 1 else top_p
   choice = jax.nn.one_hot(top_e, num_experts, dtype=jnp.float32) * real[..., None, None]  # [B, T, k, E]
   # Slot of each assignment in its expert's buffer: the assignments before it in (token, rank) order.
   order = choice.reshape(batch, length * k, num_experts)
-  slot = (jnp.cumsum(order, axis=1) - order).reshape(choice.shape)          # [B, T, k, E]
-  chosen = jnp.sum(choice, axis=2)                                          # [B, T, E] 0/1: a token picks e once
-  token_slot = jnp.sum(slot * choice, axis=2).astype(jnp.int32)             # [B, T, E]
+  slot = (jnp.cumsum(order, axis=1) - order).reshape(choice.shape)  # [B, T, k, E]
+  chosen = jnp.sum(choice, axis=2)  # [B, T, E] 0/1: a token picks e once
+  token_slot = jnp.sum(slot * choice, axis=2).astype(jnp.int32)  # [B, T, E]
   kept = chosen * (token_slot < capacity)
-  dispatch = jax.nn.one_hot(token_slot, capacity, dtype=jnp.float32) * kept[..., None]   # [B, T, E, C]
-  gate = jnp.sum(gates[..., None] * choice, axis=2)                         # [B, T, E]
-  tokens = jnp.sum(real, axis=1)                                            # [B]
-  fraction = jnp.sum(chosen, axis=1) / k                                    # [B, E] (times the row's tokens)
+  dispatch = jax.nn.one_hot(token_slot, capacity, dtype=jnp.float32) * kept[..., None]  # [B, T, E, C]
+  gate = jnp.sum(gates[..., None] * choice, axis=2)  # [B, T, E]
+  tokens = jnp.sum(real, axis=1)  # [B]
+  fraction = jnp.sum(chosen, axis=1) / k  # [B, E] (times the row's tokens)
   mean_prob = jnp.sum(probs * real[..., None], axis=1) / jnp.maximum(tokens, 1.0)[:, None]
   stats = {
-      "router_balance": num_experts * jnp.sum(fraction * mean_prob),
-      "router_z": jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)) * real),
-      "router_load": jnp.sum(chosen, axis=(0, 1)),
-      "router_dropped": jnp.sum(chosen - kept),
+    "router_balance": num_experts * jnp.sum(fraction * mean_prob),
+    "router_z": jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)) * real),
+    "router_load": jnp.sum(chosen, axis=(0, 1)),
+    "router_dropped": jnp.sum(chosen - kept),
   }
   return Routing(dispatch, dispatch * gate[..., None], stats)
 
@@ -110,6 +111,7 @@ class MixtureOfExperts(nn.Module):
   Raises:
     ValueError: an unknown activation.
   """
+
   num_experts: int
   experts_per_token: int
   d_ff: int
@@ -121,8 +123,9 @@ class MixtureOfExperts(nn.Module):
     e, d = self.num_experts, x.shape[-1]
     init = nn.initializers.xavier_uniform(in_axis=-2, out_axis=-1, batch_axis=(0,))
     w = self.param(name, sh.param_with_axes(init, (sh.EXPERTS, sh.EMBED, sh.MLP)), (e, d, self.d_ff))
-    b = self.param(name.replace("wi", "bi"), sh.param_with_axes(nn.initializers.zeros, (sh.EXPERTS, sh.MLP)),
-                   (e, self.d_ff))
+    b = self.param(
+      name.replace("wi", "bi"), sh.param_with_axes(nn.initializers.zeros, (sh.EXPERTS, sh.MLP)), (e, self.d_ff)
+    )
     return jnp.einsum("becd,edf->becf", x, w.astype(self.dtype)) + b.astype(self.dtype)[None, :, None]
 
   @nn.compact
@@ -133,24 +136,27 @@ class MixtureOfExperts(nn.Module):
       raise ValueError(f"unknown activation {self.activation!r}; use one of {', '.join(ACTIVATIONS)}")
     act, gated = ACTIVATIONS[self.activation]
     batch, length, d_model = x.shape
-    router = self.param("router", sh.param_with_axes(nn.initializers.xavier_uniform(), (sh.EMBED, None)),
-                        (d_model, self.num_experts))
+    router = self.param(
+      "router", sh.param_with_axes(nn.initializers.xavier_uniform(), (sh.EMBED, None)), (d_model, self.num_experts)
+    )
     logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), router)
     capacity = expert_capacity(length, self.num_experts, self.experts_per_token, self.capacity_factor)
     routing = route(logits, valid, self.experts_per_token, capacity)
     for name, value in routing.stats.items():
       self.sow(AUX, name, value, init_fn=lambda: 0.0, reduce_fn=jnp.add)
     x = x.astype(self.dtype)
-    xe = jnp.einsum("btec,btd->becd", routing.dispatch.astype(self.dtype), x)      # [B, E, C, D]
+    xe = jnp.einsum("btec,btd->becd", routing.dispatch.astype(self.dtype), x)  # [B, E, C, D]
     xe = sh.constrain(xe, (*_EXPERT_AXES, sh.ACT_EMBED))
     h = self._expert_in("wi", xe)
     h = act(self._expert_in("wi_gate", xe)) * h if gated else act(h)
-    h = sh.constrain(h, (*_EXPERT_AXES, sh.ACT_MLP))                                # [B, E, C, F]
+    h = sh.constrain(h, (*_EXPERT_AXES, sh.ACT_MLP))  # [B, E, C, F]
     init = nn.initializers.xavier_uniform(in_axis=-2, out_axis=-1, batch_axis=(0,))
-    wo = self.param("wo", sh.param_with_axes(init, (sh.EXPERTS, sh.MLP, sh.EMBED)),
-                    (self.num_experts, self.d_ff, d_model))
-    bo = self.param("bo", sh.param_with_axes(nn.initializers.zeros, (sh.EXPERTS, sh.EMBED)),
-                    (self.num_experts, d_model))
+    wo = self.param(
+      "wo", sh.param_with_axes(init, (sh.EXPERTS, sh.MLP, sh.EMBED)), (self.num_experts, self.d_ff, d_model)
+    )
+    bo = self.param(
+      "bo", sh.param_with_axes(nn.initializers.zeros, (sh.EXPERTS, sh.EMBED)), (self.num_experts, d_model)
+    )
     ye = jnp.einsum("becf,efd->becd", h, wo.astype(self.dtype)) + bo.astype(self.dtype)[None, :, None]
     ye = sh.constrain(ye, (*_EXPERT_AXES, sh.ACT_EMBED))
     y = jnp.einsum("btec,becd->btd", routing.combine.astype(self.dtype), ye)

@@ -45,6 +45,7 @@ class LayerNorm(nn.Module):
 
   Input and output: `[..., d_model]`; the output has `dtype`.
   """
+
   epsilon: float = 1e-6
   dtype: jnp.dtype = jnp.float32
 
@@ -63,6 +64,7 @@ class RMSNorm(nn.Module):
 
   Input and output: `[..., d_model]`; the statistic is float32, the output has `dtype`.
   """
+
   epsilon: float = 1e-6
   dtype: jnp.dtype = jnp.float32
 

@@ -26,6 +26,7 @@ class LearnedPositions(nn.Module):
   `[batch, length, d_model]` vectors in `dtype`: position p reads row `p + offset` (RoBERTa
   numbers its first token `pad_id + 1`; its rows before that hold padding's position). Positions
   must be < max_length."""
+
   max_length: int
   d_model: int
   dtype: jnp.dtype = jnp.float32
@@ -34,9 +35,12 @@ class LearnedPositions(nn.Module):
   @nn.compact
   def __call__(self, positions: jax.Array) -> jax.Array:
     """int `[batch, length]` positions -> `[batch, length, d_model]` table rows in `dtype`."""
-    table = self.param("embedding", sh.param_with_axes(nn.initializers.normal(0.02), (None, sh.EMBED)),
-                       (self.offset + self.max_length, self.d_model))
-    return int8.take_rows(table, positions + self.offset).astype(self.dtype)   # float or int8 (decoding)
+    table = self.param(
+      "embedding",
+      sh.param_with_axes(nn.initializers.normal(0.02), (None, sh.EMBED)),
+      (self.offset + self.max_length, self.d_model),
+    )
+    return int8.take_rows(table, positions + self.offset).astype(self.dtype)  # float or int8 (decoding)
 
 
 # A score bias and its params: (alibi_bias, slopes `[heads]`) or (a T5Bias, its table
@@ -66,6 +70,7 @@ class RopeScaling:
     base: the base of the frequencies, `rope_theta` (10000 in the RoPE paper, 500000 in Llama 3).
     low_freq_factor, high_freq_factor: llama3's wavelength bounds (1 and 4 in Llama 3.1).
   """
+
   kind: str = "none"
   factor: float = 1.0
   original_length: int = 0
@@ -83,8 +88,10 @@ def _yarn_ramp(half: int, base: float, length: int) -> np.ndarray:
   """Weight of the interpolated frequency per dimension pair, float32 `[half]`: 0 up to the pair that
   turns YARN_BETA times over `length` tokens (rounded down), 1 from the one that turns YARN_ALPHA
   times (rounded up), linear in the pair index between."""
-  def pair(rotations):   # the (fractional) pair index i whose frequency base^(-i/half) turns `rotations` times
+
+  def pair(rotations):  # the (fractional) pair index i whose frequency base^(-i/half) turns `rotations` times
     return half * math.log(length / (rotations * 2 * math.pi)) / math.log(base)
+
   low, high = max(math.floor(pair(YARN_BETA)), 0), min(math.ceil(pair(YARN_ALPHA)), 2 * half - 1)
   high = high + 0.001 if high == low else high
   return np.clip((np.arange(half, dtype=np.float32) - low) / (high - low), 0.0, 1.0)
@@ -99,21 +106,23 @@ def rope_frequencies(head_dim: int, scaling: RopeScaling = RopeScaling()) -> tup
   s, base = float(scaling.factor), float(scaling.base)
   if scaling.kind == "ntk":
     base = base * s ** (head_dim / (head_dim - 2))
-  theta = base ** (-np.arange(half, dtype=np.float32) / half)   # float32 as before scaling existed: same bits
+  theta = base ** (-np.arange(half, dtype=np.float32) / half)  # float32 as before scaling existed: same bits
   mscale = 1.0
   if scaling.kind == "linear":
     theta = theta / s
   elif scaling.kind == "yarn":
     ramp = _yarn_ramp(half, base, scaling.original_length)
-    theta = (theta / s) * ramp + theta * (1 - ramp)   # slow frequencies interpolate, fast keep
+    theta = (theta / s) * ramp + theta * (1 - ramp)  # slow frequencies interpolate, fast keep
     mscale = 0.1 * math.log(s) + 1.0 if s > 1 else 1.0
   elif scaling.kind == "llama3":
     wavelength = 2 * np.pi / theta
     length = scaling.original_length
     smooth = (length / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-    theta = np.where(wavelength > length / scaling.low_freq_factor, theta / s,
-                     np.where(wavelength < length / scaling.high_freq_factor, theta,
-                              (1 - smooth) * theta / s + smooth * theta))
+    theta = np.where(
+      wavelength > length / scaling.low_freq_factor,
+      theta / s,
+      np.where(wavelength < length / scaling.high_freq_factor, theta, (1 - smooth) * theta / s + smooth * theta),
+    )
   return theta.astype(np.float32), mscale
 
 
@@ -150,13 +159,13 @@ def apply_rope(x: jax.Array, positions: jax.Array, scaling: RopeScaling = RopeSc
     raise ValueError(f"rope needs an even head_dim, got {head_dim}")
   if scaling.kind == "dynamic":
     exponents = jnp.arange(head_dim // 2, dtype=jnp.float32) / (head_dim // 2)
-    base = dynamic_base(scaling, head_dim, positions)[:, None, None, None]            # [B, 1, 1, 1]
-    inv_freq, mscale = base ** -exponents, 1.0                                          # [B, 1, 1, H/2]
+    base = dynamic_base(scaling, head_dim, positions)[:, None, None, None]  # [B, 1, 1, 1]
+    inv_freq, mscale = base**-exponents, 1.0  # [B, 1, 1, H/2]
   else:
-    inv_freq, mscale = rope_frequencies(head_dim, scaling)                              # [H/2]
-  angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq                # [B, T, 1, H/2]
+    inv_freq, mscale = rope_frequencies(head_dim, scaling)  # [H/2]
+  angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B, T, 1, H/2]
   cos, sin = jnp.cos(angles) * mscale, jnp.sin(angles) * mscale
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)                               # [B, T, N, H/2] each
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # [B, T, N, H/2] each
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
@@ -167,11 +176,13 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
   that ratio (8 heads: 1/2, 1/4, ..., 1/256). Otherwise the slopes of the next lower
   power of two p, followed by every other slope of 2p, as the paper's code does.
   """
+
   def power_of_two(n):
     start = 2.0 ** (-8.0 / n)
     return [start ** (i + 1) for i in range(n)]
+
   p = 2 ** int(math.floor(math.log2(num_heads)))
-  slopes = power_of_two(p) + power_of_two(2 * p)[0::2][:num_heads - p]
+  slopes = power_of_two(p) + power_of_two(2 * p)[0::2][: num_heads - p]
   return np.asarray(slopes, np.float32)
 
 
@@ -215,6 +226,7 @@ def t5_buckets(relative: jax.Array, bidirectional: bool, num_buckets: int, max_d
 @dataclasses.dataclass(frozen=True)
 class T5Bias:
   """T5 bias settings: `num_buckets`, `max_distance` (tokens) and `bidirectional` (encoder) or causal."""
+
   num_buckets: int = 32
   max_distance: int = 128
   bidirectional: bool = True
@@ -222,7 +234,7 @@ class T5Bias:
   def __call__(self, table: jax.Array, q_positions: jax.Array, kv_positions: jax.Array) -> jax.Array:
     """Score bias float32 `[batch, heads, T, S]` from the learned `table` `[num_buckets, heads]`
     for int positions `[batch, T]` / `[batch, S]` (batch may be 1)."""
-    relative = kv_positions[:, None, :] - q_positions[:, :, None]                     # [B, T, S]
+    relative = kv_positions[:, None, :] - q_positions[:, :, None]  # [B, T, S]
     buckets = t5_buckets(relative, self.bidirectional, self.num_buckets, self.max_distance)
     return jnp.moveaxis(jnp.take(table.astype(jnp.float32), buckets, axis=0), -1, 1)  # [B, N, T, S]
 
@@ -230,5 +242,6 @@ class T5Bias:
 def t5_table(module: nn.Module, name: str, num_buckets: int, num_heads: int) -> jax.Array:
   """A stack's learned T5 bias table `[num_buckets, num_heads]` (float32, heads on the tensor
   axis), a param `name` of `module`; every layer of the stack reads the same table."""
-  return module.param(name, sh.param_with_axes(nn.initializers.normal(0.02), (None, sh.HEADS)),
-                      (num_buckets, num_heads))
+  return module.param(
+    name, sh.param_with_axes(nn.initializers.normal(0.02), (None, sh.HEADS)), (num_buckets, num_heads)
+  )

@@ -20,9 +20,9 @@ from __future__ import annotations
 from typing import Any
 
 # checkpoint_name tags (jaxformer/layers/attention.py).
-QUERY = "query_proj"          # q `[batch, q_len, num_heads, head_dim]`
-KEY = "key_proj"              # k `[batch, kv_len, num_heads, head_dim]`
-VALUE = "value_proj"          # v `[batch, kv_len, num_heads, head_dim]`
+QUERY = "query_proj"  # q `[batch, q_len, num_heads, head_dim]`
+KEY = "key_proj"  # k `[batch, kv_len, num_heads, head_dim]`
+VALUE = "value_proj"  # v `[batch, kv_len, num_heads, head_dim]`
 ATTENTION_OUT = "attention_out"  # softmax(q k^T / sqrt(head_dim)) v, `[batch, q_len, num_heads, head_dim]`
 
 POLICY_NAMES = ("none", "full", "save_dots", "minimal")
@@ -32,9 +32,13 @@ def _policy(name: str) -> Any:
   """The `jax.checkpoint` policy of a name (JAX is imported here, not with the module, so a
   config naming a policy is checked without it)."""
   import jax  # noqa: PLC0415
+
   policies = jax.checkpoint_policies
-  return {"full": policies.nothing_saveable, "save_dots": policies.dots_saveable,
-          "minimal": policies.save_only_these_names(QUERY, KEY, VALUE, ATTENTION_OUT)}[name]
+  return {
+    "full": policies.nothing_saveable,
+    "save_dots": policies.dots_saveable,
+    "minimal": policies.save_only_these_names(QUERY, KEY, VALUE, ATTENTION_OUT),
+  }[name]
 
 
 def remat_block(block: Any, policy: str, static_argnums: tuple[int, ...], prevent_cse: bool = True) -> Any:
@@ -56,4 +60,5 @@ def remat_block(block: Any, policy: str, static_argnums: tuple[int, ...], preven
   if policy == "none":
     return block
   import flax.linen as nn  # noqa: PLC0415
+
   return nn.remat(block, policy=_policy(policy), static_argnums=static_argnums, prevent_cse=prevent_cse)

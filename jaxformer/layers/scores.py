@@ -13,8 +13,9 @@ import jax.numpy as jnp
 NEG = -1e9  # fits float32/bfloat16; scores are float32 when masked
 
 
-def position_mask(q_positions: jax.Array, kv_positions: jax.Array, causal: bool, sliding_window: int,
-                  global_tokens: int = 0) -> jax.Array | None:
+def position_mask(
+  q_positions: jax.Array, kv_positions: jax.Array, causal: bool, sliding_window: int, global_tokens: int = 0
+) -> jax.Array | None:
   """Causal / sliding-window mask on positions, bool `[batch, T, S]`, or None if unmasked.
 
   Args:
@@ -29,7 +30,7 @@ def position_mask(q_positions: jax.Array, kv_positions: jax.Array, causal: bool,
   if not (causal or sliding_window):
     return None
   mask = None
-  offset = q_positions[:, :, None] - kv_positions[:, None, :]                       # [B, T, S]
+  offset = q_positions[:, :, None] - kv_positions[:, None, :]  # [B, T, S]
   if sliding_window:
     mask = jnp.abs(offset) < sliding_window
     if global_tokens:
@@ -39,10 +40,17 @@ def position_mask(q_positions: jax.Array, kv_positions: jax.Array, causal: bool,
   return mask
 
 
-def attention_mask(q_positions: jax.Array, kv_positions: jax.Array, q_valid: jax.Array | None,
-                   kv_valid: jax.Array | None, causal: bool, sliding_window: int,
-                   q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
-                   global_tokens: int = 0) -> jax.Array | None:
+def attention_mask(
+  q_positions: jax.Array,
+  kv_positions: jax.Array,
+  q_valid: jax.Array | None,
+  kv_valid: jax.Array | None,
+  causal: bool,
+  sliding_window: int,
+  q_segment_ids: jax.Array | None = None,
+  kv_segment_ids: jax.Array | None = None,
+  global_tokens: int = 0,
+) -> jax.Array | None:
   """Padding, segment, causal, sliding-window and global-token mask, bool `[batch, 1, T, S]`,
   or None if unmasked.
 
@@ -61,6 +69,7 @@ def attention_mask(q_positions: jax.Array, kv_positions: jax.Array, q_valid: jax
 
   def conj(a, b):
     return b if a is None else a & b
+
   if q_valid is not None:
     mask = q_valid[:, None, :, None]
   if kv_valid is not None:
@@ -75,8 +84,9 @@ def attention_mask(q_positions: jax.Array, kv_positions: jax.Array, q_valid: jax
   return mask
 
 
-def attention_scores(q: jax.Array, k: jax.Array, bias: jax.Array | None, mask: jax.Array | None,
-                     softcap: float = 0.0) -> jax.Array:
+def attention_scores(
+  q: jax.Array, k: jax.Array, bias: jax.Array | None, mask: jax.Array | None, softcap: float = 0.0
+) -> jax.Array:
   """float32 scores `[batch, num_heads, T, S]` = mask(softcap(q k^T / sqrt(head_dim)) + bias).
 
   Args:

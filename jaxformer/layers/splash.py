@@ -32,12 +32,13 @@ from jax.sharding import PartitionSpec
 
 from jaxformer import sharding as sh
 
-LANES = 128   # the kernels' key blocks are multiples of a TPU vector register's 128 lanes
+LANES = 128  # the kernels' key blocks are multiples of a TPU vector register's 128 lanes
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel(q_len: int, kv_len: int, group: int, causal: bool, window: int, softcap: float, block: int,
-            interpret: bool) -> kernels.SplashAttentionKernel:
+def _kernel(
+  q_len: int, kv_len: int, group: int, causal: bool, window: int, softcap: float, block: int, interpret: bool
+) -> kernels.SplashAttentionKernel:
   """The multi-query kernel for `group` query heads over one key/value head (its masks are
   preprocessed in numpy, so it is built once per shape)."""
   if causal and window:
@@ -45,10 +46,19 @@ def _kernel(q_len: int, kv_len: int, group: int, causal: bool, window: int, soft
   else:
     mask = masks.CausalMask((q_len, kv_len)) if causal else masks.FullMask((q_len, kv_len))
   bq, bkv = min(block, q_len), min(block, kv_len)
-  sizes = kernels.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
-                             block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
-  return kernels.make_splash_mqa_single_device(masks.MultiHeadMask([mask] * group), block_sizes=sizes,
-                                               attn_logits_soft_cap=softcap or None, interpret=interpret)
+  sizes = kernels.BlockSizes(
+    block_q=bq,
+    block_kv=bkv,
+    block_kv_compute=bkv,
+    block_q_dkv=bq,
+    block_kv_dkv=bkv,
+    block_kv_dkv_compute=bkv,
+    block_q_dq=bq,
+    block_kv_dq=bkv,
+  )
+  return kernels.make_splash_mqa_single_device(
+    masks.MultiHeadMask([mask] * group), block_sizes=sizes, attn_logits_soft_cap=softcap or None, interpret=interpret
+  )
 
 
 def _segments(valid: jax.Array | None, segment_ids: jax.Array | None, shape: tuple[int, int]) -> jax.Array:
@@ -63,16 +73,17 @@ def _local(q, k, v, q_ids, kv_ids, *, causal: bool, window: int, softcap: float,
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   group = n // kh
-  q = q.reshape(b, t, kh, group, h).transpose(0, 2, 3, 1, 4)   # [B, K, G, T, H]: query heads by key/value head
-  k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)      # [B, K, S, H]
+  q = q.reshape(b, t, kh, group, h).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]: query heads by key/value head
+  k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, H]
 
   def run(interpret, q, k, v, q_ids, kv_ids):
     kernel = _kernel(t, s, group, causal, window, softcap, block, interpret)
     per_head = jax.vmap(lambda q, k, v, ids: kernel(q, k, v, segment_ids=ids), in_axes=(0, 0, 0, None))
     return jax.vmap(per_head)(q, k, v, kernels.SegmentIds(q_ids, kv_ids))
 
-  out = jax.lax.platform_dependent(q, k, v, q_ids, kv_ids, tpu=functools.partial(run, False),
-                                   default=functools.partial(run, True))
+  out = jax.lax.platform_dependent(
+    q, k, v, q_ids, kv_ids, tpu=functools.partial(run, False), default=functools.partial(run, True)
+  )
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
@@ -91,10 +102,21 @@ def _dividing(axes: tuple[str, ...], size: int) -> tuple[str, ...]:
   return axes if axes and size % int(np.prod([mesh.shape[a] for a in axes])) == 0 else ()
 
 
-def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_valid: jax.Array | None,
-                     kv_valid: jax.Array | None, q_segment_ids: jax.Array | None = None,
-                     kv_segment_ids: jax.Array | None = None, *, causal: bool, sliding_window: int = 0,
-                     softcap: float = 0.0, block_size: int = 128, gather_axes: tuple[str, ...] = ()) -> jax.Array:
+def splash_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  q_valid: jax.Array | None,
+  kv_valid: jax.Array | None,
+  q_segment_ids: jax.Array | None = None,
+  kv_segment_ids: jax.Array | None = None,
+  *,
+  causal: bool,
+  sliding_window: int = 0,
+  softcap: float = 0.0,
+  block_size: int = 128,
+  gather_axes: tuple[str, ...] = (),
+) -> jax.Array:
   """softmax(q k^T / sqrt(head_dim)) v by the splash-attention kernels (module docstring), equal to
   `attention.dot_product_attention` under `scores.attention_mask` on every real query.
 
@@ -118,16 +140,22 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_valid: jax.Arra
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   if gather_axes:
-    raise ValueError("model.attention=splash attends over whole sequences; set mesh.context=1 or use "
-                     "model.attention=dense, blockwise or fused with context parallelism")
+    raise ValueError(
+      "model.attention=splash attends over whole sequences; set mesh.context=1 or use "
+      "model.attention=dense, blockwise or fused with context parallelism"
+    )
   if block_size % LANES:
-    raise ValueError(f"model.attention=splash needs model.attention_block_size to be a multiple of {LANES}, got "
-                     f"{block_size}")
-  local = functools.partial(_local, causal=causal, window=sliding_window if causal else 0, softcap=softcap,
-                            block=block_size)
+    raise ValueError(
+      f"model.attention=splash needs model.attention_block_size to be a multiple of {LANES}, got {block_size}"
+    )
+  local = functools.partial(
+    _local, causal=causal, window=sliding_window if causal else 0, softcap=softcap, block=block_size
+  )
   q_ids, kv_ids = _segments(q_valid, q_segment_ids, (b, t)), _segments(kv_valid, kv_segment_ids, (b, s))
-  (q, q_ids), (k, v, kv_ids) = _padded(block_size, q * jnp.asarray(h ** -0.5, q.dtype), q_ids), _padded(
-      block_size, k, v, kv_ids)
+  (q, q_ids), (k, v, kv_ids) = (
+    _padded(block_size, q * jnp.asarray(h**-0.5, q.dtype), q_ids),
+    _padded(block_size, k, v, kv_ids),
+  )
   rows, heads = _dividing(sh.split_axes(sh.ACT_BATCH), b), _dividing(sh.split_axes(sh.ACT_HEADS), kh)
   if jax.sharding.get_abstract_mesh().empty:
     return local(q, k, v, q_ids, kv_ids)[:, :t]
@@ -135,6 +163,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_valid: jax.Arra
   ids = PartitionSpec(rows or None, None)
   # Manual over every mesh axis (XLA cannot partition a Mosaic kernel over any axis left automatic), without
   # the varying-axes check (a Pallas call's outputs declare none; JAX 0.10 refuses them under it).
-  out = jax.shard_map(local, in_specs=(tokens, tokens, tokens, ids, ids), out_specs=tokens,
-                      check_vma=False)(q, k, v, q_ids, kv_ids)
+  out = jax.shard_map(local, in_specs=(tokens, tokens, tokens, ids, ids), out_specs=tokens, check_vma=False)(
+    q, k, v, q_ids, kv_ids
+  )
   return out[:, :t]

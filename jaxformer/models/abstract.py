@@ -32,6 +32,7 @@ def init_params(model: nn.Module, rng: jax.Array, known: Any = None) -> Any:
 
 def abstract_params(model: nn.Module) -> tuple[Any, Any]:
   """(params as ShapeDtypeStructs, their logical PartitionSpecs), without allocating them."""
+
   def init(rng):
     boxed = _boxed_params(model, rng)
     return _held(model, nn.meta.unbox(boxed)), boxed

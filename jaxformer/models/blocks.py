@@ -48,11 +48,13 @@ BLOCK_AXES = (sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_EMBED)
 
 class Residual(nn.Module):
   """One residual sublayer with its norm and dropout; `fn` maps normalized x to the update."""
+
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x: jax.Array, fn: Callable[[jax.Array], jax.Array], deterministic: bool,
-               rng: jax.Array | None = None) -> jax.Array:
+  def __call__(
+    self, x: jax.Array, fn: Callable[[jax.Array], jax.Array], deterministic: bool, rng: jax.Array | None = None
+  ) -> jax.Array:
     """`x + dropout(fn(norm(x)))` (pre-norm) or `norm(x + dropout(fn(x)))` (post-norm, the paper's);
     `[batch, length, d_model]` -> same."""
     dtype = jnp.dtype(self.config.dtype)
@@ -71,21 +73,38 @@ def _site(rng: jax.Array | None, site: int) -> jax.Array | None:
 def _attention(config: ModelConfig, name: str, is_cross: bool = False, causal: bool = False):
   implementation = config.attention
   if implementation == "linformer" and (causal or is_cross):
-    implementation = "dense"   # Linformer is non-causal self-attention; the decoder stays dense
-  rope = RopeScaling(config.rope_scaling, config.rope_scaling_factor,
-                     config.rope_trained_length or round(config.max_length / config.rope_scaling_factor),
-                     config.rope_theta, config.rope_low_freq_factor, config.rope_high_freq_factor)
-  return MultiHeadAttention(num_heads=config.num_heads, head_dim=config.head_dim,
-                            dropout_rate=config.attention_dropout_rate, dtype=jnp.dtype(config.dtype),
-                            is_cross=is_cross, num_kv_heads=config.kv_heads,
-                            causal=causal, sliding_window=config.sliding_window if causal else 0,
-                            position=config.position, softcap=config.attn_logit_softcap,
-                            implementation=implementation, block_size=config.attention_block_size,
-                            global_tokens=config.global_tokens, rope_scaling=rope,
-                            relative_buckets=config.relative_buckets,
-                            relative_max_distance=config.relative_max_distance,
-                            linformer_k=config.linformer_k, max_length=config.max_length,
-                            bias=config.attention_bias, lora=lora_spec(config), name=name)
+    implementation = "dense"  # Linformer is non-causal self-attention; the decoder stays dense
+  rope = RopeScaling(
+    config.rope_scaling,
+    config.rope_scaling_factor,
+    config.rope_trained_length or round(config.max_length / config.rope_scaling_factor),
+    config.rope_theta,
+    config.rope_low_freq_factor,
+    config.rope_high_freq_factor,
+  )
+  return MultiHeadAttention(
+    num_heads=config.num_heads,
+    head_dim=config.head_dim,
+    dropout_rate=config.attention_dropout_rate,
+    dtype=jnp.dtype(config.dtype),
+    is_cross=is_cross,
+    num_kv_heads=config.kv_heads,
+    causal=causal,
+    sliding_window=config.sliding_window if causal else 0,
+    position=config.position,
+    softcap=config.attn_logit_softcap,
+    implementation=implementation,
+    block_size=config.attention_block_size,
+    global_tokens=config.global_tokens,
+    rope_scaling=rope,
+    relative_buckets=config.relative_buckets,
+    relative_max_distance=config.relative_max_distance,
+    linformer_k=config.linformer_k,
+    max_length=config.max_length,
+    bias=config.attention_bias,
+    lora=lora_spec(config),
+    name=name,
+  )
 
 
 def _ffn(config: ModelConfig, valid: jax.Array | None) -> Callable[[jax.Array], jax.Array]:
@@ -93,10 +112,18 @@ def _ffn(config: ModelConfig, valid: jax.Array | None) -> Callable[[jax.Array], 
   real tokens (`valid`)."""
   dtype = jnp.dtype(config.dtype)
   if not config.num_experts:
-    return FeedForward(config.d_ff, dtype=dtype, activation=config.ffn, use_bias=config.mlp_bias,
-                       lora=lora_spec(config), name="ffn")
-  moe = MixtureOfExperts(config.num_experts, config.experts_per_token, config.d_ff, config.expert_capacity_factor,
-                         dtype, config.ffn, name="ffn")
+    return FeedForward(
+      config.d_ff, dtype=dtype, activation=config.ffn, use_bias=config.mlp_bias, lora=lora_spec(config), name="ffn"
+    )
+  moe = MixtureOfExperts(
+    config.num_experts,
+    config.experts_per_token,
+    config.d_ff,
+    config.expert_capacity_factor,
+    dtype,
+    config.ffn,
+    name="ffn",
+  )
   return lambda h: moe(h, valid)
 
 
@@ -113,24 +140,45 @@ class EncoderBlock(nn.Module):
   With `causal=True` this is also the decoder-only (GPT) block: causal self-attention with
   the sliding window, and `decode=True` uses its KV cache as `cache_state` describes.
   """
+
   config: ModelConfig
   causal: bool = False
   STATIC_ARGNUMS = (3, 4)  # `deterministic`, `decode` (self is 0), for nn.remat
   ROW_ARGNUMS = (2, 5, 6)  # `valid`, `segment_ids`, `positions`: per batch row (a pipeline carries them)
 
   @nn.compact
-  def __call__(self, x: jax.Array, valid: jax.Array | None, deterministic: bool, decode: bool = False,
-               segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-               cache_state: CacheState | None = None, bias_table: jax.Array | None = None,
-               rng: jax.Array | None = None) -> jax.Array:
+  def __call__(
+    self,
+    x: jax.Array,
+    valid: jax.Array | None,
+    deterministic: bool,
+    decode: bool = False,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    cache_state: CacheState | None = None,
+    bias_table: jax.Array | None = None,
+    rng: jax.Array | None = None,
+  ) -> jax.Array:
     """One block over `x` `[batch, length, d_model]`; see the class docstring for the arguments."""
     attn = _attention(self.config, "self_attention", causal=self.causal)
     ffn = _ffn(self.config, valid)
     x = Residual(self.config, name="attention_sublayer")(
-        x, lambda h: attn(h, None, valid, deterministic=deterministic, decode=decode, q_segment_ids=segment_ids,
-                          positions=positions, dropout_rng=_site(rng, 0), cache_state=cache_state,
-                          bias_table=bias_table),
-        deterministic, _site(rng, 1))
+      x,
+      lambda h: attn(
+        h,
+        None,
+        valid,
+        deterministic=deterministic,
+        decode=decode,
+        q_segment_ids=segment_ids,
+        positions=positions,
+        dropout_rng=_site(rng, 0),
+        cache_state=cache_state,
+        bias_table=bias_table,
+      ),
+      deterministic,
+      _site(rng, 1),
+    )
     x = Residual(self.config, name="ffn_sublayer")(x, ffn, deterministic, _site(rng, 2))
     return _block_output(self.config, x)
 
@@ -146,27 +194,65 @@ class DecoderBlock(nn.Module):
   per-segment `positions` int `[batch, tgt_len]`; None = unpacked. `cache_state`: the KV
   cache's rows when `decode` (`layers.kv_cache.CacheState`). `rng`: the layer's dropout key or None.
   """
+
   config: ModelConfig
   STATIC_ARGNUMS = (5, 6)  # `deterministic`, `decode` (self is 0), for nn.remat
   ROW_ARGNUMS = (2, 3, 4, 7, 8, 9)  # `encoded`, the masks, segment ids, `positions`: per batch row
 
   @nn.compact
-  def __call__(self, y, encoded, tgt_valid, src_valid, deterministic: bool, decode: bool = False,
-               tgt_segment_ids=None, src_segment_ids=None, positions=None, cache_state=None, bias_table=None, rng=None):
+  def __call__(
+    self,
+    y,
+    encoded,
+    tgt_valid,
+    src_valid,
+    deterministic: bool,
+    decode: bool = False,
+    tgt_segment_ids=None,
+    src_segment_ids=None,
+    positions=None,
+    cache_state=None,
+    bias_table=None,
+    rng=None,
+  ):
     """One block over `y` `[batch, tgt_len, d_model]`; see the class docstring for the arguments."""
     cfg = self.config
     self_attn = _attention(cfg, "self_attention", causal=True)
     cross_attn = _attention(cfg, "cross_attention", is_cross=True)
     ffn = _ffn(cfg, tgt_valid)
     y = Residual(cfg, name="self_attention_sublayer")(
-        y, lambda h: self_attn(h, None, tgt_valid, deterministic=deterministic, decode=decode,
-                               q_segment_ids=tgt_segment_ids, positions=positions, dropout_rng=_site(rng, 0),
-                               cache_state=cache_state, bias_table=bias_table),
-        deterministic, _site(rng, 1))
+      y,
+      lambda h: self_attn(
+        h,
+        None,
+        tgt_valid,
+        deterministic=deterministic,
+        decode=decode,
+        q_segment_ids=tgt_segment_ids,
+        positions=positions,
+        dropout_rng=_site(rng, 0),
+        cache_state=cache_state,
+        bias_table=bias_table,
+      ),
+      deterministic,
+      _site(rng, 1),
+    )
     y = Residual(cfg, name="cross_attention_sublayer")(
-        y, lambda h: cross_attn(h, encoded, tgt_valid, src_valid, deterministic=deterministic, decode=decode,
-                                q_segment_ids=tgt_segment_ids, kv_segment_ids=src_segment_ids,
-                                dropout_rng=_site(rng, 2), cache_state=cache_state),
-        deterministic, _site(rng, 3))
+      y,
+      lambda h: cross_attn(
+        h,
+        encoded,
+        tgt_valid,
+        src_valid,
+        deterministic=deterministic,
+        decode=decode,
+        q_segment_ids=tgt_segment_ids,
+        kv_segment_ids=src_segment_ids,
+        dropout_rng=_site(rng, 2),
+        cache_state=cache_state,
+      ),
+      deterministic,
+      _site(rng, 3),
+    )
     y = Residual(cfg, name="ffn_sublayer")(y, ffn, deterministic, _site(rng, 4))
     return _block_output(cfg, y)

@@ -54,8 +54,9 @@ class SelfAttentionStack(StackedInit, nn.Module):
   summed embeddings (param `embedding_norm`) before dropout, and `model.mlm_head` (encoder-only)
   transforms the final states before the logits (`layers.mlm_head`, params `mlm_head`).
   """
+
   config: ModelConfig
-  pipeline: Any = None   # a `models.pipeline.Pipeline` (training and evaluation steps on a stage mesh), or None
+  pipeline: Any = None  # a `models.pipeline.Pipeline` (training and evaluation steps on a stage mesh), or None
   CAUSAL: ClassVar[bool] = False
   STACKS: ClassVar[tuple]
 
@@ -69,8 +70,11 @@ class SelfAttentionStack(StackedInit, nn.Module):
     if cfg.position == "learned":
       self.positions = LearnedPositions(cfg.max_length, cfg.d_model, dtype, offset=cfg.position_offset)
     if cfg.type_vocab_size:
-      self.token_types = self.param("token_types", sh.param_with_axes(nn.initializers.normal(0.02), (None, sh.EMBED)),
-                                    (cfg.type_vocab_size, cfg.d_model))
+      self.token_types = self.param(
+        "token_types",
+        sh.param_with_axes(nn.initializers.normal(0.02), (None, sh.EMBED)),
+        (cfg.type_vocab_size, cfg.d_model),
+      )
     if cfg.embedding_norm:
       self.embedding_norm = make_norm(cfg.norm, dtype, epsilon=cfg.norm_epsilon)
     ((name, depth),) = self.STACKS
@@ -83,8 +87,9 @@ class SelfAttentionStack(StackedInit, nn.Module):
       self.mlm_head = MaskedLMHead(cfg)
     self.dropout = Dropout(cfg.dropout_rate)
 
-  def _logits(self, tokens, valid, positions, segment_ids, deterministic: bool,
-              cache_state: CacheState | None = None) -> jax.Array:
+  def _logits(
+    self, tokens, valid, positions, segment_ids, deterministic: bool, cache_state: CacheState | None = None
+  ) -> jax.Array:
     """Logits for int `[batch, length]` tokens; `positions`, `segment_ids` and `cache_state`
     as in `DecoderOnly.__call__`."""
     decode = cache_state is not None
@@ -96,14 +101,23 @@ class SelfAttentionStack(StackedInit, nn.Module):
       positions, attn_positions = resolve_positions(tokens, positions, segment_ids)
     cfg = self.config
     x = embed_tokens(cfg, self.embed, tokens, positions, getattr(self, "positions", None))
-    if cfg.type_vocab_size:   # every token is type 0
+    if cfg.type_vocab_size:  # every token is type 0
       x = x + self.token_types[0].astype(x.dtype)
     if cfg.embedding_norm:
       x = self.embedding_norm(x)
     x = sh.constrain(self.dropout(x, deterministic=deterministic), BLOCK_AXES)
-    x = run_stack(self.stack, x, valid, deterministic, decode, segment_ids, attn_positions, cache_state,
-                  self.bias_table,
-                  rngs=layer_rngs(self, self.num_layers, deterministic))
+    x = run_stack(
+      self.stack,
+      x,
+      valid,
+      deterministic,
+      decode,
+      segment_ids,
+      attn_positions,
+      cache_state,
+      self.bias_table,
+      rngs=layer_rngs(self, self.num_layers, deterministic),
+    )
     if cfg.pre_norm:
       x = self.final_norm(x)
     output = functools.partial(output_logits, cfg, self.embed, getattr(self, "output_proj", None), decode=decode)
@@ -113,13 +127,21 @@ class SelfAttentionStack(StackedInit, nn.Module):
 class DecoderOnly(SelfAttentionStack):
   """Causal LM over int `[batch, length]` token ids -> float32 logits `[batch, length, vocab_size]`
   (logits at position t predict token t + 1). Layers: `model.num_decoder_layers`."""
+
   CAUSAL: ClassVar[bool] = True
   STACKS: ClassVar = (("layer", "num_decoder_layers"),)
-  ENCODES_SOURCE: ClassVar[bool] = False   # `prefill` caches the prompt itself
+  ENCODES_SOURCE: ClassVar[bool] = False  # `prefill` caches the prompt itself
 
-  def __call__(self, inputs: jax.Array, targets: jax.Array | None = None, *,
-               positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-               deterministic: bool = True, cache_state: CacheState | None = None) -> jax.Array:
+  def __call__(
+    self,
+    inputs: jax.Array,
+    targets: jax.Array | None = None,
+    *,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    deterministic: bool = True,
+    cache_state: CacheState | None = None,
+  ) -> jax.Array:
     """Next-token logits.
 
     Args:
@@ -150,11 +172,10 @@ class DecoderOnly(SelfAttentionStack):
     prompt and the state with the prompts cached."""
     logits = self(prompt, cache_state=cache_state)
     pad = self.config.pad_id
-    last = jnp.sum(prompt != pad, axis=1) - 1                          # [B]
+    last = jnp.sum(prompt != pad, axis=1) - 1  # [B]
     return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0], advance(cache_state, prompt, pad)
 
   def extend(self, tokens: jax.Array, cache_state: CacheState) -> tuple[jax.Array, CacheState]:
     """Feeds int `[batch, T]` tokens after each row's cached ones (PAD: not fed). Returns
     float32 logits `[batch, T, vocab_size]` and the advanced state."""
     return self(tokens, cache_state=cache_state), advance(cache_state, tokens, self.config.pad_id)
-

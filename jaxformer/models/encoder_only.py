@@ -19,11 +19,18 @@ class EncoderOnly(SelfAttentionStack):
   """Masked LM over int `[batch, length]` ids -> float32 logits `[batch, length, vocab_size]`.
   Layers: `model.num_encoder_layers`. Padding (`model.pad_id`) positions are masked as keys, so appending
   padding does not change the logits of real positions."""
+
   STACKS: ClassVar = (("layer", "num_encoder_layers"),)
 
-  def __call__(self, inputs: jax.Array, targets: jax.Array | None = None, *,
-               positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-               deterministic: bool = True) -> jax.Array:
+  def __call__(
+    self,
+    inputs: jax.Array,
+    targets: jax.Array | None = None,
+    *,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    deterministic: bool = True,
+  ) -> jax.Array:
     """Logits for every position of `inputs` (ids with [MASK] substitutions already made).
 
     Args:

@@ -87,8 +87,10 @@ def _unstack_dict(tree: Mapping[str, Any], stacks: dict[str, int]) -> dict[str, 
 def _map_layer_dicts(tree: Any, stacks: dict[str, int], keys: Callable[[str], str], fn) -> Any:
   """Applies `fn` to every dict of `tree` holding a key `keys(stack name)`: the params, and
   each params-shaped part of an optimizer state, gradients or a cache collection."""
+
   def holds_stack(x):
     return isinstance(x, Mapping) and any(keys(name) in x for name in stacks)
+
   return jax.tree.map(lambda x: fn(x, stacks) if holds_stack(x) else x, tree, is_leaf=holds_stack)
 
 
@@ -130,16 +132,16 @@ def saved_layout_is_scanned(step_dir: str | Path, stacks: dict[str, int]) -> boo
   """Whether the checkpoint in `step_dir` (`<workdir>/checkpoints/<step>`) holds scanned
   params; None when its metadata cannot be read (a damaged step: restoring reports it)."""
   import orbax.checkpoint as ocp  # noqa: PLC0415  (only restoring needs Orbax here)
+
   try:
     with ocp.StandardCheckpointer() as reader:
       tree = reader.metadata(Path(step_dir) / "default").item_metadata.tree
-  except Exception:   # whatever Orbax raises on damaged metadata; the restore itself names the damage
+  except Exception:  # whatever Orbax raises on damaged metadata; the restore itself names the damage
     return None
   return is_scanned(tree.get("params", {}), stacks)
 
 
-def _in_saved_layout(checkpointer, step: int | None, target: Any, model: nn.Module,
-                     read: Callable[[Any], Any]) -> Any:
+def _in_saved_layout(checkpointer, step: int | None, target: Any, model: nn.Module, read: Callable[[Any], Any]) -> Any:
   """`read(target)`, or, when the checkpoint of `step` (default: the newest) has the other
   layout, `read` of the converted target, converted back onto `target`'s shardings."""
   steps = checkpointer.all_steps()
@@ -173,5 +175,6 @@ def restore_params(checkpointer, target_params: Any, model: nn.Module, step: int
     restored_step, params = checkpointer.restore_params(target, step)
     found.append(restored_step)
     return params
+
   params = _in_saved_layout(checkpointer, step, target_params, model, read)
   return found[0], params

@@ -55,6 +55,7 @@ _BUFFER_AXES = (sh.STAGES, sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_EMBED)
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
   """S = `stages` pipeline stages fed M = `microbatches` microbatches (GPipe schedule)."""
+
   stages: int
   microbatches: int
 
@@ -68,8 +69,9 @@ class Pipeline:
     """The idle share of the schedule's stage-iterations, (S - 1) / (M + S - 1)."""
     return float(np.mean(self.schedule() < 0))
 
-  def stack(self, block: type[nn.Module], config: ModelConfig, num_layers: int, name: str,
-            **block_fields) -> PipelinedStack:
+  def stack(
+    self, block: type[nn.Module], config: ModelConfig, num_layers: int, name: str, **block_fields
+  ) -> PipelinedStack:
     """The pipelined stack `name` of `num_layers` blocks (`layer_stack` with a pipeline)."""
     return PipelinedStack(block, config, num_layers, self, tuple(block_fields.items()), name=name)
 
@@ -77,7 +79,7 @@ class Pipeline:
 def _split(x: jax.Array, m: int) -> jax.Array:
   """`[rows, ...]` -> `[m, rows / m, ...]`, microbatch j holding rows j, j + m, ..."""
   x = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
-  return sh.constrain(x, (None, *_BUFFER_AXES[1:x.ndim]))
+  return sh.constrain(x, (None, *_BUFFER_AXES[1 : x.ndim]))
 
 
 def _merge(x: jax.Array) -> jax.Array:
@@ -86,7 +88,7 @@ def _merge(x: jax.Array) -> jax.Array:
 
 
 def _on_stages(x: jax.Array) -> jax.Array:
-  return sh.constrain(x, _BUFFER_AXES[:x.ndim])
+  return sh.constrain(x, _BUFFER_AXES[: x.ndim])
 
 
 class PipelinedStack(nn.Module):
@@ -99,6 +101,7 @@ class PipelinedStack(nn.Module):
   Raises:
     ConfigError: the batch rows do not split into the microbatches.
   """
+
   block: Any
   config: ModelConfig
   num_layers: int
@@ -112,9 +115,11 @@ class PipelinedStack(nn.Module):
     stages, micro = self.pipeline.stages, self.pipeline.microbatches
     per_stage = self.num_layers // stages
     if x.shape[0] % micro:
-      raise ConfigError(f"a batch of {x.shape[0]} rows does not split into train.microbatches={micro}; "
-                        f"use a batch size that is a multiple of {micro}")
-    row_at = tuple(i - 2 for i in self.block.ROW_ARGNUMS)   # positions in `args` (after self and x)
+      raise ConfigError(
+        f"a batch of {x.shape[0]} rows does not split into train.microbatches={micro}; "
+        f"use a batch size that is a multiple of {micro}"
+      )
+    row_at = tuple(i - 2 for i in self.block.ROW_ARGNUMS)  # positions in `args` (after self and x)
     inputs = _split(x, micro)
     rows = jax.tree.map(lambda a: _split(a, micro), tuple(args[i] for i in row_at))
     module = layer_stack(self.block, self.config, per_stage, "stage", parent=None, **dict(self.block_fields))
@@ -129,13 +134,16 @@ class PipelinedStack(nn.Module):
       return y, state.get(AUX, {})
 
     def iteration(buffer, schedule_row):
-      feed, working, active = schedule_row   # the microbatch entering stage 0; each stage's microbatch
+      feed, working, active = schedule_row  # the microbatch entering stage 0; each stage's microbatch
       buffer = _on_stages(jnp.roll(buffer, 1, axis=0).at[0].set(inputs[feed]))
       # Every stage device holds all microbatches' per-row arguments (they are replicated over
       # stage), so each stage reads its own microbatch's locally instead of passing them on.
       stage_rows = jax.tree.map(lambda a: _on_stages(a[working]), rows)
-      stage_keys = None if keys is None else jax.vmap(
-          lambda k, m: jax.vmap(lambda key: jax.random.fold_in(key, m))(k))(keys, working)
+      stage_keys = (
+        None
+        if keys is None
+        else jax.vmap(lambda k, m: jax.vmap(lambda key: jax.random.fold_in(key, m))(k))(keys, working)
+      )
       y, aux = jax.vmap(run_stage, spmd_axis_name=stage_axis)(params, buffer, stage_rows, stage_keys)
       y = _on_stages(y)
       # Sums sown by the layers (`layers.moe.AUX`, `[S, L/S, ...]`): an idle slot's are dropped with its output.
@@ -149,10 +157,10 @@ class PipelinedStack(nn.Module):
     buffer = _on_stages(jnp.broadcast_to(inputs[0], (stages, *inputs.shape[1:])))
     xs = (np.clip(schedule[:, 0], 0, micro - 1), np.maximum(schedule, 0), schedule >= 0)
     _, (outputs, aux) = jax.lax.scan(iteration, buffer, xs)
-    if self.is_mutable_collection(AUX):   # summed over the microbatches, in the unpipelined stack's layout
+    if self.is_mutable_collection(AUX):  # summed over the microbatches, in the unpipelined stack's layout
       for name, sums in aux.items():
         self.put_variable(AUX, name, jax.tree.map(lambda a: a.sum(0).reshape(self.num_layers, *a.shape[3:]), sums))
-    return _merge(outputs[stages - 1:]), None
+    return _merge(outputs[stages - 1 :]), None
 
 
 def check_pipeline(config: Config, stages: int, data_parallel: int) -> None:
@@ -164,22 +172,29 @@ def check_pipeline(config: Config, stages: int, data_parallel: int) -> None:
       `train.microbatches` (times `train.grad_accum_steps`) microbatches per data-parallel device.
   """
   from jaxformer.tasks import get_task  # noqa: PLC0415  (tasks import the models)
+
   train = config.train
-  if stages == 1:   # no pipeline, whatever train.microbatches says (a pipelined run's checkpoint evaluates anywhere)
+  if stages == 1:  # no pipeline, whatever train.microbatches says (a pipelined run's checkpoint evaluates anywhere)
     return
   if not config.model.scan_layers:
-    raise ConfigError(f"mesh.stage={stages} pipelines the layer stack, which needs model.scan_layers=true "
-                      "(checkpoints of either layout restore into it)")
+    raise ConfigError(
+      f"mesh.stage={stages} pipelines the layer stack, which needs model.scan_layers=true "
+      "(checkpoints of either layout restore into it)"
+    )
   for _, field in get_task(config).make_model().STACKS:
     layers = getattr(config.model, field)
     if layers % stages:
-      raise ConfigError(f"model.{field}={layers} does not split into mesh.stage={stages} pipeline stages; "
-                        f"use a mesh.stage that divides {layers}")
+      raise ConfigError(
+        f"model.{field}={layers} does not split into mesh.stage={stages} pipeline stages; "
+        f"use a mesh.stage that divides {layers}"
+      )
   per = train.microbatches * train.grad_accum_steps * data_parallel
   if train.batch_size % per:
-    raise ConfigError(f"train.batch_size={train.batch_size} does not split into train.microbatches="
-                      f"{train.microbatches} (x train.grad_accum_steps={train.grad_accum_steps}) microbatches over "
-                      f"{data_parallel} data-parallel devices; use a train.batch_size that is a multiple of {per}")
+    raise ConfigError(
+      f"train.batch_size={train.batch_size} does not split into train.microbatches="
+      f"{train.microbatches} (x train.grad_accum_steps={train.grad_accum_steps}) microbatches over "
+      f"{data_parallel} data-parallel devices; use a train.batch_size that is a multiple of {per}"
+    )
 
 
 def pipeline_for(config: Config, mesh: Mesh) -> Pipeline | None:

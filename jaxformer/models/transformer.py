@@ -37,7 +37,7 @@ from jaxformer.layers.remat import remat_block
 from jaxformer.models.blocks import BLOCK_AXES, DecoderBlock, EncoderBlock
 from jaxformer.models.layout import StackedInit, layer_rngs
 
-PAD_ID, BOS_ID = SpecialIds().pad, SpecialIds().bos   # our tokenizers' (the defaults of functions below)
+PAD_ID, BOS_ID = SpecialIds().pad, SpecialIds().bos  # our tokenizers' (the defaults of functions below)
 
 
 def segment_starts(segment_ids: jax.Array) -> jax.Array:
@@ -47,8 +47,9 @@ def segment_starts(segment_ids: jax.Array) -> jax.Array:
   return segment_ids != previous
 
 
-def shift_right(targets: jax.Array, bos_id: int = BOS_ID, segment_ids: jax.Array | None = None,
-                pad_id: int = PAD_ID) -> jax.Array:
+def shift_right(
+  targets: jax.Array, bos_id: int = BOS_ID, segment_ids: jax.Array | None = None, pad_id: int = PAD_ID
+) -> jax.Array:
   """Decoder inputs from targets: `[BOS, y1, ..., y_{T-1}]` (int `[batch, length]`; `bos_id`: the
   decoder's start token, `model.special_ids.start`).
 
@@ -75,8 +76,9 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
   return index - start
 
 
-def resolve_positions(tokens: jax.Array, positions: jax.Array | None,
-                      segment_ids: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+def resolve_positions(
+  tokens: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None
+) -> tuple[jax.Array, jax.Array | None]:
   """Positions for the embeddings, int `[batch, length]`, and for self-attention (RoPE,
   ALiBi, causal / window masks): the given `positions`; else, for packed rows, the
   per-segment positions; else 0..length-1 and None (attention uses the token index)."""
@@ -87,8 +89,7 @@ def resolve_positions(tokens: jax.Array, positions: jax.Array | None,
   return positions, positions
 
 
-def layer_stack(block: type[nn.Module], config: ModelConfig, num_layers: int, name: str, pipeline=None,
-                **block_fields):
+def layer_stack(block: type[nn.Module], config: ModelConfig, num_layers: int, name: str, pipeline=None, **block_fields):
   """The blocks of one stack, each wrapped in the remat policy: a list of `num_layers`
   modules named `{name}_{i}`, or one `nn.scan` module named `name` (`model.scan_layers`),
   or, scanned with a `models.pipeline.Pipeline`, that pipeline's stack of the same params.
@@ -96,16 +97,21 @@ def layer_stack(block: type[nn.Module], config: ModelConfig, num_layers: int, na
   scan = config.scan_layers
   if scan and pipeline is not None:
     return pipeline.stack(block, config, num_layers, name, **block_fields)
-  num_args = len(inspect.signature(block.__call__).parameters) - 2   # after self and the carry
+  num_args = len(inspect.signature(block.__call__).parameters) - 2  # after self and the carry
   block = remat_block(block, config.remat, block.STATIC_ARGNUMS, prevent_cse=not scan)
   if not scan:
     return [block(config, name=f"{name}_{i}", **block_fields) for i in range(num_layers)]
   # Every argument after the carry (masks, encoder output, flags) is the same for all
   # layers, except the last: the layers' dropout keys. Params are initialised unrolled
   # (`StackedInit`), so no rng is split here.
-  scanned = nn.scan(block, variable_axes={"params": 0, "cache": 0, AUX: 0}, split_rngs={"params": True},
-                    in_axes=(nn.broadcast,) * (num_args - 1) + (0,), length=num_layers,
-                    metadata_params={nn.PARTITION_NAME: sh.LAYERS})
+  scanned = nn.scan(
+    block,
+    variable_axes={"params": 0, "cache": 0, AUX: 0},
+    split_rngs={"params": True},
+    in_axes=(nn.broadcast,) * (num_args - 1) + (0,),
+    length=num_layers,
+    metadata_params={nn.PARTITION_NAME: sh.LAYERS},
+  )
   return scanned(config, name=name, **block_fields)
 
 
@@ -145,8 +151,9 @@ def bias_table(module: nn.Module, config: ModelConfig, name: str) -> jax.Array |
   return t5_table(module, name, config.relative_buckets, config.num_heads)
 
 
-def embed_tokens(config: ModelConfig, embed: Embed, tokens: jax.Array, positions: jax.Array,
-                 learned: LearnedPositions | None = None) -> jax.Array:
+def embed_tokens(
+  config: ModelConfig, embed: Embed, tokens: jax.Array, positions: jax.Array, learned: LearnedPositions | None = None
+) -> jax.Array:
   """Token embeddings plus absolute positions, `[batch, length, d_model]`.
 
   Sinusoidal (paper section 3.5) or learned (`learned`) positions are added to the
@@ -166,8 +173,14 @@ def embed_tokens(config: ModelConfig, embed: Embed, tokens: jax.Array, positions
 VOCAB_MAJOR_TOKENS = 32
 
 
-def output_logits(config: ModelConfig, embed: Embed, output_proj: jax.Array | None, y: jax.Array,
-                  decode: bool = False, bias: jax.Array | None = None) -> jax.Array:
+def output_logits(
+  config: ModelConfig,
+  embed: Embed,
+  output_proj: jax.Array | None,
+  y: jax.Array,
+  decode: bool = False,
+  bias: jax.Array | None = None,
+) -> jax.Array:
   """float32 logits `[batch, length, vocab_size]` from `y` `[batch, length, d_model]`: the
   tied embedding (`model.tie_embeddings`, section 3.4) or `output_proj` `[d_model, vocab]`,
   plus `bias` `[vocab_size]` when given (`model.logits_bias`). `decode`: a cached step; with at
@@ -177,7 +190,7 @@ def output_logits(config: ModelConfig, embed: Embed, output_proj: jax.Array | No
   else:
     dtype = jnp.dtype(config.dtype)
     b, t, d = y.shape  # one 2-D matmul over the tokens (see layers/attention.py `_project`)
-    if int8.is_quantized(output_proj):   # decoding with int8 weights (`layers.int8`)
+    if int8.is_quantized(output_proj):  # decoding with int8 weights (`layers.int8`)
       logits = int8.matmul(y.reshape(b * t, d).astype(dtype), output_proj)
     else:
       logits = jnp.einsum("md,dv->mv", y.reshape(b * t, d).astype(dtype), output_proj.astype(dtype))
@@ -189,8 +202,11 @@ def output_logits(config: ModelConfig, embed: Embed, output_proj: jax.Array | No
 
 def untied_output_proj(module: nn.Module, config: ModelConfig) -> jax.Array:
   """The `[d_model, vocab_size]` output projection parameter of an untied model."""
-  return module.param("output_proj", sh.param_with_axes(nn.initializers.xavier_uniform(), (sh.EMBED, sh.VOCAB)),
-                      (config.d_model, config.vocab_size))
+  return module.param(
+    "output_proj",
+    sh.param_with_axes(nn.initializers.xavier_uniform(), (sh.EMBED, sh.VOCAB)),
+    (config.d_model, config.vocab_size),
+  )
 
 
 class EncoderDecoder(StackedInit, nn.Module):
@@ -202,10 +218,11 @@ class EncoderDecoder(StackedInit, nn.Module):
     __call__(inputs, targets) -> logits for teacher forcing (targets shifted right with BOS).
   Each takes optional segment ids and per-segment positions for packed rows (module docstring).
   """
+
   config: ModelConfig
-  pipeline: Any = None   # a `models.pipeline.Pipeline` (training and evaluation steps on a stage mesh), or None
+  pipeline: Any = None  # a `models.pipeline.Pipeline` (training and evaluation steps on a stage mesh), or None
   STACKS: ClassVar = (("encoder", "num_encoder_layers"), ("decoder", "num_decoder_layers"))
-  ENCODES_SOURCE: ClassVar[bool] = True   # `prefill` caches the encoded source, then BOS
+  ENCODES_SOURCE: ClassVar[bool] = True  # `prefill` caches the encoded source, then BOS
 
   def setup(self):
     """Creates the embeddings, positions, encoder and decoder stacks for `config`."""
@@ -218,9 +235,10 @@ class EncoderDecoder(StackedInit, nn.Module):
       self.source_embed = Embed(cfg.vocab_size, cfg.d_model, dtype, cfg.embedding_scale, name="source_embed")
       self.target_embed = Embed(cfg.vocab_size, cfg.d_model, dtype, cfg.embedding_scale, name="target_embed")
       self.output_proj = untied_output_proj(self, cfg)
-    if cfg.logits_bias:   # Marian's final_logits_bias
-      self.logits_bias = self.param("logits_bias", sh.param_with_axes(nn.initializers.zeros, (sh.VOCAB,)),
-                                    (cfg.vocab_size,))
+    if cfg.logits_bias:  # Marian's final_logits_bias
+      self.logits_bias = self.param(
+        "logits_bias", sh.param_with_axes(nn.initializers.zeros, (sh.VOCAB,)), (cfg.vocab_size,)
+      )
     self.encoder_stack = layer_stack(EncoderBlock, cfg, cfg.num_encoder_layers, "encoder", self.pipeline)
     self.decoder_stack = layer_stack(DecoderBlock, cfg, cfg.num_decoder_layers, "decoder", self.pipeline)
     self.encoder_bias = bias_table(self, cfg, "encoder_relative_bias")
@@ -237,8 +255,14 @@ class EncoderDecoder(StackedInit, nn.Module):
     x = embed_tokens(self.config, embed, tokens, positions, learned)
     return sh.constrain(self.dropout(x, deterministic=deterministic), BLOCK_AXES)
 
-  def encode(self, inputs: jax.Array, *, segment_ids: jax.Array | None = None,
-             positions: jax.Array | None = None, deterministic: bool = True) -> jax.Array:
+  def encode(
+    self,
+    inputs: jax.Array,
+    *,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    deterministic: bool = True,
+  ) -> jax.Array:
     """Encoder stack over int `[batch, src_len]` ids -> `[batch, src_len, d_model]`.
 
     Args:
@@ -251,15 +275,32 @@ class EncoderDecoder(StackedInit, nn.Module):
     positions, attn_positions = resolve_positions(inputs, positions, segment_ids)
     x = self._embed(self.source_embed, inputs, positions, deterministic, getattr(self, "source_positions", None))
     # decode=False is passed positionally: remat needs every static arg.
-    x = run_stack(self.encoder_stack, x, valid, deterministic, False, segment_ids, attn_positions, None,
-                  self.encoder_bias,
-                  rngs=layer_rngs(self, self.config.num_encoder_layers, deterministic))
+    x = run_stack(
+      self.encoder_stack,
+      x,
+      valid,
+      deterministic,
+      False,
+      segment_ids,
+      attn_positions,
+      None,
+      self.encoder_bias,
+      rngs=layer_rngs(self, self.config.num_encoder_layers, deterministic),
+    )
     return self.encoder_norm(x) if self.config.pre_norm else x
 
-  def decode(self, encoded: jax.Array | None, inputs: jax.Array | None, decoder_inputs: jax.Array, *,
-             positions: jax.Array | None = None, deterministic: bool = True,
-             segment_ids: jax.Array | None = None, inputs_segment_ids: jax.Array | None = None,
-             cache_state: CacheState | None = None) -> jax.Array:
+  def decode(
+    self,
+    encoded: jax.Array | None,
+    inputs: jax.Array | None,
+    decoder_inputs: jax.Array,
+    *,
+    positions: jax.Array | None = None,
+    deterministic: bool = True,
+    segment_ids: jax.Array | None = None,
+    inputs_segment_ids: jax.Array | None = None,
+    cache_state: CacheState | None = None,
+  ) -> jax.Array:
     """Decoder stack -> float32 logits `[batch, tgt_len, vocab_size]`.
 
     Args:
@@ -291,34 +332,64 @@ class EncoderDecoder(StackedInit, nn.Module):
     else:
       positions, attn_positions = resolve_positions(decoder_inputs, positions, segment_ids)
       src_valid = inputs != self.config.pad_id
-    if start_is_pad(self.config):   # the start token (a pad id) at each target's position 0 is real
+    if start_is_pad(self.config):  # the start token (a pad id) at each target's position 0 is real
       first = positions == 0 if segment_ids is None else (positions == 0) & (segment_ids != 0)
       tgt_valid = tgt_valid | first
-    y = self._embed(self.target_embed, decoder_inputs, positions, deterministic,
-                    getattr(self, "target_positions", None))
-    y = run_stack(self.decoder_stack, y, encoded, tgt_valid, src_valid, deterministic, decode,
-                  segment_ids, inputs_segment_ids, attn_positions, cache_state, self.decoder_bias,
-                  rngs=layer_rngs(self, self.config.num_decoder_layers, deterministic))
+    y = self._embed(
+      self.target_embed, decoder_inputs, positions, deterministic, getattr(self, "target_positions", None)
+    )
+    y = run_stack(
+      self.decoder_stack,
+      y,
+      encoded,
+      tgt_valid,
+      src_valid,
+      deterministic,
+      decode,
+      segment_ids,
+      inputs_segment_ids,
+      attn_positions,
+      cache_state,
+      self.decoder_bias,
+      rngs=layer_rngs(self, self.config.num_decoder_layers, deterministic),
+    )
     if self.config.pre_norm:
       y = self.decoder_norm(y)
-    return output_logits(self.config, self.target_embed, getattr(self, "output_proj", None), y, decode,
-                         getattr(self, "logits_bias", None))
+    return output_logits(
+      self.config, self.target_embed, getattr(self, "output_proj", None), y, decode, getattr(self, "logits_bias", None)
+    )
 
-  def __call__(self, inputs: jax.Array, targets: jax.Array, *, inputs_segment_ids: jax.Array | None = None,
-               inputs_positions: jax.Array | None = None, targets_segment_ids: jax.Array | None = None,
-               targets_positions: jax.Array | None = None, deterministic: bool = True) -> jax.Array:
+  def __call__(
+    self,
+    inputs: jax.Array,
+    targets: jax.Array,
+    *,
+    inputs_segment_ids: jax.Array | None = None,
+    inputs_positions: jax.Array | None = None,
+    targets_segment_ids: jax.Array | None = None,
+    targets_positions: jax.Array | None = None,
+    deterministic: bool = True,
+  ) -> jax.Array:
     """Teacher-forced logits `[batch, tgt_len, vocab_size]` (float32) for `targets` `[batch, tgt_len]`.
 
     Packed rows pass int segment ids and per-segment positions for the source
     (`[batch, src_len]`) and the targets (`[batch, tgt_len]`); see `encode` and `decode`.
     The targets are shifted right within each segment.
     """
-    encoded = self.encode(inputs, segment_ids=inputs_segment_ids, positions=inputs_positions,
-                          deterministic=deterministic)
+    encoded = self.encode(
+      inputs, segment_ids=inputs_segment_ids, positions=inputs_positions, deterministic=deterministic
+    )
     ids = self.config.special_ids
     decoder_inputs = shift_right(targets, ids.start, targets_segment_ids, ids.pad)
-    return self.decode(encoded, inputs, decoder_inputs, positions=targets_positions, deterministic=deterministic,
-                       segment_ids=targets_segment_ids, inputs_segment_ids=inputs_segment_ids)
+    return self.decode(
+      encoded,
+      inputs,
+      decoder_inputs,
+      positions=targets_positions,
+      deterministic=deterministic,
+      segment_ids=targets_segment_ids,
+      inputs_segment_ids=inputs_segment_ids,
+    )
 
   def prefill(self, inputs: jax.Array, cache_state: CacheState) -> tuple[jax.Array, CacheState]:
     """Starts cached decoding of int `[batch, src_len]` sources (PAD padded at the end):
@@ -330,10 +401,9 @@ class EncoderDecoder(StackedInit, nn.Module):
     state = cache_state.replace(source_lengths=jnp.sum(inputs != ids.pad, axis=1, dtype=jnp.int32))
     bos = jnp.full((inputs.shape[0], 1), ids.start, jnp.int32)
     logits = self.decode(self.encode(inputs), None, bos, cache_state=state)
-    return logits[:, 0], state.replace(lengths=state.lengths + 1)   # the start token is cached even if it is pad
+    return logits[:, 0], state.replace(lengths=state.lengths + 1)  # the start token is cached even if it is pad
 
   def extend(self, tokens: jax.Array, cache_state: CacheState) -> tuple[jax.Array, CacheState]:
     """Feeds int `[batch, T]` target tokens after each row's cached ones (PAD: not fed).
     Returns float32 logits `[batch, T, vocab_size]` and the advanced state."""
     return self.decode(None, None, tokens, cache_state=cache_state), advance(cache_state, tokens, self.config.pad_id)
-

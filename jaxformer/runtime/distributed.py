@@ -42,6 +42,7 @@ ENV_PROCESS_ID = "JAXFORMER_PROCESS_ID"
 class ClusterSpec:
   """How to join the cluster. ``coordinator`` is None only for ``source="slurm"``
   (JAX then derives it from the SLURM node list)."""
+
   coordinator: str | None
   num_processes: int
   process_id: int
@@ -73,8 +74,12 @@ def _spec(coordinator, num_processes, process_id, source: str, names: tuple[str,
   return ClusterSpec(coordinator, n, i, source)
 
 
-def resolve(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-            environ: Mapping[str, str] | None = None) -> ClusterSpec | None:
+def resolve(
+  coordinator: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+  environ: Mapping[str, str] | None = None,
+) -> ClusterSpec | None:
   """The cluster layout from flags, else the environment; None for a single process.
 
   Raises:
@@ -97,8 +102,9 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None, pr
   if env.get("SLURM_NTASKS") is not None and env.get("SLURM_PROCID") is not None:
     n = _int(env["SLURM_NTASKS"], "SLURM_NTASKS")
     if n > 1:
-      return _spec(env.get(ENV_COORDINATOR), n, env["SLURM_PROCID"], "slurm",
-                   (ENV_COORDINATOR, "SLURM_NTASKS", "SLURM_PROCID"))
+      return _spec(
+        env.get(ENV_COORDINATOR), n, env["SLURM_PROCID"], "slurm", (ENV_COORDINATOR, "SLURM_NTASKS", "SLURM_PROCID")
+      )
   return None
 
 
@@ -112,6 +118,7 @@ def initialize(spec: ClusterSpec | None, timeout_s: int = 300) -> None:
   if spec is None or _initialized == spec:
     return
   import jax
+
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   kwargs: dict = dict(initialization_timeout=timeout_s)
   if spec.coordinator is not None:
@@ -125,8 +132,9 @@ def initialize(spec: ClusterSpec | None, timeout_s: int = 300) -> None:
 def initialize_from_args(args) -> ClusterSpec | None:
   """:func:`resolve` + :func:`initialize` for parsed CLI args (attributes
   ``coordinator``, ``num_processes``, ``process_id``; missing ones count as unset)."""
-  spec = resolve(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
-                 getattr(args, "process_id", None))
+  spec = resolve(
+    getattr(args, "coordinator", None), getattr(args, "num_processes", None), getattr(args, "process_id", None)
+  )
   initialize(spec)
   return spec
 
@@ -138,12 +146,15 @@ def barrier(name: str, timeout_s: int = 3600) -> None:
   start-up deadline): process 0 may spend minutes building the dataset meanwhile.
   """
   import jax
+
   if jax.process_count() == 1:
     return
   from jax._src import distributed as jax_distributed  # the client of jax.distributed.initialize
+
   client = jax_distributed.global_state.client
   if client is None:  # not started through jax.distributed (e.g. TPU runtime): device barrier
     from jax.experimental import multihost_utils
+
     multihost_utils.sync_global_devices(name)
   else:
     client.wait_at_barrier(f"jaxformer:{name}", timeout_s * 1000)
@@ -158,6 +169,7 @@ def main_process_first(fn: Callable[[], T], name: str = "main_process_first") ->
   launchers (``scripts/launch_local_multihost.sh``, SLURM) stop them when one process fails.
   """
   import jax
+
   if jax.process_count() == 1:
     return fn()
   result = fn() if jax.process_index() == 0 else None
@@ -172,10 +184,12 @@ def max_over_processes(value: int) -> int:
   same point of its program (the step loop asks it once per call for the preemption signal
   any process took, so all stop at the same step). One process: `value` itself."""
   import jax
+
   if jax.process_count() == 1:
     return value
   import numpy as np
   from jax.experimental import multihost_utils
+
   return int(np.max(multihost_utils.process_allgather(np.int32(value))))
 
 

@@ -16,7 +16,7 @@ import ctypes.util
 import functools
 import os
 
-M_ARENA_MAX = -8   # mallopt's parameter number (glibc malloc.h)
+M_ARENA_MAX = -8  # mallopt's parameter number (glibc malloc.h)
 
 
 @functools.cache
@@ -25,7 +25,7 @@ def _glibc() -> ctypes.CDLL | None:
   name = ctypes.util.find_library("c")
   try:
     libc = ctypes.CDLL(name)
-    libc.malloc_trim, libc.mallopt   # noqa: B018  (glibc only)
+    libc.malloc_trim, libc.mallopt  # noqa: B018  (glibc only)
   except (OSError, TypeError, AttributeError):
     return None
   return libc

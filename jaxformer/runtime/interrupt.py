@@ -30,10 +30,10 @@ import sys
 import threading
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-requested = threading.Event()     # a signal asked the loop to stop
-loop_active = threading.Event()   # the step loop checks `requested` between steps
+requested = threading.Event()  # a signal asked the loop to stop
+loop_active = threading.Event()  # the step loop checks `requested` between steps
 _installed = threading.Event()
-_received: list[int] = []         # the signals taken so far, in order
+_received: list[int] = []  # the signals taken so far, in order
 
 
 def status() -> int:
@@ -67,8 +67,12 @@ def _watch(signals: set[int]) -> None:
   if not loop_active.is_set():
     exit_interrupted()
   requested.set()
-  print(f"{signal.Signals(_received[0]).name}: stopping after the current step and saving a checkpoint "
-        "(a second signal quits at once)", file=sys.stderr, flush=True)
+  print(
+    f"{signal.Signals(_received[0]).name}: stopping after the current step and saving a checkpoint "
+    "(a second signal quits at once)",
+    file=sys.stderr,
+    flush=True,
+  )
   signal.sigwait(signals)
   exit_interrupted()
 
@@ -86,4 +90,3 @@ def install() -> None:
   signal.pthread_sigmask(signal.SIG_BLOCK, signals)
   threading.Thread(target=_watch, args=(signals,), name="jaxformer-interrupt", daemon=True).start()
   _installed.set()
-

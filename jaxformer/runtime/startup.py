@@ -23,14 +23,17 @@ from jaxformer.tasks import get_task
 # `NPROC` below; and with the instruction set (AVX-512 and AVX2 code give other losses;
 # XNNPACK/YNNPACK pick kernels by CPUID; math approximations), pinned by these flags. Not
 # pinned: Eigen sizes its matmul blocks by the CPU's caches, so CPUs with other caches may differ.
-DETERMINISTIC_XLA_FLAGS = ("--xla_cpu_max_isa=AVX2", "--xla_cpu_enable_platform_dependent_math=false",
-                           "--xla_cpu_use_xnnpack=false", "--xla_cpu_experimental_ynn_fusion_type=")
+DETERMINISTIC_XLA_FLAGS = (
+  "--xla_cpu_max_isa=AVX2",
+  "--xla_cpu_enable_platform_dependent_math=false",
+  "--xla_cpu_use_xnnpack=false",
+  "--xla_cpu_experimental_ynn_fusion_type=",
+)
 # libtpu where no TPU chip is attached (installed to compile for TPU topologies, the `aot` extra):
 # say this host is a whole one-host slice, or loading it prints warnings about the missing TPU
 # metadata on every start, and let several processes load it (it otherwise takes a lock meant for
 # processes that use the chips).
-_LIBTPU_HOST_ENV = {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_HOST_BOUNDS": "1,1,1",
-                    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+_LIBTPU_HOST_ENV = {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_HOST_BOUNDS": "1,1,1", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 
 def quiet_libtpu() -> None:
@@ -45,6 +48,7 @@ def _tpu_chips_attached() -> bool:
   """Whether PCI lists a TPU chip (JAX's own probe; assumed so if this JAX lacks it)."""
   try:
     from jax._src import hardware_utils
+
     return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
   except (ImportError, AttributeError, OSError):
     return True
@@ -58,7 +62,7 @@ def pin_cpu_numerics(cpu_threads: int) -> None:
   os.environ["NPROC"] = str(cpu_threads)
   flags = os.environ.get("XLA_FLAGS", "")
   pinned = DETERMINISTIC_XLA_FLAGS if platform.machine().lower() in ("x86_64", "amd64") else DETERMINISTIC_XLA_FLAGS[1:]
-  added = [f for f in pinned if f.split("=")[0] not in flags]   # AVX2 names an x86 instruction set only
+  added = [f for f in pinned if f.split("=")[0] not in flags]  # AVX2 names an x86 instruction set only
   os.environ["XLA_FLAGS"] = " ".join([flags, *added]).strip()
 
 
@@ -71,7 +75,7 @@ def init_runtime(runtime: RuntimeConfig) -> None:
     ConfigError: the machine has no devices of `runtime.platform` (naming the platforms it
       has), or the CPU device count cannot be applied.
   """
-  limit_malloc_arenas()   # before the backend's thread pools start: see host_memory.py
+  limit_malloc_arenas()  # before the backend's thread pools start: see host_memory.py
   if not _tpu_chips_attached():
     quiet_libtpu()
   if runtime.deterministic:
@@ -84,8 +88,9 @@ def init_runtime(runtime: RuntimeConfig) -> None:
     except RuntimeError:  # backend already started (e.g. in-process use): accept a matching count
       if len(jax.devices("cpu")) != runtime.num_cpu_devices:
         raise ConfigError(
-            f"runtime.num_cpu_devices={runtime.num_cpu_devices} cannot be applied: JAX already started "
-            f"with {len(jax.devices('cpu'))} CPU devices; set it before any JAX computation") from None
+          f"runtime.num_cpu_devices={runtime.num_cpu_devices} cannot be applied: JAX already started "
+          f"with {len(jax.devices('cpu'))} CPU devices; set it before any JAX computation"
+        ) from None
   if runtime.platform:
     _check_platform(runtime.platform)
 
@@ -101,10 +106,12 @@ def _check_platform(platform: str) -> None:
   """Starts the backend of `platform` (the one `jax_platforms` allows)."""
   if _has_platform(platform):
     return
-  jax.config.update("jax_platforms", "")   # let JAX start every backend it can, to list them
+  jax.config.update("jax_platforms", "")  # let JAX start every backend it can, to list them
   present = [p for p in PLATFORMS if _has_platform(p)]
-  raise ConfigError(f"runtime.platform={platform}: this machine has no {platform} devices, only "
-                    f"{' and '.join(present)}; set runtime.platform to one of those or leave it empty (JAX's default)")
+  raise ConfigError(
+    f"runtime.platform={platform}: this machine has no {platform} devices, only "
+    f"{' and '.join(present)}; set runtime.platform to one of those or leave it empty (JAX's default)"
+  )
 
 
 def build_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -123,8 +130,9 @@ def build_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> M
   dp = sh.data_parallel_size(mesh, sh.rules_for(config.mesh))
   if config.train.batch_size % dp:
     raise ConfigError(
-        f"train.batch_size={config.train.batch_size} is not divisible by the data-parallel size "
-        f"{dp} (mesh.data*mesh.fsdp*mesh.expert); use train.batch_size={max(dp, config.train.batch_size // dp * dp)}")
+      f"train.batch_size={config.train.batch_size} is not divisible by the data-parallel size "
+      f"{dp} (mesh.data*mesh.fsdp*mesh.expert); use train.batch_size={max(dp, config.train.batch_size // dp * dp)}"
+    )
   check_pipeline(config, mesh.shape["stage"], dp)
   return mesh
 
@@ -144,22 +152,32 @@ def check_model_fits_mesh(config: Config, fsdp: int, tensor: int, context: int =
     ConfigError: naming the axis, the sizes and the valid choices.
   """
   m = config.model
-  for name, size in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.kv_heads),
-                     ("model.d_ff", m.d_ff), ("model.vocab_size", m.vocab_size)):
+  for name, size in (
+    ("model.num_heads", m.num_heads),
+    ("model.num_kv_heads", m.kv_heads),
+    ("model.d_ff", m.d_ff),
+    ("model.vocab_size", m.vocab_size),
+  ):
     if size % tensor:
       valid = [d for d in _divisors(m.kv_heads) if m.d_ff % d == 0 and m.vocab_size % d == 0]
       raise ConfigError(f"mesh.tensor={tensor} does not divide {name}={size}; use mesh.tensor in {valid}")
   if m.d_model % fsdp:
-    raise ConfigError(f"mesh.fsdp={fsdp} does not divide model.d_model={m.d_model}; "
-                      f"use mesh.fsdp in {[d for d in _divisors(m.d_model) if d <= 64]}")
+    raise ConfigError(
+      f"mesh.fsdp={fsdp} does not divide model.d_model={m.d_model}; "
+      f"use mesh.fsdp in {[d for d in _divisors(m.d_model) if d <= 64]}"
+    )
   if context > 1 and m.attention_dropout_rate > 0:
-    raise ConfigError(f"model.attention_dropout_rate={m.attention_dropout_rate} does not run with context "
-                      f"parallelism (mesh.context={context}); set model.attention_dropout_rate=0 or mesh.context=1")
+    raise ConfigError(
+      f"model.attention_dropout_rate={m.attention_dropout_rate} does not run with context "
+      f"parallelism (mesh.context={context}); set model.attention_dropout_rate=0 or mesh.context=1"
+    )
   lengths = get_task(config).batch_lengths()
   if any(length % context for length in lengths):
-    raise ConfigError(f"mesh.context={context} does not divide the sequence lengths {sorted(set(lengths))} "
-                      f"(data.max_length, data.buckets); use mesh.context in "
-                      f"{[d for d in _divisors(config.data.max_length) if all(n % d == 0 for n in lengths)]}")
+    raise ConfigError(
+      f"mesh.context={context} does not divide the sequence lengths {sorted(set(lengths))} "
+      f"(data.max_length, data.buckets); use mesh.context in "
+      f"{[d for d in _divisors(config.data.max_length) if all(n % d == 0 for n in lengths)]}"
+    )
 
 
 def check_experts_fit_mesh(config: Config, expert: int) -> None:
@@ -171,5 +189,6 @@ def check_experts_fit_mesh(config: Config, expert: int) -> None:
   """
   experts = config.model.num_experts
   if experts and experts % expert:
-    raise ConfigError(f"mesh.expert={expert} does not divide model.num_experts={experts}; "
-                      f"use mesh.expert in {_divisors(experts)}")
+    raise ConfigError(
+      f"mesh.expert={expert} does not divide model.num_experts={experts}; use mesh.expert in {_divisors(experts)}"
+    )

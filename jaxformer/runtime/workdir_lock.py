@@ -54,16 +54,20 @@ def hold(workdir: str | Path) -> Iterator[None]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
   except OSError as e:
     raise CheckpointError(
-        f"cannot open the lock file {path}: {e.strerror}; remove it or pass another --workdir") from None
+      f"cannot open the lock file {path}: {e.strerror}; remove it or pass another --workdir"
+    ) from None
   try:
     if _lock(fd, path):
-      holder = {"pid": os.getpid(), "host": socket.gethostname(),
-                "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+      holder = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+      }
       os.ftruncate(fd, 0)
       os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
     yield
   finally:
-    os.close(fd)   # releases the lock
+    os.close(fd)  # releases the lock
 
 
 def _lock(fd: int, path: Path) -> bool:
@@ -72,11 +76,15 @@ def _lock(fd: int, path: Path) -> bool:
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except BlockingIOError:
     raise CheckpointError(
-        f"{path.parent} is in use by another `jaxformer train` ({_holder(fd)}); "
-        "wait for it to finish or stop it, or pass another --workdir") from None
-  except OSError as e:   # ENOLCK, EOPNOTSUPP: a filesystem without locks
-    print(f"warning: cannot lock {path} ({e.strerror}): nothing stops a second run on this workdir",
-          file=sys.stderr, flush=True)
+      f"{path.parent} is in use by another `jaxformer train` ({_holder(fd)}); "
+      "wait for it to finish or stop it, or pass another --workdir"
+    ) from None
+  except OSError as e:  # ENOLCK, EOPNOTSUPP: a filesystem without locks
+    print(
+      f"warning: cannot lock {path} ({e.strerror}): nothing stops a second run on this workdir",
+      file=sys.stderr,
+      flush=True,
+    )
     return False
   return True
 
@@ -86,5 +94,5 @@ def _holder(fd: int) -> str:
   try:
     holder = json.loads(os.pread(fd, 4096, 0))
     return f"pid {holder['pid']} on host {holder['host']}, since {holder['since']}"
-  except (ValueError, KeyError, TypeError):   # the holder has not written its name yet
+  except (ValueError, KeyError, TypeError):  # the holder has not written its name yet
     return "a process that has not written its name yet"

@@ -39,7 +39,7 @@ from jaxformer.serve.routes import OwnRoutes
 from jaxformer.serve.worker import EngineWorker
 from jaxformer.tasks import get_task
 
-MAX_REQUEST_BYTES = 1 << 20   # 1 MiB
+MAX_REQUEST_BYTES = 1 << 20  # 1 MiB
 
 
 class Server:
@@ -56,9 +56,18 @@ class Server:
     model_name: the model's id in the OpenAI routes (default: the workdir's name).
   """
 
-  def __init__(self, restored, engine: Engine, *, max_queue: int = 64, request_timeout: float = 120.0,
-               decode_beam=None, api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
-               model_name: str | None = None):
+  def __init__(
+    self,
+    restored,
+    engine: Engine,
+    *,
+    max_queue: int = 64,
+    request_timeout: float = 120.0,
+    decode_beam=None,
+    api_key: str | None = None,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
+    model_name: str | None = None,
+  ):
     self.restored, self.engine = restored, engine
     self.task = get_task(restored.config)
     self.max_queue, self.request_timeout, self.max_request_bytes = max_queue, request_timeout, max_request_bytes
@@ -67,14 +76,15 @@ class Server:
     self.window = min(restored.config.data.max_length, restored.config.model.max_length)
     self.started = int(time.time())
     self.worker: EngineWorker | None = None
-    routes = [Route("/health", self.health, methods=["GET"]), *OwnRoutes(self).routes(),
-              *OpenAIRoutes(self).routes()]
+    routes = [Route("/health", self.health, methods=["GET"]), *OwnRoutes(self).routes(), *OpenAIRoutes(self).routes()]
     self.metrics = Metrics(engine, [r.path for r in routes] + ["/metrics"])
     routes.append(Route("/metrics", self.metrics.endpoint, methods=["GET"]))
-    self.app = Starlette(routes=routes, lifespan=self._lifespan,
-                         middleware=[Middleware(MetricsMiddleware, metrics=self.metrics),
-                                     Middleware(ApiKeyMiddleware, api_key=api_key)],
-                         exception_handlers={HTTPException: self._http_error})
+    self.app = Starlette(
+      routes=routes,
+      lifespan=self._lifespan,
+      middleware=[Middleware(MetricsMiddleware, metrics=self.metrics), Middleware(ApiKeyMiddleware, api_key=api_key)],
+      exception_handlers={HTTPException: self._http_error},
+    )
 
   @contextlib.asynccontextmanager
   async def _lifespan(self, app):
@@ -94,15 +104,18 @@ class Server:
     done.wait()
 
   async def _http_error(self, http: HttpRequest, e: HTTPException) -> JSONResponse:
-    message = {404: f"no route {http.url.path}; the routes are /health, /metrics, /v1/models, /v1/completions, "
-                    "/v1/chat/completions, /v1/translate and /v1/generate",
-               405: f"{http.method} is not allowed on {http.url.path}"}.get(e.status_code, e.detail)
+    message = {
+      404: f"no route {http.url.path}; the routes are /health, /metrics, /v1/models, /v1/completions, "
+      "/v1/chat/completions, /v1/translate and /v1/generate",
+      405: f"{http.method} is not allowed on {http.url.path}",
+    }.get(e.status_code, e.detail)
     return ApiError(message, status=e.status_code, headers=e.headers).response()
 
   async def health(self, http: HttpRequest) -> JSONResponse:
     """GET /health: `{"status": "ok", "model", "step"}` plus the engine's counters."""
-    return JSONResponse({"status": "ok", "model": self.restored.config.model.kind, "step": self.restored.step,
-                         **self.engine.stats()})
+    return JSONResponse(
+      {"status": "ok", "model": self.restored.config.model.kind, "step": self.restored.step, **self.engine.stats()}
+    )
 
   async def answer(self, http: HttpRequest, handler, own_route: bool = False):
     """`handler(http, body)`'s response, or the error response of what it raised (our own
@@ -112,8 +125,9 @@ class Server:
     except ApiError as e:
       return e.response(own_route)
     except TimeoutError:
-      error = ApiError(f"the request took over {self.request_timeout:g} s and was cancelled", status=504,
-                       code="timeout")
+      error = ApiError(
+        f"the request took over {self.request_timeout:g} s and was cancelled", status=504, code="timeout"
+      )
       return error.response(own_route)
 
   async def read_json(self, http: HttpRequest) -> dict:
@@ -124,9 +138,12 @@ class Server:
       BadRequest: a body that is not UTF-8, not JSON or not an object.
     """
     limit, declared = self.max_request_bytes, http.headers.get("content-length", "")
-    too_large = ApiError(f"the request body is over {limit} bytes (the server's --max-request-bytes); send less",
-                         status=413, code="request_too_large")
-    if declared.isdigit() and int(declared) > limit:   # uvicorn refuses a malformed Content-Length itself
+    too_large = ApiError(
+      f"the request body is over {limit} bytes (the server's --max-request-bytes); send less",
+      status=413,
+      code="request_too_large",
+    )
+    if declared.isdigit() and int(declared) > limit:  # uvicorn refuses a malformed Content-Length itself
       raise too_large
     raw = bytearray()
     async for chunk in http.stream():
@@ -136,8 +153,9 @@ class Server:
     try:
       body = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
-      raise BadRequest(f"the body is not valid JSON: byte {raw[e.start]:#04x} at offset {e.start} is not UTF-8") \
-          from None
+      raise BadRequest(
+        f"the body is not valid JSON: byte {raw[e.start]:#04x} at offset {e.start} is not UTF-8"
+      ) from None
     except json.JSONDecodeError as e:
       raise BadRequest(f"the body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
     except RecursionError:
@@ -166,8 +184,11 @@ class Server:
     """
     ids = self.encode(self.restored.source_tokenizer, text, param, plain=True) + [self.restored.config.model.eos_id]
     if len(ids) > self.engine.max_input_len:
-      raise BadRequest(f"the input is {len(ids)} tokens long; this model takes at most {self.engine.max_input_len}",
-                       param, code="context_length_exceeded")
+      raise BadRequest(
+        f"the input is {len(ids)} tokens long; this model takes at most {self.engine.max_input_len}",
+        param,
+        code="context_length_exceeded",
+      )
     return ids
 
   def attach(self, requests: list[Request]) -> asyncio.Queue:
@@ -182,6 +203,7 @@ class Server:
     def on_token(request, token):
       self.metrics.on_token(request, token, submitted)
       loop.call_soon_threadsafe(queue.put_nowait, (request, token))
+
     for r in requests:
       r.on_token = on_token
     try:
@@ -218,10 +240,21 @@ class Server:
       raise QueueFull(errors[0])
 
 
-def serve(restored, *, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, max_queue: int = 64,
-          page_size: int = 16, num_pages: int | None = None, request_timeout: float = 120.0,
-          batching: str = "continuous", api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
-          model_name: str | None = None) -> None:
+def serve(
+  restored,
+  *,
+  host: str = "127.0.0.1",
+  port: int = 8000,
+  max_batch: int = 8,
+  max_queue: int = 64,
+  page_size: int = 16,
+  num_pages: int | None = None,
+  request_timeout: float = 120.0,
+  batching: str = "continuous",
+  api_key: str | None = None,
+  max_request_bytes: int = MAX_REQUEST_BYTES,
+  model_name: str | None = None,
+) -> None:
   """Builds the engine over `restored` (`batching`: "continuous" or "static", see
   `inference.engine`) and serves it with uvicorn until SIGTERM/SIGINT (which drain in-flight
   requests first). `api_key`, `max_request_bytes` and `model_name` as in `Server`; serving on
@@ -230,14 +263,31 @@ def serve(restored, *, host: str = "127.0.0.1", port: int = 8000, max_batch: int
 
   from jaxformer.inference.decode import SearchOptions  # noqa: PLC0415
   from jaxformer.tasks import evaluate  # noqa: PLC0415
+
   cfg = restored.config
-  engine = Engine(restored.model, restored.params, max_batch=max_batch, page_size=page_size, num_pages=num_pages,
-                  max_input_len=min(cfg.data.max_length, cfg.model.max_length), batching=batching)
+  engine = Engine(
+    restored.model,
+    restored.params,
+    max_batch=max_batch,
+    page_size=page_size,
+    num_pages=num_pages,
+    max_input_len=min(cfg.data.max_length, cfg.model.max_length),
+    batching=batching,
+  )
 
   def decode_beam(texts, beam):
     return evaluate.translate(restored, texts, max_batch, SearchOptions(beam_size=beam))[0]
-  server = Server(restored, engine, max_queue=max_queue, request_timeout=request_timeout, decode_beam=decode_beam,
-                  api_key=api_key, max_request_bytes=max_request_bytes, model_name=model_name)
+
+  server = Server(
+    restored,
+    engine,
+    max_queue=max_queue,
+    request_timeout=request_timeout,
+    decode_beam=decode_beam,
+    api_key=api_key,
+    max_request_bytes=max_request_bytes,
+    model_name=model_name,
+  )
   warning = open_warning(host, api_key)
   if warning:
     print(warning, file=sys.stderr, flush=True)

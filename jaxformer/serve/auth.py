@@ -31,8 +31,10 @@ def open_warning(host: str, api_key: str | None) -> str | None:
     loopback = host == "localhost"
   if loopback:
     return None
-  return (f"warning: serving on {host} without an API key: anyone who can reach it can use the model; "
-          f"pass --api-key KEY or set {ENV_KEY}")
+  return (
+    f"warning: serving on {host} without an API key: anyone who can reach it can use the model; "
+    f"pass --api-key KEY or set {ENV_KEY}"
+  )
 
 
 class ApiKeyMiddleware:
@@ -47,8 +49,11 @@ class ApiKeyMiddleware:
     if self.key and scope["type"] == "http" and scope["path"].startswith(PROTECTED):
       scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
       if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("latin-1"), self.key):
-        message = ("missing API key: send the header 'Authorization: Bearer KEY'" if not token else
-                   "invalid API key: send the key the server was started with (--api-key or JAXFORMER_API_KEY)")
+        message = (
+          "missing API key: send the header 'Authorization: Bearer KEY'"
+          if not token
+          else "invalid API key: send the key the server was started with (--api-key or JAXFORMER_API_KEY)"
+        )
         error = ApiError(message, status=401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         await error.response()(scope, receive, send)
         return

@@ -18,7 +18,7 @@ from jaxformer.errors import DataError
 from jaxformer.serve.errors import BadRequest
 
 ROLES = ("system", "user", "assistant")
-PLAIN_TEMPLATE = "{role}: {content}\n"   # per message; then PLAIN_PROMPT
+PLAIN_TEMPLATE = "{role}: {content}\n"  # per message; then PLAIN_PROMPT
 PLAIN_PROMPT = "assistant:"
 
 
@@ -41,14 +41,16 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
     if isinstance(content, list):
       content = _text_parts(content, f"{where}.content")
     if not isinstance(content, str):
-      raise BadRequest(f"{where}.content must be a string or a list of text parts, got {_short(content)}",
-                       f"{where}.content")
+      raise BadRequest(
+        f"{where}.content must be a string or a list of text parts, got {_short(content)}", f"{where}.content"
+      )
     if not content.isascii():
       try:
         content.encode("utf-8")
       except UnicodeEncodeError:
-        raise BadRequest(f"{where}.content holds an unpaired surrogate (\\ud800-\\udfff); send valid Unicode",
-                         f"{where}.content") from None
+        raise BadRequest(
+          f"{where}.content holds an unpaired surrogate (\\ud800-\\udfff); send valid Unicode", f"{where}.content"
+        ) from None
     messages.append({"role": role, "content": content})
   return messages
 
@@ -96,6 +98,7 @@ def source_text(messages: list[dict[str, str]]) -> str:
   """
   users = [m["content"] for m in messages if m["role"] == "user"]
   if not users or not users[-1].strip():
-    raise BadRequest("a translation model translates the last user message; send one with non-empty content",
-                     "messages")
+    raise BadRequest(
+      "a translation model translates the last user message; send one with non-empty content", "messages"
+    )
   return users[-1]

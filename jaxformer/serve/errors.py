@@ -23,8 +23,16 @@ class ApiError(Exception):
     headers: extra response headers (e.g. Retry-After).
   """
 
-  def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None,
-               kind: str | None = None, headers: dict[str, str] | None = None):
+  def __init__(
+    self,
+    message: str,
+    *,
+    status: int = 400,
+    param: str | None = None,
+    code: str | None = None,
+    kind: str | None = None,
+    headers: dict[str, str] | None = None,
+  ):
     super().__init__(message)
     self.message, self.status, self.param, self.code = message, status, param, code
     self.kind = kind or _KINDS.get(status, "invalid_request_error" if status < 500 else "server_error")
@@ -36,8 +44,13 @@ class ApiError(Exception):
     return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
-_KINDS = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large", 503: "overloaded_error",
-          504: "timeout_error"}
+_KINDS = {
+  401: "authentication_error",
+  404: "not_found_error",
+  413: "request_too_large",
+  503: "overloaded_error",
+  504: "timeout_error",
+}
 
 
 class BadRequest(ApiError, ValueError):

@@ -19,13 +19,21 @@ from jaxformer.serve.errors import BadRequest
 
 MAX_STOPS = 4
 MAX_N = 16
-UNSUPPORTED = {"suffix": None, "logit_bias": None, "frequency_penalty": 0, "presence_penalty": 0,
-               "tools": None, "functions": None, "response_format": None}
+UNSUPPORTED = {
+  "suffix": None,
+  "logit_bias": None,
+  "frequency_penalty": 0,
+  "presence_penalty": 0,
+  "tools": None,
+  "functions": None,
+  "response_format": None,
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
   """A request's generation settings (see the module docstring); `temperature` None: greedy."""
+
   max_tokens: int | None
   temperature: float | None
   top_p: float | None
@@ -59,8 +67,10 @@ def get(body: dict, name: str, kind: type | tuple[type, ...], default: Any = Non
   if float in kinds and isinstance(value, int) and not isinstance(value, bool):
     value = float(value)
   if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-    names = " or ".join({int: "an integer", float: "a number", bool: "a boolean", str: "a string", dict: "an object",
-                         list: "a list"}[k] for k in kinds)
+    names = " or ".join(
+      {int: "an integer", float: "a number", bool: "a boolean", str: "a string", dict: "an object", list: "a list"}[k]
+      for k in kinds
+    )
     raise BadRequest(f'"{name}" must be {names}, got {_short(value)}', name)
   return value
 
@@ -95,7 +105,7 @@ def options(body: dict, *, chat: bool, translation: bool = False, max_queue: int
   if top_k is not None and top_k < -1:
     raise BadRequest(f'"top_k" must be -1 or 0 (off) or a positive integer, got {top_k}', "top_k")
   seed = get(body, "seed", int)
-  if seed is not None and not 0 <= seed < 2 ** 32:
+  if seed is not None and not 0 <= seed < 2**32:
     raise BadRequest(f'"seed" must be an integer in [0, 2**32), got {seed}', "seed")
   n = get(body, "n", int, 1)
   if not 1 <= n <= min(MAX_N, max_queue):
@@ -115,11 +125,19 @@ def options(body: dict, *, chat: bool, translation: bool = False, max_queue: int
   if max_tokens is not None and max_tokens < 1:
     raise BadRequest(f'"max_tokens" must be >= 1, got {max_tokens}', "max_tokens")
   greedy = temperature is None or temperature == 0.0 or top_k == 1
-  return Options(max_tokens=max_tokens, temperature=None if greedy else temperature,
-                 top_p=None if top_p is None or top_p == 1.0 else top_p,
-                 top_k=None if top_k is None or top_k <= 0 else top_k,
-                 seed=secrets.randbelow(2 ** 32) if seed is None else seed, n=n, stop=_stops(body),
-                 stream=stream, include_usage=include_usage, logprobs=logprobs, echo=echo)
+  return Options(
+    max_tokens=max_tokens,
+    temperature=None if greedy else temperature,
+    top_p=None if top_p is None or top_p == 1.0 else top_p,
+    top_k=None if top_k is None or top_k <= 0 else top_k,
+    seed=secrets.randbelow(2**32) if seed is None else seed,
+    n=n,
+    stop=_stops(body),
+    stream=stream,
+    include_usage=include_usage,
+    logprobs=logprobs,
+    echo=echo,
+  )
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -161,8 +179,7 @@ def prompts(body: dict, vocab_size: int, pad_id: int) -> list[str | list[int]]:
   if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt)):
     prompt = [prompt]
   if not isinstance(prompt, list) or not prompt:
-    raise BadRequest('"prompt" must be a string, a list of strings, or token ids; got '
-                     f"{_short(prompt)}", "prompt")
+    raise BadRequest(f'"prompt" must be a string, a list of strings, or token ids; got {_short(prompt)}', "prompt")
   out = []
   for i, p in enumerate(prompt):
     if isinstance(p, str):
@@ -174,12 +191,14 @@ def prompts(body: dict, vocab_size: int, pad_id: int) -> list[str | list[int]]:
       if bad:
         raise BadRequest(f"prompt {i} holds token id {bad[0]} outside [0, {vocab_size}) (the vocabulary)", "prompt")
       if pad_id in p:
-        raise BadRequest(f"prompt {i} holds the padding id {pad_id}, which the model never reads; leave it out",
-                         "prompt")
+        raise BadRequest(
+          f"prompt {i} holds the padding id {pad_id}, which the model never reads; leave it out", "prompt"
+        )
       out.append(p)
     else:
-      raise BadRequest(f"prompt {i} must be a non-empty string or a non-empty list of token ids, got {_short(p)}",
-                       "prompt")
+      raise BadRequest(
+        f"prompt {i} must be a non-empty string or a non-empty list of token ids, got {_short(p)}", "prompt"
+      )
   return out
 
 
@@ -196,12 +215,19 @@ def max_new_tokens(requested: int | None, prompt_len: int, window: int, default:
       `requested` beyond it (naming both lengths).
   """
   if prompt_len >= window:
-    raise BadRequest(f"the prompt is {prompt_len} tokens long and this model's context is {window} tokens; "
-                     "shorten the prompt", "prompt", code="context_length_exceeded")
+    raise BadRequest(
+      f"the prompt is {prompt_len} tokens long and this model's context is {window} tokens; shorten the prompt",
+      "prompt",
+      code="context_length_exceeded",
+    )
   room = window - prompt_len
   if requested is None:
     return room if default is None else min(default, room)
   if requested > room:
-    raise BadRequest(f"max_tokens ({requested}) and the prompt ({prompt_len} tokens) exceed this model's context "
-                     f"of {window} tokens; ask for at most {room}", "max_tokens", code="context_length_exceeded")
+    raise BadRequest(
+      f"max_tokens ({requested}) and the prompt ({prompt_len} tokens) exceed this model's context "
+      f"of {window} tokens; ask for at most {room}",
+      "max_tokens",
+      code="context_length_exceeded",
+    )
   return requested

@@ -27,6 +27,7 @@ class Job:
   streaming: whether the echo went out (`echo_sent`); `logged` generated tokens (and the
   prompt's, `prompt_logged`) have had their log-probabilities reported, covering `offset`
   characters."""
+
   index: int
   prompt_ids: list[int]
   echo: str | None
@@ -43,9 +44,12 @@ class Answer:
 
   def __init__(self, model: str, chat: bool):
     self.chat = chat
-    self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                 "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                 "model": model}
+    self.head = {
+      "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+      "object": "chat.completion" if chat else "text_completion",
+      "created": int(time.time()),
+      "model": model,
+    }
 
   def whole(self, jobs: list[Job], tokenizer: Any, k: int | None, prompts: list[list[int]]) -> dict:
     """The non-streamed answer: every choice, and the usage."""
@@ -63,8 +67,8 @@ class Answer:
     """The log-probabilities of `job`'s generated tokens from `job.logged` on (with an echo, the
     prompt's first, once), those whose text starts before character `limit` only."""
     r = job.request
-    values = r.token_logprobs[job.logged:len(r.tokens)]   # the engine appends a token before its log-probability
-    ids = job.prompt_ids + r.tokens[:job.logged + len(values)]
+    values = r.token_logprobs[job.logged : len(r.tokens)]  # the engine appends a token before its log-probability
+    ids = job.prompt_ids + r.tokens[: job.logged + len(values)]
     start = len(job.prompt_ids) + job.logged
     if job.echo is not None and not job.prompt_logged:
       values, start, job.prompt_logged = list(r.prompt_token_logprobs) + values, 0, True
@@ -77,15 +81,32 @@ class Answer:
       entries, offsets = [e for e, o in zip(entries, offsets) if o < limit], [o for o in offsets if o < limit]
     job.logged = len(ids) - len(job.prompt_ids)
     if self.chat:
-      return {"content": [{"token": t, "logprob": v, "bytes": list(t.encode()),
-                           "top_logprobs": [{"token": a, "logprob": w, "bytes": list(a.encode())} for a, w in top]}
-                          for t, v, top in entries]}
-    return {"tokens": [t for t, _, _ in entries], "token_logprobs": [v for _, v, _ in entries],
-            "top_logprobs": [None if top is None else _by_text(top) for _, _, top in entries],
-            "text_offset": offsets}
+      return {
+        "content": [
+          {
+            "token": t,
+            "logprob": v,
+            "bytes": list(t.encode()),
+            "top_logprobs": [{"token": a, "logprob": w, "bytes": list(a.encode())} for a, w in top],
+          }
+          for t, v, top in entries
+        ]
+      }
+    return {
+      "tokens": [t for t, _, _ in entries],
+      "token_logprobs": [v for _, v, _ in entries],
+      "top_logprobs": [None if top is None else _by_text(top) for _, _, top in entries],
+      "text_offset": offsets,
+    }
 
-  def chunk(self, index: int, piece: str | None = None, logprobs: dict | None = None,
-            finish_reason: str | None = None, role: bool = False) -> str:
+  def chunk(
+    self,
+    index: int,
+    piece: str | None = None,
+    logprobs: dict | None = None,
+    finish_reason: str | None = None,
+    role: bool = False,
+  ) -> str:
     """One stream event for choice `index`: a text piece (chat: a delta, with the role first)."""
     if self.chat:
       delta = {"role": "assistant", "content": ""} if role else ({} if piece is None else {"content": piece})
@@ -93,13 +114,20 @@ class Answer:
     else:
       choice = {"index": index, "text": piece or ""}
     choice.update({"logprobs": logprobs, "finish_reason": finish_reason})
-    return event({**self.head, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                  "choices": [choice]})
+    return event(
+      {**self.head, "object": "chat.completion.chunk" if self.chat else "text_completion", "choices": [choice]}
+    )
 
   def usage_chunk(self, jobs: list[Job], prompts: list[list[int]]) -> str:
     """The last event of a stream with `stream_options.include_usage`: no choices, the usage."""
-    return event({**self.head, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                  "choices": [], "usage": usage(jobs, prompts)})
+    return event(
+      {
+        **self.head,
+        "object": "chat.completion.chunk" if self.chat else "text_completion",
+        "choices": [],
+        "usage": usage(jobs, prompts),
+      }
+    )
 
 
 def _by_text(top: list[tuple[str, float]]) -> dict[str, float]:

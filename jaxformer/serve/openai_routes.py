@@ -32,7 +32,7 @@ from jaxformer.serve.openai_params import Options, get, max_new_tokens, options,
 from jaxformer.serve.openai_responses import DONE, Answer, Job, event
 from jaxformer.serve.text import Continuation
 
-COMPLETION_TOKENS = 16   # the OpenAI API's default max_tokens for completions
+COMPLETION_TOKENS = 16  # the OpenAI API's default max_tokens for completions
 
 
 class OpenAIRoutes:
@@ -45,14 +45,21 @@ class OpenAIRoutes:
 
   def routes(self) -> list[Route]:
     """The Starlette routes."""
-    return [Route("/v1/models", self.models, methods=["GET"]),
-            Route("/v1/models/{name:path}", self.model, methods=["GET"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/chat/completions", self.chat, methods=["POST"])]
+    return [
+      Route("/v1/models", self.models, methods=["GET"]),
+      Route("/v1/models/{name:path}", self.model, methods=["GET"]),
+      Route("/v1/completions", self.completions, methods=["POST"]),
+      Route("/v1/chat/completions", self.chat, methods=["POST"]),
+    ]
 
   def _card(self) -> dict:
-    return {"id": self.server.model_name, "object": "model", "created": self.server.started, "owned_by": "jaxformer",
-            "max_model_len": self.server.window}
+    return {
+      "id": self.server.model_name,
+      "object": "model",
+      "created": self.server.started,
+      "owned_by": "jaxformer",
+      "max_model_len": self.server.window,
+    }
 
   async def models(self, http: HttpRequest) -> JSONResponse:
     """GET /v1/models: the one served model."""
@@ -77,14 +84,21 @@ class OpenAIRoutes:
   def _check_model(self, body: dict) -> None:
     name = get(body, "model", str)
     if name is not None and name != self.server.model_name:
-      raise ApiError(f"the model {name!r} does not exist; this server serves {self.server.model_name!r} "
-                     "(GET /v1/models)", status=404, param="model", code="model_not_found")
+      raise ApiError(
+        f"the model {name!r} does not exist; this server serves {self.server.model_name!r} (GET /v1/models)",
+        status=404,
+        param="model",
+        code="model_not_found",
+      )
 
   async def _completions(self, http: HttpRequest, body: dict):
     self._check_model(body)
     if self.translation:
-      raise BadRequest(f"this server holds a translation model (model.kind={self.server.restored.config.model.kind}); "
-                       "use /v1/chat/completions or /v1/translate", code="unsupported_model_kind")
+      raise BadRequest(
+        f"this server holds a translation model (model.kind={self.server.restored.config.model.kind}); "
+        "use /v1/chat/completions or /v1/translate",
+        code="unsupported_model_kind",
+      )
     opts = options(body, chat=False, max_queue=self.server.max_queue)
     model = self.server.restored.config.model
     texts = prompts(body, model.vocab_size, model.pad_id)
@@ -107,8 +121,11 @@ class OpenAIRoutes:
       ids = self.server.source_ids(chat.source_text(messages), "messages")
       limit = self.server.restored.config.model.max_length
       if opts.max_tokens is not None and opts.max_tokens > limit:
-        raise BadRequest(f"max_tokens ({opts.max_tokens}) is beyond this model's output length of {limit} tokens",
-                         "max_tokens", code="context_length_exceeded")
+        raise BadRequest(
+          f"max_tokens ({opts.max_tokens}) is beyond this model's output length of {limit} tokens",
+          "max_tokens",
+          code="context_length_exceeded",
+        )
       new = opts.max_tokens or min(len(ids) + EXTRA_TOKENS, limit)
     else:
       ids = chat.chat_ids(messages, self.tokenizer)
@@ -120,15 +137,24 @@ class OpenAIRoutes:
 
   def _check_count(self, count: int) -> None:
     if count > self.server.max_queue:
-      raise BadRequest(f"{count} completions (prompts x n) in one request; ask for at most {self.server.max_queue} "
-                       "(the server's --max-queue)", "n")
+      raise BadRequest(
+        f"{count} completions (prompts x n) in one request; ask for at most {self.server.max_queue} "
+        "(the server's --max-queue)",
+        "n",
+      )
 
   def _job(self, index: int, ids: list[int], new: int, opts: Options, choice: int, echo: str | None) -> Job:
-    before = [] if self.translation else ids   # what the output's text follows (a translation stands alone)
+    before = [] if self.translation else ids  # what the output's text follows (a translation stands alone)
     text = Continuation(self.tokenizer, before, opts.stop)
-    request = Request(ids, new, **opts.engine_fields(), logprobs=opts.logprobs,
-                      prompt_logprobs=echo is not None and opts.logprobs is not None, choice=choice,
-                      stop=text.stopped if opts.stop else None)
+    request = Request(
+      ids,
+      new,
+      **opts.engine_fields(),
+      logprobs=opts.logprobs,
+      prompt_logprobs=echo is not None and opts.logprobs is not None,
+      choice=choice,
+      stop=text.stopped if opts.stop else None,
+    )
     return Job(index, before, echo, request, text)
 
   async def _run(self, http: HttpRequest, jobs: list[Job], inputs: list[list[int]], opts: Options, answer: Answer):
@@ -138,8 +164,9 @@ class OpenAIRoutes:
     await self.server.wait(http, requests, self.server.attach(requests))
     return JSONResponse(answer.whole(jobs, self.tokenizer, opts.logprobs, inputs))
 
-  def _stream(self, jobs: list[Job], inputs: list[list[int]], opts: Options, answer: Answer,
-              queue: asyncio.Queue) -> StreamingResponse:
+  def _stream(
+    self, jobs: list[Job], inputs: list[list[int]], opts: Options, answer: Answer, queue: asyncio.Queue
+  ) -> StreamingResponse:
     by_id = {j.request.id: j for j in jobs}
 
     async def events():
@@ -152,8 +179,13 @@ class OpenAIRoutes:
           try:
             request, token = await asyncio.wait_for(queue.get(), timeout=self.server.request_timeout)
           except TimeoutError:
-            yield event(error_body(f"the request took over {self.server.request_timeout:g} s and was cancelled",
-                                   "timeout_error", code="timeout"))
+            yield event(
+              error_body(
+                f"the request took over {self.server.request_timeout:g} s and was cancelled",
+                "timeout_error",
+                code="timeout",
+              )
+            )
             break
           pending -= token is None
           if request.error:
@@ -169,6 +201,7 @@ class OpenAIRoutes:
       finally:
         for j in jobs:
           j.request.cancelled = not j.request.done
+
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
   def _chunk(self, job: Job, done: bool, opts: Options, answer: Answer) -> str | None:

@@ -47,8 +47,10 @@ class OwnRoutes:
 
   def routes(self) -> list[Route]:
     """The Starlette routes."""
-    return [Route("/v1/translate", self.translate, methods=["POST"]),
-            Route("/v1/generate", self.generate, methods=["POST"])]
+    return [
+      Route("/v1/translate", self.translate, methods=["POST"]),
+      Route("/v1/generate", self.generate, methods=["POST"]),
+    ]
 
   async def translate(self, http: HttpRequest):
     """POST /v1/translate: `{"text": str | [str]}` -> translations (400 on a bad body)."""
@@ -62,7 +64,6 @@ class OwnRoutes:
     if self.server.task.translates != wants_translation:
       other = "/v1/generate" if wants_translation else "/v1/translate"
       raise BadRequest(f"this server holds a model of kind {self.restored.config.model.kind}; use {other}")
-
 
   async def _translate(self, http: HttpRequest, body: dict):
     self._check_kind(True)
@@ -105,11 +106,19 @@ class OwnRoutes:
       raise BadRequest(f"the prompt is {len(ids)} tokens long and fills the model's context of {window}; shorten it")
     new = _field(body, "max_new_tokens", int, min(64, window - len(ids)), 1)
     if len(ids) + new > window:
-      raise BadRequest(f"prompt ({len(ids)} tokens) + max_new_tokens ({new}) exceeds the model's context of "
-                       f"{window} tokens; shorten one of them")
-    request = Request(ids, new, temperature=_field(body, "temperature", float, None),
-                      top_k=_field(body, "top_k", int, None), top_p=_field(body, "top_p", float, None),
-                      seed=_field(body, "seed", int, 0), eos_id=-1)
+      raise BadRequest(
+        f"prompt ({len(ids)} tokens) + max_new_tokens ({new}) exceeds the model's context of "
+        f"{window} tokens; shorten one of them"
+      )
+    request = Request(
+      ids,
+      new,
+      temperature=_field(body, "temperature", float, None),
+      top_k=_field(body, "top_k", int, None),
+      top_p=_field(body, "top_p", float, None),
+      seed=_field(body, "seed", int, 0),
+      eos_id=-1,
+    )
     try:
       self.server.engine.validate(request)
     except ValueError as e:
@@ -134,8 +143,9 @@ class OwnRoutes:
             yield "data: [DONE]\n\n"
             return
           now = text.text(request.tokens)
-          piece, sent = now[len(sent):], now
+          piece, sent = now[len(sent) :], now
           yield f"data: {json.dumps({'token': token, 'text': piece})}\n\n"
       finally:
         request.cancelled = not request.done
+
     return StreamingResponse(events(), media_type="text/event-stream")

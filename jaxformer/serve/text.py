@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-CONTEXT = 8   # ids decoded before a token to find its text (`context`)
+CONTEXT = 8  # ids decoded before a token to find its text (`context`)
 
 
 class Continuation:
@@ -28,11 +28,11 @@ class Continuation:
   def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop: Sequence[str] = ()):
     self.tokenizer, self.prompt, self.stop = tokenizer, context(tokenizer, prompt_ids), tuple(stop)
     self.prompt_text = tokenizer.decode(self.prompt) if self.prompt else ""
-    self.sent = 0   # characters released so far
+    self.sent = 0  # characters released so far
 
   def text(self, tokens: Sequence[int]) -> str:
     """The decoded continuation, uncut."""
-    return self.tokenizer.decode(self.prompt + list(tokens))[len(self.prompt_text):]
+    return self.tokenizer.decode(self.prompt + list(tokens))[len(self.prompt_text) :]
 
   def cut(self, text: str) -> int | None:
     """Where the first stop string begins in `text`, or None."""
@@ -56,9 +56,9 @@ class Continuation:
     text, cut = self.final(tokens)
     if not done and not cut:
       if self.stop:
-        text = text[:len(text) - max(len(s) for s in self.stop) + 1]
+        text = text[: len(text) - max(len(s) for s in self.stop) + 1]
       text = text.rstrip("\ufffd")
-    piece = text[self.sent:]
+    piece = text[self.sent :]
     self.sent = max(self.sent, len(text))
     return piece
 
@@ -75,7 +75,8 @@ def token_logprobs(tokenizer: Any, ids: Sequence[int], logprobs: Sequence, start
 
     def text(token, ids_before=ids_before, before=before):
       after = tokenizer.decode([*ids_before, token])
-      return after[len(before):] if after.startswith(before) else after
+      return after[len(before) :] if after.startswith(before) else after
+
     entry = logprobs[i - start]
     own = text(ids[i])
     if entry is None:
@@ -93,4 +94,4 @@ def context(tokenizer: Any, ids: Sequence[int]) -> list[int]:
   EOS (decoding stops at EOS, so a chat's earlier turns would hide what follows)."""
   ids = list(ids)[-CONTEXT:]
   eos = tokenizer.special_ids.eos
-  return ids[len(ids) - ids[::-1].index(eos):] if eos >= 0 and eos in ids else ids
+  return ids[len(ids) - ids[::-1].index(eos) :] if eos >= 0 and eos in ids else ids

@@ -8,9 +8,9 @@ from __future__ import annotations
 import importlib
 
 TASKS = {
-    "encoder_decoder": "jaxformer.tasks.translation:Translation",
-    "decoder_only": "jaxformer.tasks.causal_lm:CausalLM",
-    "encoder_only": "jaxformer.tasks.masked_lm:MaskedLM",
+  "encoder_decoder": "jaxformer.tasks.translation:Translation",
+  "decoder_only": "jaxformer.tasks.causal_lm:CausalLM",
+  "encoder_only": "jaxformer.tasks.masked_lm:MaskedLM",
 }
 
 

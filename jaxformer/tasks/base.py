@@ -37,6 +37,7 @@ class EvalOptions:
   tokenizers encode the evaluation data; draft: None, or a function restoring the draft model of
   speculative greedy decoding.
   """
+
   split: str | None = None
   src: str | None = None
   ref: str | None = None
@@ -44,7 +45,7 @@ class EvalOptions:
   search: Any = None
   output: str | None = None
   workdir: str | None = None
-  draft: Any = None   # () -> `inference.decode.Draft` (speculative decoding), restored after the model
+  draft: Any = None  # () -> `inference.decode.Draft` (speculative decoding), restored after the model
 
 
 class Task(abc.ABC):
@@ -70,6 +71,7 @@ class Task(abc.ABC):
     validation_scores: metrics `score_validation` adds to the validation loss (`train.keep_best`
       may name them with a `val_` prefix).
   """
+
   kind = ""
   data_kind = D.PAIRS
   reserved_ids = 0
@@ -92,17 +94,23 @@ class Task(abc.ABC):
     (subclasses extend it). Here: the model options only some kinds have.
     """
     m = self.config.model
-    used = [f"model.{k}={getattr(m, k)}" for k in ("embedding_norm", "type_vocab_size", "position_offset")
-            if getattr(m, k)]
+    used = [
+      f"model.{k}={getattr(m, k)}" for k in ("embedding_norm", "type_vocab_size", "position_offset") if getattr(m, k)
+    ]
     if used and not self.bert_embeddings:
-      raise ConfigError(f"{used[0]} acts in the decoder_only and encoder_only models; "
-                        f"turn it off (false / 0) for model.kind={m.kind}")
+      raise ConfigError(
+        f"{used[0]} acts in the decoder_only and encoder_only models; turn it off (false / 0) for model.kind={m.kind}"
+      )
     if m.logits_bias and not self.logits_bias:
-      raise ConfigError(f"model.logits_bias=true is the encoder-decoder's output bias (Marian's final_logits_bias); "
-                        f"set model.kind=encoder_decoder or model.logits_bias=false (model.kind={m.kind})")
+      raise ConfigError(
+        f"model.logits_bias=true is the encoder-decoder's output bias (Marian's final_logits_bias); "
+        f"set model.kind=encoder_decoder or model.logits_bias=false (model.kind={m.kind})"
+      )
     if m.mlm_head and not self.mlm_head:
-      raise ConfigError(f"model.mlm_head=true is the masked LM's output transform; set model.kind=encoder_only "
-                        f"or model.mlm_head=false (model.kind={m.kind})")
+      raise ConfigError(
+        f"model.mlm_head=true is the masked LM's output transform; set model.kind=encoder_only "
+        f"or model.mlm_head=false (model.kind={m.kind})"
+      )
 
   def batch_lengths(self) -> tuple[int, ...]:
     """The sequence lengths this task's batches can have (`data.max_length`; translation adds its buckets)."""
@@ -131,8 +139,7 @@ class Task(abc.ABC):
     """(training batches with `.iterate(start_step)`, list of validation batches) of this process."""
 
   @abc.abstractmethod
-  def outputs(self, model: nn.Module, params: Any, batch: dict[str, jax.Array],
-              rng: jax.Array | None) -> Outputs:
+  def outputs(self, model: nn.Module, params: Any, batch: dict[str, jax.Array], rng: jax.Array | None) -> Outputs:
     """The logits, targets, loss weights and auxiliary sums of `batch` (`Outputs`). `rng` None
     means evaluation (dropout off); otherwise it is the step's key."""
 
@@ -144,12 +151,15 @@ class Task(abc.ABC):
       ValueError: the dataset has no such split.
     """
     from jaxformer.checkpoint.manager import load_vocabulary  # noqa: PLC0415  (Orbax: only when evaluating)
+
     split = {"val": "validation", "test": "test"}[options.split or self.default_split]
     vocab = load_vocabulary(options.workdir) if options.workdir else None
     splits = self.load_data(vocab, only=(split,))[1]
     if split not in splits:
-      raise ValueError(f"the dataset has no {split} split; give data.test_files when training, "
-                       "or use --split val" + (" or --src/--ref" if self.data_kind == D.PAIRS else ""))
+      raise ValueError(
+        f"the dataset has no {split} split; give data.test_files when training, "
+        "or use --split val" + (" or --src/--ref" if self.data_kind == D.PAIRS else "")
+      )
     return splits[split]
 
   def score_validation(self, restored: Any, split: Any) -> dict[str, float]:
@@ -168,14 +178,16 @@ class Outputs(NamedTuple):
   """What `Task.outputs` returns for the loss: float32 `logits` `[batch, length, vocab]`, int
   `targets` `[batch, length]`, float32 loss `weights` `[batch, length]` (1 on real targets, 0
   on padding), and `aux`, the auxiliary sums the model's layers sowed (`apply_model`)."""
+
   logits: jax.Array
   targets: jax.Array
   weights: jax.Array
   aux: dict[str, jax.Array]
 
 
-def apply_model(model: nn.Module, params: Any, rng: jax.Array | None, *args,
-                **kwargs) -> tuple[jax.Array, dict[str, jax.Array]]:
+def apply_model(
+  model: nn.Module, params: Any, rng: jax.Array | None, *args, **kwargs
+) -> tuple[jax.Array, dict[str, jax.Array]]:
   """`model.apply` with dropout on when `rng` is a key, off when it is None.
 
   Returns:

@@ -21,12 +21,20 @@ from jaxformer.tasks.base import EvalOptions, Outputs, Task, apply_model
 def lm_outputs(model, params, batch, rng, inputs):
   """The language models' forward pass on `inputs` (the batch's or masked), with packing's
   segment ids and positions when the batch has them: (logits, auxiliary sums), see `apply_model`."""
-  return apply_model(model, params, rng, inputs, None, segment_ids=batch.get("inputs_segment_ids"),
-                     positions=batch.get("inputs_positions"))
+  return apply_model(
+    model,
+    params,
+    rng,
+    inputs,
+    None,
+    segment_ids=batch.get("inputs_segment_ids"),
+    positions=batch.get("inputs_positions"),
+  )
 
 
 class CausalLM(Task):
   """Token windows -> `DecoderOnly`; see the module docstring."""
+
   kind = "decoder_only"
   data_kind = D.TEXT
   generates = True
@@ -43,9 +51,11 @@ class CausalLM(Task):
       ConfigError: Linformer attention, which is non-causal.
     """
     super().validate()
-    if self.config.model.attention == "linformer" and self.make_model().CAUSAL:   # (the masked LM is not)
-      raise ConfigError("model.attention=linformer is non-causal (keys are mixed along the sequence); use it with "
-                        "model.kind=encoder_only or encoder_decoder (its encoder), or model.attention=dense|blockwise")
+    if self.config.model.attention == "linformer" and self.make_model().CAUSAL:  # (the masked LM is not)
+      raise ConfigError(
+        "model.attention=linformer is non-causal (keys are mixed along the sequence); use it with "
+        "model.kind=encoder_only or encoder_decoder (its encoder), or model.attention=dense|blockwise"
+      )
 
   def make_model(self) -> DecoderOnly:
     """`Task.make_model`: a `DecoderOnly` model."""
@@ -67,6 +77,7 @@ class CausalLM(Task):
     import jax  # noqa: PLC0415
 
     from jaxformer.tasks.evaluate import batches_loss  # noqa: PLC0415
+
     if options.src or options.ref:
       raise ValueError("--src/--ref score translations; a language model's eval scores --split val|test")
     data = self.eval_split(options)

@@ -41,9 +41,14 @@ def _round_batch(restored: Restored, batch_size: int) -> int:
   return max(dp, batch_size // dp * dp)
 
 
-def decode_sources(restored: Restored, sources: Sequence[str], batch_size: int = 64,
-                   search: SearchOptions | None = None, warmup: bool = False,
-                   draft: Draft | None = None) -> tuple[list[dict], dict]:
+def decode_sources(
+  restored: Restored,
+  sources: Sequence[str],
+  batch_size: int = 64,
+  search: SearchOptions | None = None,
+  warmup: bool = False,
+  draft: Draft | None = None,
+) -> tuple[list[dict], dict]:
   """Decodes `sources` in length-sorted batches (`eval_batches` with the run's buckets).
 
   Returns (batches, speed stats). Each batch is a dict of host arrays: `inputs` int32
@@ -58,8 +63,14 @@ def decode_sources(restored: Restored, sources: Sequence[str], batch_size: int =
   """
   cfg = restored.config
   batch_size = _round_batch(restored, batch_size)
-  data = tokenize_split(restored.source_tokenizer, list(sources), list(sources), cfg.data.max_length,
-                        overlong="truncate", eos_id=cfg.model.eos_id)
+  data = tokenize_split(
+    restored.source_tokenizer,
+    list(sources),
+    list(sources),
+    cfg.data.max_length,
+    overlong="truncate",
+    eos_id=cfg.model.eos_id,
+  )
   decode = make_decode_fn(restored.model, restored.mesh, cfg.model.max_length, search, draft, restored.rules)
   batches = eval_batches(data, batch_size, cfg.data.buckets, pad_id=cfg.model.pad_id)
 
@@ -78,13 +89,18 @@ def decode_sources(restored: Restored, sources: Sequence[str], batch_size: int =
   generated = sum(int(np.count_nonzero(b["tokens"][b["index"] >= 0] != cfg.model.pad_id)) for b in out)
   speed = {"sentences_per_sec": len(sources) / seconds, "tokens_per_sec": generated / seconds, "seconds": seconds}
   if draft is not None:
-    accepted, proposed = np.sum(decode.speculation[-len(batches):], axis=0)
+    accepted, proposed = np.sum(decode.speculation[-len(batches) :], axis=0)
     speed["draft_acceptance"] = float(accepted / max(proposed, 1))
   return out, speed
 
 
-def translate(restored: Restored, sources: Sequence[str], batch_size: int = 64,
-              search: SearchOptions | None = None, draft: Draft | None = None) -> tuple[list[str], dict]:
+def translate(
+  restored: Restored,
+  sources: Sequence[str],
+  batch_size: int = 64,
+  search: SearchOptions | None = None,
+  draft: Draft | None = None,
+) -> tuple[list[str], dict]:
   """Translates `sources`; returns (hypotheses in input order, speed stats).
 
   `search` picks greedy (default), beam search or sampling and the output length
@@ -104,8 +120,14 @@ def translate(restored: Restored, sources: Sequence[str], batch_size: int = 64,
   return hyps, speed
 
 
-def hypothesis_scores(model: nn.Module, params: Any, inputs: jax.Array, tokens: jax.Array,
-                      alpha: float = LENGTH_PENALTY, eos_id: int | None = None) -> jax.Array:
+def hypothesis_scores(
+  model: nn.Module,
+  params: Any,
+  inputs: jax.Array,
+  tokens: jax.Array,
+  alpha: float = LENGTH_PENALTY,
+  eos_id: int | None = None,
+) -> jax.Array:
   """Beam search's objective for given hypotheses, by teacher forcing.
 
   score(Y) = sum_t log p(y_t | y_<t, X) / length_penalty(|Y|, alpha), the sum over the
@@ -128,16 +150,17 @@ def hypothesis_scores(model: nn.Module, params: Any, inputs: jax.Array, tokens: 
   eos_id = model.config.eos_id if eos_id is None else eos_id
   out_len = tokens.shape[1]
   is_eos = tokens == eos_id
-  length = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1) + 1, out_len)      # [B]
-  logits = no_pad(model.apply({"params": params}, inputs, tokens), model.config.pad_id)                      # [B, T, V]
+  length = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1) + 1, out_len)  # [B]
+  logits = no_pad(model.apply({"params": params}, inputs, tokens), model.config.pad_id)  # [B, T, V]
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  token_logp = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]           # [B, T]
+  token_logp = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]  # [B, T]
   in_hypothesis = jnp.arange(out_len)[None, :] < length[:, None]
   return jnp.sum(jnp.where(in_hypothesis, token_logp, 0.0), axis=1) / length_penalty(length, alpha)
 
 
-def reference_loss(restored: Restored, sources: Sequence[str], references: Sequence[str],
-                   batch_size: int = 64) -> dict[str, float]:
+def reference_loss(
+  restored: Restored, sources: Sequence[str], references: Sequence[str], batch_size: int = 64
+) -> dict[str, float]:
   """Teacher-forced loss of `references` given `sources` (dropout off).
 
   Returns `loss` (mean NLL per non-padding target token incl. EOS, nats, no label
@@ -145,20 +168,31 @@ def reference_loss(restored: Restored, sources: Sequence[str], references: Seque
   """
   cfg = restored.config
   batch_size = _round_batch(restored, batch_size)
-  data = tokenize_split(restored.source_tokenizer, list(sources), list(references), cfg.data.max_length,
-                        overlong="truncate", target_tokenizer=restored.tokenizer, eos_id=cfg.model.eos_id)
+  data = tokenize_split(
+    restored.source_tokenizer,
+    list(sources),
+    list(references),
+    cfg.data.max_length,
+    overlong="truncate",
+    target_tokenizer=restored.tokenizer,
+    eos_id=cfg.model.eos_id,
+  )
   return batches_loss(restored, eval_batches(data, batch_size, cfg.data.buckets, pad_id=cfg.model.pad_id))
 
 
 def batches_loss(restored: Restored, batches) -> dict[str, float]:
   """`loss` (mean NLL per weighted target token, nats, no label smoothing), `perplexity` =
   exp(loss), `accuracy` and `num_tokens` of the restored model over host `batches` (dropout off)."""
-  params = jax.jit(dequantize_params)(restored.params)   # int8 (`--quantize`): the loss in float
+  params = jax.jit(dequantize_params)(restored.params)  # int8 (`--quantize`): the loss in float
   param_shardings = jax.tree.map(lambda x: x.sharding, params)
   eval_step = make_eval_step(restored.model, restored.config, restored.mesh, param_shardings)
   totals = evaluate_loss(eval_step, params, batches, restored.mesh, restored.rules)
-  return {"loss": totals["nll"], "perplexity": float(np.exp(totals["nll"])), "accuracy": totals["accuracy"],
-          "num_tokens": int(totals["num_tokens"])}
+  return {
+    "loss": totals["nll"],
+    "perplexity": float(np.exp(totals["nll"])),
+    "accuracy": totals["accuracy"],
+    "num_tokens": int(totals["num_tokens"]),
+  }
 
 
 def score(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any]:
@@ -173,8 +207,12 @@ def score(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any
   chrf = sacrebleu.metrics.CHRF()
   b = bleu.corpus_score(list(hypotheses), [list(references)])
   c = chrf.corpus_score(list(hypotheses), [list(references)])
-  return {"bleu": round(b.score, 2), "chrf": round(c.score, 2),
-          "bleu_signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature())}
+  return {
+    "bleu": round(b.score, 2),
+    "chrf": round(c.score, 2),
+    "bleu_signature": str(bleu.get_signature()),
+    "chrf_signature": str(chrf.get_signature()),
+  }
 
 
 def hypotheses_destination(output: str | None, workdir: str | Path) -> str:
@@ -192,16 +230,21 @@ def hypotheses_destination(output: str | None, workdir: str | Path) -> str:
     if os.access(workdir, os.W_OK):
       return str(workdir)
     folder = tempfile.mkdtemp(prefix="jaxformer-eval-")
-    print(f"note: {workdir} is not writable, so the hypotheses go to {folder} (--output FILE puts them elsewhere)",
-          file=sys.stderr, flush=True)
+    print(
+      f"note: {workdir} is not writable, so the hypotheses go to {folder} (--output FILE puts them elsewhere)",
+      file=sys.stderr,
+      flush=True,
+    )
     return folder
   path = Path(output)
   if path.is_dir():
     raise ValueError(f"--output {output} is a directory; give a file path, e.g. --output {path / 'hypotheses.txt'}")
   folder = path.absolute().parent
   if not folder.is_dir() or not os.access(folder, os.W_OK):
-    raise ValueError(f"--output {output}: its folder {folder} is {'not writable' if folder.is_dir() else 'missing'}; "
-                     "give a file path in a writable folder")
+    raise ValueError(
+      f"--output {output}: its folder {folder} is {'not writable' if folder.is_dir() else 'missing'}; "
+      "give a file path in a writable folder"
+    )
   return output
 
 
@@ -229,6 +272,7 @@ def write_lines_atomic(path: str | Path, lines: Sequence[str]) -> None:
 def result_json(result: dict[str, Any]) -> str:
   """`result` as one line of strict JSON: non-finite floats (a diverged model's loss or
   perplexity) become null, since JSON has no NaN or Infinity."""
+
   def finite(x):
     if isinstance(x, float):
       return x if math.isfinite(x) else None
@@ -237,4 +281,5 @@ def result_json(result: dict[str, Any]) -> str:
     if isinstance(x, (list, tuple)):
       return [finite(v) for v in x]
     return x
+
   return json.dumps(finite(result), allow_nan=False)

@@ -32,16 +32,20 @@ def _logit_statistics_bwd(residuals, cotangents):
   logits, targets, log_z = residuals
   d_log_z, d_target, d_mean, _ = cotangents
   one_hot = jnp.arange(logits.shape[-1]) == targets[..., None]
-  d_logits = (d_log_z[..., None] * jnp.exp(logits - log_z[..., None]) + jnp.where(one_hot, d_target[..., None], 0.0)
-              + d_mean[..., None] / logits.shape[-1])
+  d_logits = (
+    d_log_z[..., None] * jnp.exp(logits - log_z[..., None])
+    + jnp.where(one_hot, d_target[..., None], 0.0)
+    + d_mean[..., None] / logits.shape[-1]
+  )
   return d_logits, None
 
 
 logit_statistics.defvjp(_logit_statistics_fwd, _logit_statistics_bwd)
 
 
-def cross_entropy_sums(logits: jax.Array, targets: jax.Array, weights: jax.Array,
-                       label_smoothing: float = 0.0, z_loss: float = 0.0) -> dict[str, jax.Array]:
+def cross_entropy_sums(
+  logits: jax.Array, targets: jax.Array, weights: jax.Array, label_smoothing: float = 0.0, z_loss: float = 0.0
+) -> dict[str, jax.Array]:
   """Summed losses, to be divided by `num_tokens` after summing over batches and devices.
 
   The smoothed target puts 1 - label_smoothing on the true token and spreads
@@ -61,14 +65,14 @@ def cross_entropy_sums(logits: jax.Array, targets: jax.Array, weights: jax.Array
     negative log-likelihood sum, nats), `correct` (argmax hits), `num_tokens`.
   """
   log_z, target_logits, mean_logits, max_logits = logit_statistics(logits.astype(jnp.float32), targets)
-  nll = log_z - target_logits                                  # -log p(target), [B, T]
-  smooth = log_z - mean_logits                                 # -mean_v log p(v), [B, T]
+  nll = log_z - target_logits  # -log p(target), [B, T]
+  smooth = log_z - mean_logits  # -mean_v log p(v), [B, T]
   loss = (1.0 - label_smoothing) * nll + label_smoothing * smooth + z_loss * jnp.square(log_z)
   # Hit: the target's logit is the largest (ties count as hits); no separate argmax pass.
   correct = (target_logits >= max_logits).astype(jnp.float32)
   return {
-      "loss": jnp.sum(loss * weights),
-      "nll": jnp.sum(nll * weights),
-      "correct": jnp.sum(correct * weights),
-      "num_tokens": jnp.sum(weights),
+    "loss": jnp.sum(loss * weights),
+    "nll": jnp.sum(nll * weights),
+    "correct": jnp.sum(correct * weights),
+    "num_tokens": jnp.sum(weights),
   }

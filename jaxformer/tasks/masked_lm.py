@@ -22,7 +22,7 @@ from jaxformer.models.transformer import PAD_ID
 from jaxformer.tasks.base import Outputs
 from jaxformer.tasks.causal_lm import CausalLM, lm_outputs
 
-_EVAL_MASK_KEY = 0        # eval masks: this key folded with each row's tokens
+_EVAL_MASK_KEY = 0  # eval masks: this key folded with each row's tokens
 _SENTENCEPIECE_SPECIALS = 4  # our PAD, UNK, BOS, EOS: never drawn as random replacements
 
 
@@ -38,8 +38,15 @@ def random_ids(key: jax.Array, shape: tuple[int, ...], vocab_size: int, never_dr
   return ids.astype(jnp.int32)
 
 
-def mlm_mask(row_keys: jax.Array, tokens: jax.Array, mask_id: int, vocab_size: int, never_drawn: tuple[int, ...],
-             probability: float = 0.15, pad_id: int = PAD_ID) -> tuple[jax.Array, jax.Array]:
+def mlm_mask(
+  row_keys: jax.Array,
+  tokens: jax.Array,
+  mask_id: int,
+  vocab_size: int,
+  never_drawn: tuple[int, ...],
+  probability: float = 0.15,
+  pad_id: int = PAD_ID,
+) -> tuple[jax.Array, jax.Array]:
   """BERT's corruption of int `[batch, length]` `tokens`, one key per row (`row_keys` `[batch]`).
 
   A non-padding (`pad_id`) token is selected with `probability`; a selected token is replaced by
@@ -51,6 +58,7 @@ def mlm_mask(row_keys: jax.Array, tokens: jax.Array, mask_id: int, vocab_size: i
     (int32 corrupted inputs `[batch, length]`, float32 loss weights `[batch, length]`:
     1 on selected tokens, else 0).
   """
+
   def row(key, ids):
     k_select, k_kind, k_random = jax.random.split(key, 3)
     selected = jax.random.bernoulli(k_select, probability, ids.shape) & (ids != pad_id)
@@ -58,11 +66,13 @@ def mlm_mask(row_keys: jax.Array, tokens: jax.Array, mask_id: int, vocab_size: i
     replacements = random_ids(k_random, ids.shape, vocab_size, never_drawn)
     corrupted = jnp.where(kind < 0.8, mask_id, jnp.where(kind < 0.9, replacements, ids))
     return jnp.where(selected, corrupted, ids).astype(jnp.int32), selected.astype(jnp.float32)
+
   return jax.vmap(row)(row_keys, tokens)
 
 
 class MaskedLM(CausalLM):
   """Token windows (targets = inputs) -> `EncoderOnly` with BERT masking."""
+
   kind = "encoder_only"
   data_kind = D.TEXT
   needs_rng = True
@@ -93,6 +103,7 @@ class MaskedLM(CausalLM):
     data, ids = self.config.data, self.config.model.special_ids
     if data.tokenizer == "hf":
       from jaxformer.data.tokenizer_hf import HFTokenizer  # noqa: PLC0415  (the hf extra)
+
       specials = {ids.pad, ids.bos, ids.eos, *HFTokenizer.load(data.tokenizer_model).added_token_ids}
     elif data.tokenizer == "char" and not data.tokenizer_model:
       specials = {ids.pad}
@@ -109,7 +120,8 @@ class MaskedLM(CausalLM):
     else:
       keys = jax.random.split(jax.random.fold_in(rng, 1), inputs.shape[0])  # a stream apart from dropout's
     m = self.config.model
-    corrupted, weights = mlm_mask(keys, inputs, self.mask_id, m.vocab_size, self.never_drawn,
-                                  self.config.data.mask_probability, m.pad_id)
+    corrupted, weights = mlm_mask(
+      keys, inputs, self.mask_id, m.vocab_size, self.never_drawn, self.config.data.mask_probability, m.pad_id
+    )
     logits, aux = lm_outputs(model, params, batch, rng, corrupted)
     return Outputs(logits, inputs, weights, aux)

@@ -28,8 +28,9 @@ from jaxformer.tasks.router import add_router_sums
 Batch = dict[str, jax.Array]
 
 
-def loss_fn(task: Task, model: nn.Module, params, batch: Batch, rng: jax.Array | None, label_smoothing: float,
-            z_loss: float = 0.0):
+def loss_fn(
+  task: Task, model: nn.Module, params, batch: Batch, rng: jax.Array | None, label_smoothing: float, z_loss: float = 0.0
+):
   """(float32 loss per real target token, metric sums) of `task`'s `model` on `batch`.
 
   `batch` holds int32 `inputs` and `targets` `[batch, length]` (0 is padding; what they
@@ -41,14 +42,14 @@ def loss_fn(task: Task, model: nn.Module, params, batch: Batch, rng: jax.Array |
   compute dtype.
   """
   out = task.outputs(model, params, batch, rng)
-  sums = add_router_sums(cross_entropy_sums(out.logits, out.targets, out.weights, label_smoothing, z_loss), out.aux,
-                         model.config)
+  sums = add_router_sums(
+    cross_entropy_sums(out.logits, out.targets, out.weights, label_smoothing, z_loss), out.aux, model.config
+  )
   # Normalise by the global count of real target tokens (section 5.4 loss per token).
   return sums["loss"] / jnp.maximum(sums["num_tokens"], 1.0), sums
 
 
-def make_eval_step(model: nn.Module, config: Config, mesh: Mesh,
-                   param_shardings) -> Callable[[object, Batch], dict]:
+def make_eval_step(model: nn.Module, config: Config, mesh: Mesh, param_shardings) -> Callable[[object, Batch], dict]:
   """Returns jitted `(params, batch) -> metric sums` with dropout off (validation loss)."""
   label_smoothing, z_loss = config.optim.label_smoothing, config.train.z_loss
   task = get_task(config)
@@ -58,8 +59,9 @@ def make_eval_step(model: nn.Module, config: Config, mesh: Mesh,
     return loss_fn(task, model, params, batch, None, label_smoothing, z_loss)[1]
 
   rules = sh.rules_for(config.mesh)
-  jitted = jax.jit(step, in_shardings=(param_shardings, sh.batch_sharding(mesh, rules=rules)),
-                   out_shardings=sh.replicated(mesh))
+  jitted = jax.jit(
+    step, in_shardings=(param_shardings, sh.batch_sharding(mesh, rules=rules)), out_shardings=sh.replicated(mesh)
+  )
   return sh.with_mesh(jitted, mesh, rules)
 
 
@@ -70,7 +72,11 @@ def evaluate_loss(eval_step, params, batches, mesh, rules: sh.Rules = sh.LOGICAL
   for batch in batches:
     sums = jax.device_get(eval_step(params, global_batch(batch, mesh, rules)))
     for k, v in sums.items():
-      totals[k] = totals.get(k, 0.0) + np.asarray(v, np.float64)   # (the router's load is per layer)
+      totals[k] = totals.get(k, 0.0) + np.asarray(v, np.float64)  # (the router's load is per layer)
   n = max(totals["num_tokens"], 1.0)
-  return {"loss": float(totals["loss"] / n), "nll": float(totals["nll"] / n), "accuracy": float(totals["correct"] / n),
-          "num_tokens": float(totals["num_tokens"])}
+  return {
+    "loss": float(totals["loss"] / n),
+    "nll": float(totals["nll"] / n),
+    "accuracy": float(totals["correct"] / n),
+    "num_tokens": float(totals["num_tokens"]),
+  }

@@ -21,8 +21,7 @@ import numpy as np
 from jaxformer.config import ModelConfig
 
 
-def add_router_sums(sums: dict[str, jax.Array], aux: dict[str, jax.Array],
-                    config: ModelConfig) -> dict[str, jax.Array]:
+def add_router_sums(sums: dict[str, jax.Array], aux: dict[str, jax.Array], config: ModelConfig) -> dict[str, jax.Array]:
   """`sums` (`losses.cross_entropy_sums`) with the router's weighted losses added to `loss`
   and its statistics as new sums: `router_balance`, `router_z` (unweighted, summed over
   layers), `router_dropped` (dropped assignments) and `router_load` `[layers, experts]`
@@ -30,9 +29,14 @@ def add_router_sums(sums: dict[str, jax.Array], aux: dict[str, jax.Array],
   if "router_load" not in aux:
     return sums
   balance, z = jnp.sum(aux["router_balance"]), jnp.sum(aux["router_z"])
-  return dict(sums, loss=sums["loss"] + config.router_aux_loss * balance + config.router_z_loss * z,
-              router_balance=balance, router_z=z, router_dropped=jnp.sum(aux["router_dropped"]),
-              router_load=aux["router_load"])
+  return dict(
+    sums,
+    loss=sums["loss"] + config.router_aux_loss * balance + config.router_z_loss * z,
+    router_balance=balance,
+    router_z=z,
+    router_dropped=jnp.sum(aux["router_dropped"]),
+    router_load=aux["router_load"],
+  )
 
 
 def summarise_router(history: list[dict[str, Any]], num_tokens: float) -> dict[str, Any]:
@@ -44,13 +48,13 @@ def summarise_router(history: list[dict[str, Any]], num_tokens: float) -> dict[s
   perfect balance, E all tokens on one expert)."""
   if not history or "router_load" not in history[0]:
     return {}
-  load = sum(np.asarray(m["router_load"], np.float64) for m in history)          # [layers, experts]
+  load = sum(np.asarray(m["router_load"], np.float64) for m in history)  # [layers, experts]
   fractions = load / np.maximum(load.sum(axis=-1, keepdims=True), 1.0)
   n = max(num_tokens, 1.0)
   return {
-      "router_balance_loss": sum(float(m["router_balance"]) for m in history) / n,
-      "router_z_loss": sum(float(m["router_z"]) for m in history) / n,
-      "router_dropped": sum(float(m["router_dropped"]) for m in history) / max(float(load.sum()), 1.0),
-      "router_load": np.round(fractions, 4).tolist(),
-      "router_max_load": np.round(fractions.max(axis=-1) * load.shape[-1], 4).tolist(),
+    "router_balance_loss": sum(float(m["router_balance"]) for m in history) / n,
+    "router_z_loss": sum(float(m["router_z"]) for m in history) / n,
+    "router_dropped": sum(float(m["router_dropped"]) for m in history) / max(float(load.sum()), 1.0),
+    "router_load": np.round(fractions, 4).tolist(),
+    "router_max_load": np.round(fractions.max(axis=-1) * load.shape[-1], 4).tolist(),
   }

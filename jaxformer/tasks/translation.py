@@ -39,19 +39,23 @@ def hypotheses_name(split: str, search) -> str:
   split another way does not overwrite the earlier file."""
   summary = search.summary()
   tag = {"beam": f"beam{summary.get('beam_size')}", "sample": f"sample{summary.get('seed')}"}.get(
-      summary["strategy"], summary["strategy"])
+    summary["strategy"], summary["strategy"]
+  )
   return f"hypotheses.{split}.{tag}.txt"
 
 
 class Translation(Task):
   """Sentence pairs -> `EncoderDecoder`; see the module docstring."""
+
   kind = "encoder_decoder"
   data_kind = D.PAIRS
   translates = True
   benchable = True
-  attention_maps = (("encoder", "self_attention", "encoder self-attention"),
-                    ("decoder", "self_attention", "decoder self-attention"),
-                    ("decoder", "cross_attention", "encoder-decoder attention"))
+  attention_maps = (
+    ("encoder", "self_attention", "encoder self-attention"),
+    ("decoder", "self_attention", "decoder self-attention"),
+    ("decoder", "cross_attention", "encoder-decoder attention"),
+  )
   logits_bias = True
   validation_scores = ("bleu",)
 
@@ -63,13 +67,15 @@ class Translation(Task):
     """
     super().validate()
     data = self.config.data
-    if not data.packing:   # packed rows are data.max_length long: no buckets
+    if not data.packing:  # packed rows are data.max_length long: no buckets
       data.validate_buckets()
     if data.tokenizer == "char" and not data.tokenizer_model:
       raise ConfigError("data.tokenizer=char is for language models; use unigram or bpe for translation")
     if not data.shared_vocab and self.config.model.tie_embeddings:
-      raise ConfigError("data.shared_vocab=false gives source and target their own ids; set "
-                        "model.tie_embeddings=false (tied embeddings need one shared vocabulary)")
+      raise ConfigError(
+        "data.shared_vocab=false gives source and target their own ids; set "
+        "model.tie_embeddings=false (tied embeddings need one shared vocabulary)"
+      )
     if not data.shared_vocab and data.tokenizer_model:
       raise ConfigError("data.tokenizer_model is one model for both sides; drop it or set data.shared_vocab=true")
 
@@ -105,13 +111,14 @@ class Translation(Task):
         raise ValueError(f"--src has {len(src)} lines but --ref has {len(ref)}; they must be line-aligned")
       return "custom", src, ref
     data = self.eval_split(options)
-    sources, references = data.texts(range(len(data)))   # one read of the records
+    sources, references = data.texts(range(len(data)))  # one read of the records
     return options.split or self.default_split, sources, references
 
   def score_validation(self, restored, split) -> dict[str, float]:
     """Greedy-decoding BLEU (sacrebleu) of the validation split against its references."""
     from jaxformer.inference.decode import SearchOptions  # noqa: PLC0415
     from jaxformer.tasks import evaluate  # noqa: PLC0415  (evaluate imports the task registry)
+
     sources, references = split.texts(range(len(split)))
     hyps, _ = evaluate.translate(restored, sources, self.config.train.batch_size, SearchOptions())
     return {"bleu": evaluate.score(hyps, references)["bleu"]}
@@ -120,6 +127,7 @@ class Translation(Task):
     """Decodes and scores; writes the hypotheses to `options.output` (a file, or a folder
     that gets `hypotheses_name`), atomically, unless it is None."""
     from jaxformer.tasks import evaluate  # noqa: PLC0415  (evaluate imports the task registry)
+
     name, sources, references = self.eval_texts(options)
     restored = restore()
     draft = options.draft() if options.draft else None
@@ -131,6 +139,13 @@ class Translation(Task):
       if output.is_dir():
         output = output / hypotheses_name(name, options.search)
       evaluate.write_lines_atomic(output, hyps)
-    return {"step": restored.step, "split": name, "num_sentences": len(sources),
-            **evaluate.score(hyps, references), **losses, **{k: round(v, 3) for k, v in speed.items()},
-            "search": options.search.summary(), "hypotheses": None if output is None else str(output)}
+    return {
+      "step": restored.step,
+      "split": name,
+      "num_sentences": len(sources),
+      **evaluate.score(hyps, references),
+      **losses,
+      **{k: round(v, 3) for k, v in speed.items()},
+      "search": options.search.summary(),
+      "hypotheses": None if output is None else str(output),
+    }

@@ -50,7 +50,7 @@ class BestCheckpoint:
       if record.get("metric") == self.metric:
         self.history = [(int(s), float(v)) for s, v in record["history"] if s <= start]
     if jax.process_index() == 0 and (self.directory / "checkpoints").is_dir():
-      for folder in (self.directory / "checkpoints").iterdir():   # saved by evaluations this run replays
+      for folder in (self.directory / "checkpoints").iterdir():  # saved by evaluations this run replays
         if folder.name.isdigit() and int(folder.name) > start:
           shutil.rmtree(folder)
 
@@ -84,8 +84,10 @@ class BestCheckpoint:
   def stop_message(self) -> str:
     """The one line that explains an early stop (the metric, the patience, the best value and step)."""
     step, value = self.best()
-    return (f"early stop: {self.metric} has not improved for {self.evaluations_since_best()} evaluations "
-            f"(train.early_stop_patience={self.patience}); the best was {value:.4f} at step {step}")
+    return (
+      f"early stop: {self.metric} has not improved for {self.evaluations_since_best()} evaluations "
+      f"(train.early_stop_patience={self.patience}); the best was {value:.4f} at step {step}"
+    )
 
   def update(self, step: int, scores: dict[str, float], params: Any) -> bool:
     """Records the evaluation of `step` (`scores` holds `metric`), saves `params` as the best
@@ -100,14 +102,15 @@ class BestCheckpoint:
       self.directory.mkdir(parents=True, exist_ok=True)
       tmp = self.directory / (BEST_FILE + ".tmp")
       best_step, best_value = self.best()
-      tmp.write_text(json.dumps({"metric": self.metric, "step": best_step, "value": best_value,
-                                 "history": self.history}) + "\n")
+      tmp.write_text(
+        json.dumps({"metric": self.metric, "step": best_step, "value": best_value, "history": self.history}) + "\n"
+      )
       tmp.replace(self.directory / BEST_FILE)
     return self.should_stop()
 
   def _save(self, step: int, params: Any) -> None:
-    saver = ckpt.Checkpointer(self.directory, keep=1, async_save=False)   # Orbax drops the older one once saved
-    if step not in saver.all_steps():   # a replayed evaluation: the same params are there already
+    saver = ckpt.Checkpointer(self.directory, keep=1, async_save=False)  # Orbax drops the older one once saved
+    if step not in saver.all_steps():  # a replayed evaluation: the same params are there already
       saver.save_params(step, params)
     saver.close()
     if jax.process_index() == 0:
@@ -120,6 +123,8 @@ def task_scores(task, vocab, model, mesh, params, step: int, split) -> dict[str,
   `val_<name>` scores (`vocab` is the run's `data.Vocabulary`)."""
   from jaxformer import sharding as sh  # noqa: PLC0415
   from jaxformer.inference.restore import Restored  # noqa: PLC0415  (restore imports the train state)
-  restored = Restored(task.config, vocab.target, model, mesh, params, step, sh.rules_for(task.config.mesh),
-                      vocab.source)
+
+  restored = Restored(
+    task.config, vocab.target, model, mesh, params, step, sh.rules_for(task.config.mesh), vocab.source
+  )
   return {f"val_{name}": value for name, value in task.score_validation(restored, split).items()}

@@ -63,37 +63,51 @@ def _check_resume_config(workdir: Path, config: Config) -> bool:
   # Safe to change on resume: the compute dtype (params and optimizer state are float32 either
   # way; LoRA's frozen kernels are cast on restore), the remat policy, and the layer layout (the
   # restore converts: models/layout.py).
-  safe = dict(dtype=config.model.dtype, remat=config.model.remat, scan_layers=config.model.scan_layers,
-              frozen_dtype=config.model.frozen_dtype)
-  if not saved.model.lora_rank:   # LoRA adapters may be added to a run without them (train/lora.py)
+  safe = dict(
+    dtype=config.model.dtype,
+    remat=config.model.remat,
+    scan_layers=config.model.scan_layers,
+    frozen_dtype=config.model.frozen_dtype,
+  )
+  if not saved.model.lora_rank:  # LoRA adapters may be added to a run without them (train/lora.py)
     safe.update({k: getattr(config.model, k) for k in ("lora_rank", "lora_alpha", "lora_targets")})
   if dataclasses.replace(saved.model, **safe) != config.model:
     raise ConfigError(
-        f"{workdir} holds a run with a different model config; use a new --workdir "
-        "or the same model.* settings to resume")
+      f"{workdir} holds a run with a different model config; use a new --workdir or the same model.* settings to resume"
+    )
   k = saved.train.steps_per_call
   bucketed = get_task(saved).data_kind == PAIRS and not saved.data.packing
   if bucketed and k != config.train.steps_per_call:
     # Bucketed sentence-pair batches are shuffled in runs of steps_per_call: changing it changes the data order.
-    raise ConfigError(f"{workdir} was trained with train.steps_per_call={k}, which sets its batch order; "
-                      f"resume with train.steps_per_call={k} or use a new --workdir")
-  new_data = absolute_paths(config).data   # the saved config holds absolute paths
+    raise ConfigError(
+      f"{workdir} was trained with train.steps_per_call={k}, which sets its batch order; "
+      f"resume with train.steps_per_call={k} or use a new --workdir"
+    )
+  new_data = absolute_paths(config).data  # the saved config holds absolute paths
   changed = [k for k in TOKENIZER_KEYS if getattr(saved.data, k) != getattr(new_data, k)]
   if changed:
     was = ", ".join(f"data.{k}={getattr(saved.data, k)!r}" for k in changed)
     now = ", ".join(f"data.{k}={getattr(new_data, k)!r}" for k in changed)
-    raise ConfigError(f"{workdir} was trained with {was} (not {now}) and its checkpoints only fit that tokenizer; "
-                      "resume with the same data settings or use a new --workdir")
+    raise ConfigError(
+      f"{workdir} was trained with {was} (not {now}) and its checkpoints only fit that tokenizer; "
+      "resume with the same data settings or use a new --workdir"
+    )
   checkpointer = ckpt.Checkpointer(workdir, read_only=True)
   latest = checkpointer.latest_step()
   checkpointer.close()
   num_steps = config.train.num_steps
   if latest is not None and latest > num_steps:
-    raise ConfigError(f"{workdir} already holds the step-{latest} checkpoint, past train.num_steps={num_steps}; "
-                      f"raise train.num_steps above {latest} to train on, or use a new --workdir")
+    raise ConfigError(
+      f"{workdir} already holds the step-{latest} checkpoint, past train.num_steps={num_steps}; "
+      f"raise train.num_steps above {latest} to train on, or use a new --workdir"
+    )
   if latest == num_steps and jax.process_index() == 0:
-    print(f"nothing to train: {workdir} already holds the step-{latest} checkpoint (train.num_steps={num_steps}); "
-          "raise train.num_steps to train on", file=sys.stderr, flush=True)
+    print(
+      f"nothing to train: {workdir} already holds the step-{latest} checkpoint (train.num_steps={num_steps}); "
+      "raise train.num_steps to train on",
+      file=sys.stderr,
+      flush=True,
+    )
   return latest == num_steps
 
 
@@ -102,8 +116,10 @@ def call_length(step: int, train: TrainConfig) -> int:
   ending at the next multiple of it (calls stay aligned with the data's runs after any short
   call) and at the next log, eval or checkpoint step and the end of the run, so those see
   the state of exactly that step."""
-  ends = [step + every - step % every for every in
-          (train.steps_per_call, train.log_every, train.eval_every, train.checkpoint_every)]
+  ends = [
+    step + every - step % every
+    for every in (train.steps_per_call, train.log_every, train.eval_every, train.checkpoint_every)
+  ]
   return min(*ends, train.num_steps) - step
 
 
@@ -113,7 +129,7 @@ def _summary_writer(folder: Path):
   train run seconds of start-up wherever torch is installed."""
   blocked = "torch" not in sys.modules
   if blocked:
-    sys.modules["torch"] = None   # makes `import torch` raise ImportError inside tensorboardX
+    sys.modules["torch"] = None  # makes `import torch` raise ImportError inside tensorboardX
   try:
     from tensorboardX import SummaryWriter  # noqa: PLC0415
   finally:
@@ -145,7 +161,7 @@ class _Logger:
     for k, v in record.items():
       if k != "step" and isinstance(v, (int, float)):
         self._tb.add_scalar(f"{prefix}/{k}", v, record["step"])
-      elif isinstance(v, list):   # per layer (the router's load): one curve per layer, per expert
+      elif isinstance(v, list):  # per layer (the router's load): one curve per layer, per expert
         for index, value in np.ndenumerate(np.asarray(v)):
           self._tb.add_scalar(f"{prefix}/{k}/{'/'.join(map(str, index))}", float(value), record["step"])
     self._tb.flush()
@@ -165,7 +181,7 @@ def _drop_rows_after(path: Path, step: int) -> None:
   for line in path.read_text().splitlines():
     try:
       row = json.loads(line)
-    except json.JSONDecodeError:   # a line cut short by a kill
+    except json.JSONDecodeError:  # a line cut short by a kill
       dropped += 1
       continue
     if row.get("step", 0) > step:
@@ -197,13 +213,15 @@ def train(config: Config, workdir: str | Path, dry_run: bool = False, verbose: b
 def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[str, Any]:
   for marker, made_by in ((AVERAGE_FILE, "jaxformer average"), (BEST_FILE, "train.keep_best")):
     if (workdir / marker).is_file():
-      raise ConfigError(f"{workdir} holds params written by `{made_by}` for evaluation, not a training run; "
-                        "train in the run's own --workdir")
+      raise ConfigError(
+        f"{workdir} holds params written by `{made_by}` for evaluation, not a training run; "
+        "train in the run's own --workdir"
+      )
   # A workdir keeps its tokenizers: a resumed run reads its data with the ids it trained on.
   saved_vocab = ckpt.load_vocabulary(workdir)
-  config, vocab = get_task(config).fit_vocab_size(saved_vocab)   # a char vocabulary sizes an unset model.vocab_size
+  config, vocab = get_task(config).fit_vocab_size(saved_vocab)  # a char vocabulary sizes an unset model.vocab_size
   if _check_resume_config(workdir, config) and not dry_run:
-    return {}   # a complete run: nothing is trained or rewritten
+    return {}  # a complete run: nothing is trained or rewritten
   mesh = build_mesh(config)
   task = get_task(config)
   model = task.make_model()
@@ -213,9 +231,11 @@ def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[
   shardings = sh.logical_to_sharding(logical, mesh, rules)
   sh.check_divisible(abstract, shardings)
   if jax.process_index() == 0:
-    print(format_summary(abstract, logical, shardings, mesh, table=dry_run or verbose),
-          file=sys.stdout if dry_run else sys.stderr,
-          flush=True)
+    print(
+      format_summary(abstract, logical, shardings, mesh, table=dry_run or verbose),
+      file=sys.stdout if dry_run else sys.stderr,
+      flush=True,
+    )
   if dry_run:
     return {}
   # Process 0 builds the dataset and tokenizer cache in data_dir; the others wait, then read them.
@@ -223,12 +243,18 @@ def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[
     print(f"using the tokenizer saved in {workdir}", file=sys.stderr, flush=True)
   vocab, splits = main_process_first(lambda: task.load_data(vocab), "prepare_data")
   if jax.process_index() == 0:
-    ckpt.save_run_files(workdir, dump_config(absolute_paths(config)), vocab.target.serialized,
-                        None if vocab.shared else vocab.source.serialized)
-  checkpointer = ckpt.Checkpointer(workdir, config.train.checkpoint_every, config.train.keep_checkpoints,
-                                   config.train.async_checkpoint)
-  fresh = functools.partial(create_state, model, tx, mesh, config.runtime.seed, shardings,
-                            config.precision.start_scale, rules)
+    ckpt.save_run_files(
+      workdir,
+      dump_config(absolute_paths(config)),
+      vocab.target.serialized,
+      None if vocab.shared else vocab.source.serialized,
+    )
+  checkpointer = ckpt.Checkpointer(
+    workdir, config.train.checkpoint_every, config.train.keep_checkpoints, config.train.async_checkpoint
+  )
+  fresh = functools.partial(
+    create_state, model, tx, mesh, config.runtime.seed, shardings, config.precision.start_scale, rules
+  )
   if checkpointer.latest_step() is None:
     state = fresh()
     start = 0
@@ -249,14 +275,14 @@ def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[
   show_bar = jax.process_index() == 0 and sys.stderr.isatty()
   bar = tqdm.tqdm(total=config.train.num_steps, initial=start, disable=not show_bar, unit="step")
   record: dict[str, Any] = {}
-  pending: list[dict] = []   # metrics of each call since the last log line
+  pending: list[dict] = []  # metrics of each call since the last log line
   padding: list[float] = []
   step, seconds, last_time = start, 0.0, time.perf_counter()
   stream = batches.iterate(start)
   guard = _NonFiniteGuard(config.train)
   best = BestCheckpoint(workdir, config.train.keep_best, config.train.early_stop_patience, start)
-  early_stop = best.should_stop()   # a resumed run that had stopped early stays stopped
-  compiled: set[tuple[int, ...]] = set()   # batch shapes the train step has been compiled for
+  early_stop = best.should_stop()  # a resumed run that had stopped early stays stopped
+  compiled: set[tuple[int, ...]] = set()  # batch shapes the train step has been compiled for
   try:
     while step < config.train.num_steps and not early_stop:
       n = call_length(step, config.train)
@@ -264,10 +290,10 @@ def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[
       local = stack_batches(local) if stacked else local[0]
       padding += [padding_fraction(local, config.model.pad_id)] * n
       state, metrics = train_step(state, global_batch(local, mesh, rules), rng)
-      if local["inputs"].shape not in compiled:   # this call compiled: give back what the compiler freed
+      if local["inputs"].shape not in compiled:  # this call compiled: give back what the compiler freed
         compiled.add(local["inputs"].shape)
         release_free_memory()
-      interrupt.loop_active.set()   # from the first call on (compiled): Ctrl-C stops at a step boundary
+      interrupt.loop_active.set()  # from the first call on (compiled): Ctrl-C stops at a step boundary
       pending.append(metrics)
       guard.add(step, metrics["nonfinite"])
       step += n
@@ -275,7 +301,7 @@ def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[
       # A preemption signal on any process: log, checkpoint this step, stop (all at the same step).
       stop = max_over_processes(interrupt.pending())
       if stop:
-        interrupt.adopt(stop)   # a process that was not signalled exits with the signalled one's status
+        interrupt.adopt(stop)  # a process that was not signalled exits with the signalled one's status
       if step % config.train.eval_every == 0 or step == config.train.num_steps:
         # Time the queued steps, not the evaluation: wait for them, then pause the clock.
         jax.block_until_ready(state)
@@ -287,7 +313,7 @@ def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[
         if jax.process_index() == 0:
           print(json.dumps({"step": step, **{k: v for k, v in scores.items() if k != "val_num_tokens"}}), flush=True)
         early_stop = best.update(step, scores, state.params)
-        release_free_memory()   # the evaluation's temporaries (and its compiles' on the first one)
+        release_free_memory()  # the evaluation's temporaries (and its compiles' on the first one)
         last_time = time.perf_counter()
       if stop or early_stop or step % config.train.log_every == 0 or step == config.train.num_steps:
         guard.check()
@@ -300,17 +326,17 @@ def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[
           print(json.dumps(record), flush=True)
         pending, padding, seconds, last_time = [], [], 0.0, time.perf_counter()
       if stop or early_stop or step % config.train.checkpoint_every == 0 or step == config.train.num_steps:
-        guard.check()   # never checkpoint the state after a non-finite step under nan_policy=abort
+        guard.check()  # never checkpoint the state after a non-finite step under nan_policy=abort
         checkpointer.save(state, force=True)
-      checkpointer.check()   # a failed background save stops the run now, not at the next save
+      checkpointer.check()  # a failed background save stops the run now, not at the next save
       if stop:
-        raise KeyboardInterrupt   # `finally` waits until the checkpoint is committed
+        raise KeyboardInterrupt  # `finally` waits until the checkpoint is committed
     if early_stop and jax.process_index() == 0:
       print(best.stop_message(), file=sys.stderr, flush=True)
   finally:
     interrupt.loop_active.clear()
     bar.close()
-    checkpointer.close()   # waits for pending asynchronous checkpoint writes
+    checkpointer.close()  # waits for pending asynchronous checkpoint writes
     logger.close()
   return record
 
@@ -339,19 +365,19 @@ def _summarise(history: list[dict], step: int, seconds: float, padding: list[flo
     return sum(float(m[key]) for m in finite) / n if finite else None
 
   return {
-      "step": step,
-      "loss": mean("loss"),
-      "nll": mean("nll"),
-      "accuracy": mean("correct"),
-      "learning_rate": float(history[-1]["learning_rate"]),
-      "grad_norm": float(np.mean(applied)) if applied else None,
-      "skipped": int(sum(float(m["skipped"]) for m in history)),
-      "nonfinite_skips": len(history) - len(finite),
-      "loss_scale": float(history[-1]["loss_scale"]),
-      "tokens_per_sec": tokens / max(seconds, 1e-9),
-      "steps_per_sec": len(history) / max(seconds, 1e-9),
-      "padding_fraction": float(np.mean(padding)),
-      **summarise_router(finite, n),
+    "step": step,
+    "loss": mean("loss"),
+    "nll": mean("nll"),
+    "accuracy": mean("correct"),
+    "learning_rate": float(history[-1]["learning_rate"]),
+    "grad_norm": float(np.mean(applied)) if applied else None,
+    "skipped": int(sum(float(m["skipped"]) for m in history)),
+    "nonfinite_skips": len(history) - len(finite),
+    "loss_scale": float(history[-1]["loss_scale"]),
+    "tokens_per_sec": tokens / max(seconds, 1e-9),
+    "steps_per_sec": len(history) / max(seconds, 1e-9),
+    "padding_fraction": float(np.mean(padding)),
+    **summarise_router(finite, n),
   }
 
 
@@ -369,7 +395,7 @@ class _NonFiniteGuard:
   def __init__(self, train: TrainConfig):
     self.policy, self.limit = train.nan_policy, train.max_consecutive_skips
     self.in_a_row = 0
-    self._calls: list[tuple[int, jax.Array]] = []   # (steps before the call, its flags: scalar or [n])
+    self._calls: list[tuple[int, jax.Array]] = []  # (steps before the call, its flags: scalar or [n])
 
   def add(self, step: int, flags: jax.Array) -> None:
     self._calls.append((step, flags))
@@ -383,11 +409,13 @@ class _NonFiniteGuard:
         self.in_a_row = self.in_a_row + 1 if bad else 0
         if bad and self.policy == "abort":
           raise NonFiniteError(
-              f"step {step} has a non-finite loss, gradient or update (train.nan_policy=abort); nothing from it on "
-              "was checkpointed: lower optim.learning_rate or set train.nan_policy=skip, then rerun to resume "
-              "from the last checkpoint")
+            f"step {step} has a non-finite loss, gradient or update (train.nan_policy=abort); nothing from it on "
+            "was checkpointed: lower optim.learning_rate or set train.nan_policy=skip, then rerun to resume "
+            "from the last checkpoint"
+          )
         if self.in_a_row >= self.limit:
           raise NonFiniteError(
-              f"steps {step - self.limit + 1} to {step} all had a non-finite loss, gradient or update "
-              f"(train.max_consecutive_skips={self.limit}); lower optim.learning_rate, then rerun to resume "
-              "from the last checkpoint")
+            f"steps {step - self.limit + 1} to {step} all had a non-finite loss, gradient or update "
+            f"(train.max_consecutive_skips={self.limit}); lower optim.learning_rate, then rerun to resume "
+            "from the last checkpoint"
+          )

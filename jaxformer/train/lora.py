@@ -29,10 +29,11 @@ def saved_tree(step_dir: str | Path) -> dict | None:
   """The metadata tree of the checkpoint in `step_dir` (`<workdir>/checkpoints/<step>`); None when
   it cannot be read (a damaged step: restoring reports it)."""
   import orbax.checkpoint as ocp  # noqa: PLC0415  (only restoring needs Orbax here)
+
   try:
     with ocp.StandardCheckpointer() as reader:
       return dict(reader.metadata(Path(step_dir) / "default").item_metadata.tree)
-  except Exception:   # whatever Orbax raises on damaged metadata; the restore itself names the damage
+  except Exception:  # whatever Orbax raises on damaged metadata; the restore itself names the damage
     return None
 
 
@@ -64,14 +65,22 @@ def restore_state(checkpointer, target: TrainState, model, fresh: Callable[..., 
   # Orbax's PyTree handler, and the run's own saves (StandardSave) would then fail.
   reader = ckpt.Checkpointer(checkpointer.directory.parent, read_only=True)
   try:
-    step, base = layout.restore_params(reader, lora.without_adapters(target.params) if new_adapters else target.params,
-                                       model)
+    step, base = layout.restore_params(
+      reader, lora.without_adapters(target.params) if new_adapters else target.params, model
+    )
   finally:
     reader.close()
   if jax.process_index() == 0 and new_adapters:
-    print(f"the step-{step} checkpoint has no LoRA adapters: fine-tuning it with new ones (model.lora_rank="
-          f"{model.config.lora_rank}); the base params stay frozen", file=sys.stderr, flush=True)
+    print(
+      f"the step-{step} checkpoint has no LoRA adapters: fine-tuning it with new ones (model.lora_rank="
+      f"{model.config.lora_rank}); the base params stay frozen",
+      file=sys.stderr,
+      flush=True,
+    )
   elif jax.process_index() == 0:
-    print(f"the step-{step} checkpoint holds params alone: training them with a fresh optimizer state",
-          file=sys.stderr, flush=True)
+    print(
+      f"the step-{step} checkpoint holds params alone: training them with a fresh optimizer state",
+      file=sys.stderr,
+      flush=True,
+    )
   return fresh(known=base, step=step)

@@ -25,6 +25,7 @@ class LossScale:
     scale: float32 scalar multiplying the loss before differentiation.
     good_steps: int32 scalar, finite steps since the scale last changed.
   """
+
   scale: jax.Array
   good_steps: jax.Array
 
@@ -39,8 +40,9 @@ def all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
-def next_loss_scale(state: LossScale, finite: jax.Array, growth_interval: int, growth_factor: float,
-                    backoff_factor: float) -> LossScale:
+def next_loss_scale(
+  state: LossScale, finite: jax.Array, growth_interval: int, growth_factor: float, backoff_factor: float
+) -> LossScale:
   """The scale after a step whose gradients were `finite` (bool scalar).
 
   Non-finite: scale * backoff_factor (not below MIN_LOSS_SCALE), good steps reset to 0.
@@ -53,8 +55,9 @@ def next_loss_scale(state: LossScale, finite: jax.Array, growth_interval: int, g
   grown = jnp.where(grow & jnp.isfinite(grown), grown, state.scale)
   backed_off = jnp.maximum(state.scale * backoff_factor, MIN_LOSS_SCALE)
   return LossScale(
-      scale=jnp.where(finite, grown, backed_off).astype(jnp.float32),
-      good_steps=jnp.where(finite & ~grow, good, 0).astype(jnp.int32))
+    scale=jnp.where(finite, grown, backed_off).astype(jnp.float32),
+    good_steps=jnp.where(finite & ~grow, good, 0).astype(jnp.int32),
+  )
 
 
 def select_tree(pred: jax.Array, on_true, on_false):

@@ -20,7 +20,7 @@ def rsqrt_schedule(d_model: int, warmup_steps: int, scale: float = 1.0) -> optax
   then inverse square-root decay. Computed from the formula at every step (float32), so
   the warmup has no interpolation error and jitted and Python values agree.
   """
-  base = scale * d_model ** -0.5
+  base = scale * d_model**-0.5
   slope = float(warmup_steps) ** -1.5
 
   def schedule(count):
@@ -38,12 +38,14 @@ def cosine_schedule(peak: float, warmup_steps: int, decay_steps: int, min_value:
   then min_value + (peak - min_value) * (1 + cos(pi * p)) / 2 with
   p = (count - warmup_steps) / (decay_steps - warmup_steps) clipped to [0, 1].
   """
+
   def schedule(count):
     count = jnp.asarray(count, jnp.float32)
     warm = peak * (count + 1.0) / warmup_steps
     progress = jnp.clip((count - warmup_steps) / (decay_steps - warmup_steps), 0.0, 1.0)
     decay = min_value + 0.5 * (peak - min_value) * (1.0 + jnp.cos(jnp.pi * progress))
     return jnp.where(count < warmup_steps, warm, decay)
+
   return schedule
 
 
@@ -60,9 +62,11 @@ def decay_mask(params: Any) -> Any:
   """True for the weights that get weight decay: the projection kernels; biases, norm
   scales and embedding tables get none. Decided by parameter name, so it also holds for
   `model.scan_layers` (where every leaf has an extra leading layers axis)."""
+
   def decays(path, leaf) -> bool:
     del leaf
     return str(getattr(path[-1], "key", path[-1])) not in _NO_DECAY
+
   return jax.tree_util.tree_map_with_path(decays, params)
 
 

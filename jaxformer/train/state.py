@@ -33,6 +33,7 @@ class TrainState:
   loss scale is always present so the checkpoint layout does not depend on the precision
   policy: a run may resume, or be evaluated, under another policy.
   """
+
   step: jax.Array
   params: Any
   opt_state: Any
@@ -46,18 +47,25 @@ def abstract_state(model: nn.Module, tx: optax.GradientTransformation) -> tuple[
     (abstract TrainState of ShapeDtypeStructs, TrainState of logical PartitionSpecs).
   """
   params, param_specs = abstract_params(model)
-  abstract = jax.eval_shape(lambda p: TrainState(jnp.array(0, jnp.int32), p, tx.init(lora.trainable(p)),
-                                                 initial_loss_scale(1.0)), params)
+  abstract = jax.eval_shape(
+    lambda p: TrainState(jnp.array(0, jnp.int32), p, tx.init(lora.trainable(p)), initial_loss_scale(1.0)), params
+  )
   # Optimizer moments mirror the trained params; scalars (counts) are replicated.
-  opt_specs = optax.tree_map_params(tx, lambda _, spec: spec, abstract.opt_state, lora.trainable(param_specs),
-                                    transform_non_params=lambda _: jax.sharding.PartitionSpec())
+  opt_specs = optax.tree_map_params(
+    tx,
+    lambda _, spec: spec,
+    abstract.opt_state,
+    lora.trainable(param_specs),
+    transform_non_params=lambda _: jax.sharding.PartitionSpec(),
+  )
   replicated = jax.sharding.PartitionSpec()
   specs = TrainState(replicated, param_specs, opt_specs, LossScale(replicated, replicated))
   return abstract, specs
 
 
-def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,
-                    rules: sh.Rules = sh.LOGICAL_RULES) -> tuple[TrainState, TrainState]:
+def state_shardings(
+  model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, rules: sh.Rules = sh.LOGICAL_RULES
+) -> tuple[TrainState, TrainState]:
   """(abstract state, NamedSharding tree) for `mesh` by `rules` (the run's `sh.rules_for(config.mesh)`).
 
   Raises:
@@ -69,19 +77,29 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
   return abstract, shardings
 
 
-def create_state(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, seed: int,
-                 shardings: TrainState, loss_scale: float = 1.0, rules: sh.Rules = sh.LOGICAL_RULES,
-                 known: Any = None, step: int = 0) -> TrainState:
+def create_state(
+  model: nn.Module,
+  tx: optax.GradientTransformation,
+  mesh: Mesh,
+  seed: int,
+  shardings: TrainState,
+  loss_scale: float = 1.0,
+  rules: sh.Rules = sh.LOGICAL_RULES,
+  known: Any = None,
+  step: int = 0,
+) -> TrainState:
   """Initialises the state directly into `shardings`: no device ever holds the full,
   unsharded parameters unless the mesh says so. `loss_scale` is the starting dynamic
   loss scale (`PrecisionConfig.start_scale`); `rules` those `shardings` were made by.
   `known`: params that replace their initial values (a nested dict of some of the paths, such
   as a base checkpoint's params under new LoRA adapters; their initialisation is never
   computed); the state starts at `step` with a fresh optimizer state."""
+
   def init(rng, known):
     params = init_params(model, rng, known)
-    return TrainState(jnp.array(step, jnp.int32), params, tx.init(lora.trainable(params)),
-                      initial_loss_scale(loss_scale))
+    return TrainState(
+      jnp.array(step, jnp.int32), params, tx.init(lora.trainable(params)), initial_loss_scale(loss_scale)
+    )
 
   with sh.bind(mesh, rules):
     # `known`'s buffers are donated: they become the state's, so the params are never held twice.

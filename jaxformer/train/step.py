@@ -29,8 +29,9 @@ from jaxformer.train.state import TrainState
 Batch = dict[str, jax.Array]
 
 
-def make_train_step(model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh,
-                    state_shardings: TrainState) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, dict]]:
+def make_train_step(
+  model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh, state_shardings: TrainState
+) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, dict]]:
   """Returns jitted `(state, batch, rng) -> (state, metrics)`: one optimizer step.
 
   `batch` holds int32 `inputs` and `targets` `[global_batch, length]`, sharded over the
@@ -73,13 +74,18 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, config: 
   """
   step = _step_function(model, tx, config, mesh, state_shardings.params)
   rules = sh.rules_for(config.mesh)
-  jitted = jax.jit(step, in_shardings=(state_shardings, sh.batch_sharding(mesh, rules=rules), sh.replicated(mesh)),
-                   out_shardings=(state_shardings, sh.replicated(mesh)), donate_argnums=(0,))
+  jitted = jax.jit(
+    step,
+    in_shardings=(state_shardings, sh.batch_sharding(mesh, rules=rules), sh.replicated(mesh)),
+    out_shardings=(state_shardings, sh.replicated(mesh)),
+    donate_argnums=(0,),
+  )
   return sh.with_mesh(jitted, mesh, rules)
 
 
-def make_multi_step(model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh,
-                    state_shardings: TrainState) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, dict]]:
+def make_multi_step(
+  model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh, state_shardings: TrainState
+) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, dict]]:
   """Returns jitted `(state, batches, rng) -> (state, metrics)`: n optimizer steps in one call.
 
   `batches` holds int32 `inputs` and `targets` `[n, global_batch, length]` (the data axes
@@ -98,13 +104,18 @@ def make_multi_step(model: nn.Module, tx: optax.GradientTransformation, config: 
 
   rules = sh.rules_for(config.mesh)
   stacked = sh.batch_sharding(mesh, stacked=True, rules=rules)  # one sharding for every key of the batch dict
-  jitted = jax.jit(steps, in_shardings=(state_shardings, stacked, sh.replicated(mesh)),
-                   out_shardings=(state_shardings, sh.replicated(mesh)), donate_argnums=(0,))
+  jitted = jax.jit(
+    steps,
+    in_shardings=(state_shardings, stacked, sh.replicated(mesh)),
+    out_shardings=(state_shardings, sh.replicated(mesh)),
+    donate_argnums=(0,),
+  )
   return sh.with_mesh(jitted, mesh, rules)
 
 
-def make_train_call(model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh,
-                    state_shardings: TrainState) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, dict]]:
+def make_train_call(
+  model: nn.Module, tx: optax.GradientTransformation, config: Config, mesh: Mesh, state_shardings: TrainState
+) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, dict]]:
   """The loop's unit of work: `make_multi_step` (stacked `[n, batch, length]` batches, metrics
   `[n]`) when `train.steps_per_call > 1`, else `make_train_step`."""
   factory = make_multi_step if config.train.steps_per_call > 1 else make_train_step
@@ -127,7 +138,7 @@ def _step_function(model: nn.Module, tx: optax.GradientTransformation, config: C
     loss, sums = loss_fn(task, model, lora.replace(params, trained), batch, rng, label_smoothing, z_loss)
     return (loss if per_token else sums["loss"]) * factor, sums
 
-  grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)   # with respect to the trained params only
+  grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)  # with respect to the trained params only
 
   def grads_and_sums(params, batch, rng, scale):
     """(gradient of `scale` times the loss per real target token of `batch` with respect to
@@ -158,7 +169,7 @@ def _step_function(model: nn.Module, tx: optax.GradientTransformation, config: C
     grads, sums = grads_and_sums(state.params, batch, step_rng, scale)
     if dynamic:
       grads = jax.tree.map(lambda g: g / scale, grads)
-    trained = lora.trainable(state.params)   # all params, or with LoRA the adapters
+    trained = lora.trainable(state.params)  # all params, or with LoRA the adapters
     updates, opt_state = tx.update(grads, state.opt_state, trained)
     params = optax.apply_updates(trained, updates)
     loss_finite, grads_finite = jnp.isfinite(sums["loss"]), all_finite(grads)
@@ -167,13 +178,19 @@ def _step_function(model: nn.Module, tx: optax.GradientTransformation, config: C
     params = lora.replace(state.params, params)
     loss_scale = state.loss_scale
     if dynamic:
-      loss_scale = next_loss_scale(state.loss_scale, applied, precision.growth_interval,
-                                   precision.growth_factor, precision.backoff_factor)
+      loss_scale = next_loss_scale(
+        state.loss_scale, applied, precision.growth_interval, precision.growth_factor, precision.backoff_factor
+      )
     # Under loss scaling, overflowing gradients of a finite loss are the scale's business, not a fault.
     overflow = loss_finite & ~grads_finite if dynamic else jnp.zeros((), bool)
-    metrics = dict(sums, grad_norm=optax.tree.norm(grads), learning_rate=schedule(state.step),
-                   skipped=1.0 - applied.astype(jnp.float32), nonfinite=(~applied & ~overflow).astype(jnp.float32),
-                   loss_scale=scale)
+    metrics = dict(
+      sums,
+      grad_norm=optax.tree.norm(grads),
+      learning_rate=schedule(state.step),
+      skipped=1.0 - applied.astype(jnp.float32),
+      nonfinite=(~applied & ~overflow).astype(jnp.float32),
+      loss_scale=scale,
+    )
     return TrainState(state.step + 1, params, opt_state, loss_scale), metrics
 
   return step
@@ -193,9 +210,11 @@ def _microbatches(batch: Batch, k: int, mesh: Mesh, rules: sh.Rules) -> Batch:
   rows = batch["targets"].shape[0]
   dp = sh.data_parallel_size(mesh, rules)
   if rows % (k * dp):
-    raise ConfigError(f"train.grad_accum_steps={k} splits the batch of {rows} rows into microbatches that do not "
-                      f"divide over the {dp} data-parallel devices (mesh.data*mesh.fsdp*mesh.expert); use a "
-                      f"train.batch_size that is a multiple of {k * dp}, or fewer train.grad_accum_steps")
+    raise ConfigError(
+      f"train.grad_accum_steps={k} splits the batch of {rows} rows into microbatches that do not "
+      f"divide over the {dp} data-parallel devices (mesh.data*mesh.fsdp*mesh.expert); use a "
+      f"train.batch_size that is a multiple of {k * dp}, or fewer train.grad_accum_steps"
+    )
   sharding = sh.batch_sharding(mesh, stacked=True, rules=rules)
 
   def split(x):

@@ -45,28 +45,35 @@ def sharding_rows(abstract: TrainState, logical: TrainState, shardings: TrainSta
   named = jax.tree.leaves(shardings.params)
   for (path, leaf), spec, sharding in zip(flat, specs, named):
     name = "/".join(str(getattr(k, "key", k)) for k in path)
-    rows.append({"name": name, "shape": tuple(leaf.shape), "logical": tuple(spec), "spec": tuple(sharding.spec),
-                 "bytes_per_device": per_device_bytes(leaf, sharding)})
+    rows.append(
+      {
+        "name": name,
+        "shape": tuple(leaf.shape),
+        "logical": tuple(spec),
+        "spec": tuple(sharding.spec),
+        "bytes_per_device": per_device_bytes(leaf, sharding),
+      }
+    )
   return rows
 
 
-def format_summary(abstract: TrainState, logical: TrainState, shardings: TrainState, mesh,
-                   table: bool = True) -> str:
+def format_summary(abstract: TrainState, logical: TrainState, shardings: TrainState, mesh, table: bool = True) -> str:
   """The per-device totals as text (two lines), after the parameter table when `table`."""
   rows = sharding_rows(abstract, logical, shardings)
   lines = []
   if table:
     header = ("parameter", "shape", "logical axes", "PartitionSpec", "per device")
-    cells = [header] + [(r["name"], str(r["shape"]), str(r["logical"]), str(r["spec"]),
-                         _human(r["bytes_per_device"])) for r in rows]
+    cells = [header] + [
+      (r["name"], str(r["shape"]), str(r["logical"]), str(r["spec"]), _human(r["bytes_per_device"])) for r in rows
+    ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in cells]
   params = per_device_bytes(abstract.params, shardings.params)
   opt = per_device_bytes(abstract.opt_state, shardings.opt_state)
   num_params = sum(int(np.prod(r["shape"])) for r in rows)
   lines += [
-      f"mesh {dict(mesh.shape)} over {mesh.devices.size} devices; {num_params:,} parameters",
-      f"per device: params {_human(params)} (unsharded {_human(total_bytes(abstract.params))}), "
-      f"optimizer state {_human(opt)} (unsharded {_human(total_bytes(abstract.opt_state))})",
+    f"mesh {dict(mesh.shape)} over {mesh.devices.size} devices; {num_params:,} parameters",
+    f"per device: params {_human(params)} (unsharded {_human(total_bytes(abstract.params))}), "
+    f"optimizer state {_human(opt)} (unsharded {_human(total_bytes(abstract.opt_state))})",
   ]
   return "\n".join(lines)

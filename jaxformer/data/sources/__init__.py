@@ -12,10 +12,10 @@ from jaxformer.data.sources.base import PAIRS, SPLITS, TEXT, Source
 from jaxformer.errors import DataError
 
 SOURCES = {
-    "multi30k": "jaxformer.data.sources.multi30k:Multi30k",
-    "tinyshakespeare": "jaxformer.data.sources.tinyshakespeare:TinyShakespeare",
-    "files": "jaxformer.data.sources.files:Files",
-    "tfds": "jaxformer.data.sources.tfds:Tfds",   # data.dataset=tfds:NAME
+  "multi30k": "jaxformer.data.sources.multi30k:Multi30k",
+  "tinyshakespeare": "jaxformer.data.sources.tinyshakespeare:TinyShakespeare",
+  "files": "jaxformer.data.sources.files:Files",
+  "tfds": "jaxformer.data.sources.tfds:Tfds",  # data.dataset=tfds:NAME
 }
 
 

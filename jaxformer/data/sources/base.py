@@ -36,8 +36,9 @@ class Source(abc.ABC):
   `name` is a short label used in cache folder names and messages; `argument` names what a
   source takes after a colon in `data.dataset` (empty: nothing).
   """
+
   name = "source"
-  argument = ""   # what follows `NAME:` in data.dataset (e.g. tfds:NAME), if the source takes one
+  argument = ""  # what follows `NAME:` in data.dataset (e.g. tfds:NAME), if the source takes one
 
   def __init__(self, data: Any, kind: str):
     self.data, self.kind = data, kind
@@ -52,11 +53,15 @@ class Source(abc.ABC):
     """
     given = [k for k in ("train_files", "validation_files", "test_files") if getattr(data, k)]
     if given:
-      raise DataError(f"data.{given[0]} is set but data.dataset={data.dataset}; add data.dataset=files to train "
-                      "on your files, or drop data.*_files")
+      raise DataError(
+        f"data.{given[0]} is set but data.dataset={data.dataset}; add data.dataset=files to train "
+        "on your files, or drop data.*_files"
+      )
     if data.messages_field or data.prompt_field or data.completion_field:
-      raise DataError("data.prompt_field/completion_field/messages_field read your JSONL files: "
-                      "set data.dataset=files and data.train_files=FILE.jsonl")
+      raise DataError(
+        "data.prompt_field/completion_field/messages_field read your JSONL files: "
+        "set data.dataset=files and data.train_files=FILE.jsonl"
+      )
 
   @abc.abstractmethod
   def splits(self) -> tuple[str, ...]:
@@ -117,12 +122,14 @@ def read_lines(path: Path) -> Iterator[tuple[int, str]]:
     with opener(path, "rb") as f:
       for number, raw in enumerate(f, 1):
         try:
-          line = raw.decode("utf-8-sig" if number == 1 else "utf-8")   # a byte-order mark is not text
+          line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a byte-order mark is not text
         except UnicodeDecodeError as e:
-          raise DataError(f"{path}:{number}: not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
-                          "convert the file to UTF-8, e.g. with iconv") from None
+          raise DataError(
+            f"{path}:{number}: not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+            "convert the file to UTF-8, e.g. with iconv"
+          ) from None
         yield number, line.rstrip("\r\n")
-  except (OSError, EOFError) as e:   # gzip.BadGzipFile is an OSError; a truncated .gz ends in EOFError
+  except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError; a truncated .gz ends in EOFError
     kind = "not a valid or complete gzip file" if path.suffix == ".gz" else "cannot be read"
     raise DataError(f"{path}: {kind} (after line {number}: {e}); check the file") from None
 
@@ -139,11 +146,13 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
     try:
       record = json.loads(line)
     except json.JSONDecodeError as e:
-      raise DataError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno}); "
-                      "each line must be one JSON object") from None
+      raise DataError(
+        f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON object"
+      ) from None
     if not isinstance(record, dict):
-      raise DataError(f"{path}:{number}: a JSON {type(record).__name__}, not an object; "
-                      "each line must be one JSON object")
+      raise DataError(
+        f"{path}:{number}: a JSON {type(record).__name__}, not an object; each line must be one JSON object"
+      )
     yield number, record
 
 
@@ -155,14 +164,15 @@ def field(record: dict, key: str, where: str, setting: str) -> str:
       its value is a list or an object rather than text.
   """
   if key not in record:
-    raise DataError(f"{where}: no field {key!r}; the fields are {', '.join(map(str, record)) or 'none'}; "
-                    f"set {setting}")
+    raise DataError(f"{where}: no field {key!r}; the fields are {', '.join(map(str, record)) or 'none'}; set {setting}")
   value = record[key]
   if value is None:
     return ""
   if isinstance(value, (list, dict)):
-    raise DataError(f"{where}: field {key!r} holds a JSON {'list' if isinstance(value, list) else 'object'}, "
-                    f"not text; point {setting} at a text field")
+    raise DataError(
+      f"{where}: field {key!r} holds a JSON {'list' if isinstance(value, list) else 'object'}, "
+      f"not text; point {setting} at a text field"
+    )
   return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
@@ -173,11 +183,18 @@ def chat_messages(record: dict, key: str, where: str) -> list[dict[str, str]]:
     DataError: the key is missing, or the value is not such a list (names `where`, file:line).
   """
   if key not in record:
-    raise DataError(f"{where}: no field {key!r}; the fields are {', '.join(map(str, record)) or 'none'}; "
-                    "set data.messages_field")
+    raise DataError(
+      f"{where}: no field {key!r}; the fields are {', '.join(map(str, record)) or 'none'}; set data.messages_field"
+    )
   chat = record[key]
-  if not isinstance(chat, list) or not chat or not all(
-      isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in chat):
-    raise DataError(f"{where}: field {key!r} must be a non-empty list of {{\"role\": ..., \"content\": ...}} "
-                    "objects with text values")
+  if (
+    not isinstance(chat, list)
+    or not chat
+    or not all(
+      isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in chat
+    )
+  ):
+    raise DataError(
+      f'{where}: field {key!r} must be a non-empty list of {{"role": ..., "content": ...}} objects with text values'
+    )
   return [{"role": m["role"], "content": m["content"]} for m in chat]

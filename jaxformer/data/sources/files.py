@@ -40,6 +40,7 @@ def _suffix(path: Path) -> str:
 
 class Files(Source):
   """Sentence pairs or documents from local files; see the module docstring."""
+
   name = "files"
 
   @classmethod
@@ -65,18 +66,22 @@ class Files(Source):
     key = _SPLIT_KEYS[split]
     paths = expand_paths(getattr(self.data, key), f"data.{key}")
     if self.kind == PAIRS and not (len(paths) == 2 or (len(paths) == 1 and _suffix(paths[0]) in (".jsonl", ".tsv"))):
-      raise DataError(f"data.{key} must be two aligned files SRC,TGT or one .jsonl/.tsv file; got {len(paths)} "
-                      f"file(s): {', '.join(map(str, paths))}")
+      raise DataError(
+        f"data.{key} must be two aligned files SRC,TGT or one .jsonl/.tsv file; got {len(paths)} "
+        f"file(s): {', '.join(map(str, paths))}"
+      )
     return paths
 
   def fingerprint(self, split: str) -> dict:
     """`Source.fingerprint`: the files' sizes and times, the field names and the languages."""
     d = self.data
     sft = [d.prompt_field, d.completion_field, d.messages_field]
-    return {"files": file_fingerprint(self._paths(split)),
-            # the fine-tuning fields only when set: plain runs keep their cache keys
-            "fields": [d.source_field, d.target_field, d.text_field] + (sft if any(sft) else []),
-            "langs": [d.source_lang, d.target_lang]}
+    return {
+      "files": file_fingerprint(self._paths(split)),
+      # the fine-tuning fields only when set: plain runs keep their cache keys
+      "fields": [d.source_field, d.target_field, d.text_field] + (sft if any(sft) else []),
+      "langs": [d.source_lang, d.target_lang],
+    }
 
   def describe(self, split: str) -> str:
     """`Source.describe`: the split's file paths."""
@@ -122,7 +127,7 @@ class Files(Source):
         raise DataError(f"{path}: no column {key!r}; the header has {', '.join(columns)}; set {setting}")
     i, j = columns.index(src_key), columns.index(tgt_key)
     for number, line in lines:
-      if not line.strip():   # blank lines (a trailing one, say) hold no pair
+      if not line.strip():  # blank lines (a trailing one, say) hold no pair
         continue
       cells = line.split("\t")
       if len(cells) != len(columns):
@@ -138,14 +143,18 @@ class Files(Source):
           yield {"messages": chat_messages(record, d.messages_field, where)}
         elif d.prompt_field:
           setting = "data.prompt_field and data.completion_field"
-          yield {"prompt": field(record, d.prompt_field, where, setting),
-                 "completion": field(record, d.completion_field, where, setting)}
+          yield {
+            "prompt": field(record, d.prompt_field, where, setting),
+            "completion": field(record, d.completion_field, where, setting),
+          }
         else:
           yield field(record, d.text_field, where, "data.text_field")
       return
     if d.messages_field or d.prompt_field:
-      raise DataError(f"{path}: data.prompt_field/completion_field/messages_field read .jsonl files; "
-                      "give fine-tuning rows as one JSON object per line")
+      raise DataError(
+        f"{path}: data.prompt_field/completion_field/messages_field read .jsonl files; "
+        "give fine-tuning rows as one JSON object per line"
+      )
     lines: list[str] = []
     for _, line in read_lines(path):
       if line.strip():

@@ -22,14 +22,17 @@ LANGUAGES = ("en", "de")
 
 class Multi30k(Source):
   """The shipped Multi30k files; see the module docstring."""
+
   name = "multi30k"
   raw_dir = RAW_DIR
 
   def __init__(self, data, kind: str):
     super().__init__(data, kind)
     if {data.source_lang, data.target_lang} != set(LANGUAGES):
-      raise DataError(f"data.dataset=multi30k has en and de; got data.source_lang={data.source_lang!r}, "
-                      f"data.target_lang={data.target_lang!r} (use en,de or de,en)")
+      raise DataError(
+        f"data.dataset=multi30k has en and de; got data.source_lang={data.source_lang!r}, "
+        f"data.target_lang={data.target_lang!r} (use en,de or de,en)"
+      )
 
   def splits(self) -> tuple[str, ...]:
     """`Source.splits`: the shipped train, validation and test2016 files."""

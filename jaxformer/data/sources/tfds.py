@@ -29,12 +29,14 @@ def _prepare_hint(name: str, data_dir: str) -> str:
 
 class Tfds(Source):
   """A prepared TFDS dataset; see the module docstring."""
+
   name = "tfds"
   argument = "NAME"
 
   def __init__(self, data, kind: str):
     super().__init__(data, kind)
     import tensorflow_datasets as tfds  # noqa: PLC0415  heavy; only runs that use TFDS pay for it
+
     self._tfds = tfds
     self.dataset = data.dataset.split(":", 1)[1]
     if not self.dataset:
@@ -45,17 +47,22 @@ class Tfds(Source):
     try:
       self._builder = tfds.builder(self.dataset, data_dir=data_dir)
     except tfds.core.registered.DatasetNotFoundError:
-      raise DataError(f"TFDS has no dataset {self.dataset!r} registered here, nor prepared in "
-                      f"{data_dir or 'the default data dir'}; check the name, or prepare it: {hint}") from None
+      raise DataError(
+        f"TFDS has no dataset {self.dataset!r} registered here, nor prepared in "
+        f"{data_dir or 'the default data dir'}; check the name, or prepare it: {hint}"
+      ) from None
     except Exception as e:  # noqa: BLE001  tfds raises many kinds for a bad name or config
       raise DataError(f"cannot load TFDS dataset {self.dataset!r} ({str(e).splitlines()[0]}); check the name") from None
     if not self._builder.is_prepared():
-      raise DataError(f"TFDS dataset {self.dataset!r} is not prepared in {self._builder.data_dir}; "
-                      f"prepare it first (training never downloads): {hint}")
+      raise DataError(
+        f"TFDS dataset {self.dataset!r} is not prepared in {self._builder.data_dir}; "
+        f"prepare it first (training never downloads): {hint}"
+      )
     formats = self._builder.info.file_format
     if formats is not None and "array_record" not in str(getattr(formats, "value", formats)).lower():
-      raise DataError(f"TFDS dataset {self.dataset!r} is stored as {formats}; reading without TensorFlow needs "
-                      f"array_record: {hint}")
+      raise DataError(
+        f"TFDS dataset {self.dataset!r} is stored as {formats}; reading without TensorFlow needs array_record: {hint}"
+      )
     self._splits = {}
     available = set(self._builder.info.splits.keys())
     for split, aliases in _SPLIT_ALIASES.items():
@@ -74,9 +81,15 @@ class Tfds(Source):
     info = Path(self._builder.data_dir) / "dataset_info.json"
     stamp = info.stat().st_mtime_ns if info.is_file() else 0
     d = self.data
-    return {"dataset": self.dataset, "dir": str(self._builder.data_dir), "version": str(self._builder.version),
-            "stamp": stamp, "split": self._splits[split], "fields": [d.source_field, d.target_field, d.text_field],
-            "langs": [d.source_lang, d.target_lang]}
+    return {
+      "dataset": self.dataset,
+      "dir": str(self._builder.data_dir),
+      "version": str(self._builder.version),
+      "stamp": stamp,
+      "split": self._splits[split],
+      "fields": [d.source_field, d.target_field, d.text_field],
+      "langs": [d.source_lang, d.target_lang],
+    }
 
   def describe(self, split: str) -> str:
     """`Source.describe`: the TFDS dataset, split and folder."""
@@ -89,8 +102,10 @@ class Tfds(Source):
     where = f"TFDS {self.dataset}"
     features = list(self._builder.info.features.keys())
     if self.kind == PAIRS:
-      keys, setting = (d.source_field or d.source_lang, d.target_field or d.target_lang), \
-          "data.source_field and data.target_field"
+      keys, setting = (
+        (d.source_field or d.source_lang, d.target_field or d.target_lang),
+        "data.source_field and data.target_field",
+      )
     else:
       keys, setting = (d.text_field,), "data.text_field"
     for key in keys:
@@ -100,5 +115,3 @@ class Tfds(Source):
       for record in source.__getitems__(list(range(start, min(start + _READ_CHUNK, len(source))))):
         values = tuple(field(record, k, where, setting) for k in keys)
         yield values if self.kind == PAIRS else values[0]
-
-

@@ -38,13 +38,16 @@ def split_text(text: str, train_fraction: float = TRAIN_FRACTION) -> tuple[str, 
 
 class TinyShakespeare(Source):
   """The shipped Tiny Shakespeare text; see the module docstring."""
+
   name = "tinyshakespeare"
 
   def __init__(self, data, kind: str):
     super().__init__(data, kind)
     if kind == PAIRS:
-      raise DataError("data.dataset=tinyshakespeare is plain text for language models; "
-                      "a translation model needs multi30k, files or a tfds: dataset")
+      raise DataError(
+        "data.dataset=tinyshakespeare is plain text for language models; "
+        "a translation model needs multi30k, files or a tfds: dataset"
+      )
 
   def splits(self) -> tuple[str, ...]:
     """`Source.splits`: train and validation (a split of the one shipped text)."""
