@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jaxformer.checkpoint import manager as ckpt
+from jaxformer.checkpoint import run_files as rf
 from jaxformer.config import config_from_dict, dump_config, load_config, to_dict
 from jaxformer.inference.restore import restore
 from jaxformer.tasks import get_task
@@ -54,7 +54,7 @@ def _scaled(model: dict, scaling: str, factor: float, trained: int) -> dict:
 
 def _perplexity(workdir: Path, scaling: str, factor: float, trained: int, length: int) -> float:
   """Validation perplexity of the workdir's model in windows of `length` tokens."""
-  saved = to_dict(load_config(ckpt.run_file(workdir, ckpt.CONFIG_FILE)))
+  saved = to_dict(load_config(rf.run_file(workdir, rf.CONFIG_FILE)))
   saved.pop("mesh")
   saved["model"] = _scaled(saved["model"], scaling, factor, trained)
   saved["data"]["max_length"] = length
@@ -78,7 +78,7 @@ def main() -> None:
   _train(
     base, ["model.position=rope", f"model.max_length={longest}", f"data.max_length={args.trained}", *args.overrides]
   )
-  base_steps = load_config(ckpt.run_file(base, ckpt.CONFIG_FILE)).train.num_steps
+  base_steps = load_config(rf.run_file(base, rf.CONFIG_FILE)).train.num_steps
   rows = []
   for scaling in SCALINGS:
     ppl = {n: _perplexity(base, scaling, max(1.0, n / args.trained), args.trained, n) for n in args.lengths}
@@ -89,12 +89,12 @@ def main() -> None:
     tuned = root / f"finetune_{scaling}"
     if not tuned.exists():  # start from the base run's checkpoint, the scaling recorded in its config
       shutil.copytree(base, tuned)
-      config = load_config(tuned / ckpt.CONFIG_FILE)
+      config = load_config(tuned / rf.CONFIG_FILE)
       tree = to_dict(config)
       tree["model"] = _scaled(tree["model"], scaling, factor, args.trained)
       text = dump_config(config_from_dict(tree))
       (tuned / "config.yaml.tmp").write_text(text)
-      (tuned / "config.yaml.tmp").rename(tuned / ckpt.CONFIG_FILE)
+      (tuned / "config.yaml.tmp").rename(tuned / rf.CONFIG_FILE)
     _train(
       tuned,
       [

@@ -29,7 +29,7 @@ def compare(workdir: str, sources: list[str], batch_size: int = 64, threads: int
   """Exports `workdir`, converts it, translates `sources` with both engines; returns
   `{"sentences", "identical", "fraction", "differing": [{"index", "jaxformer", "ctranslate2"}]}`."""
   from jaxformer.inference import restore as inference_restore
-  from jaxformer.inference.decode import SearchOptions
+  from jaxformer.inference.options import SearchOptions
   from jaxformer.interop import ctranslate2 as ct2
   from jaxformer.interop.hf_export import export_workdir
   from jaxformer.tasks import evaluate

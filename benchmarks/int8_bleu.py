@@ -33,7 +33,7 @@ def _lines(path: Path) -> list[str]:
 def ours(workdir: str, sources: list[str], beams: list[int], batch_size: int) -> dict[tuple[str, int], list[str]]:
   """jaxformer's translations of `sources`: {(compute type, beam size): hypotheses}."""
   from jaxformer.inference import restore as inference_restore
-  from jaxformer.inference.decode import SearchOptions
+  from jaxformer.inference.options import SearchOptions
   from jaxformer.tasks import evaluate
 
   config = inference_restore.workdir_config(workdir)

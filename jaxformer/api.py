@@ -13,7 +13,7 @@ import numpy as np
 from jaxformer import sharding as sh
 from jaxformer.config import Config, runtime_from_overrides
 from jaxformer.inference import restore as inference_restore
-from jaxformer.inference.decode import SearchOptions
+from jaxformer.inference.options import SearchOptions
 from jaxformer.inference.restore import Restored
 from jaxformer.runtime.startup import init_runtime
 from jaxformer.tasks import evaluate, get_task
@@ -123,7 +123,7 @@ def _ids(name: str, x: Any, vocab_size: int) -> np.ndarray:
 
 def translate(model: Restored, sentences: Sequence[str], *, batch_size: int = 64, **search: Any) -> list[str]:
   """Translations of `sentences` (`jaxformer translate`) by a restored encoder-decoder `model`,
-  in input order. `search` holds `inference.decode.SearchOptions` fields: greedy by default;
+  in input order. `search` holds `inference.options.SearchOptions` fields: greedy by default;
   `beam_size=4, length_penalty=0.6` is the paper's beam search; `temperature`, `top_k`,
   `top_p`, `seed` sample.
 

@@ -11,8 +11,9 @@ from test_layers import _normal, _random_params
 from jaxformer.config import ConfigError, ModelConfig, config_from_dict
 from jaxformer.inference import cache as kv
 from jaxformer.layers import kv_cache as kvc
-from jaxformer.layers.attention import MultiHeadAttention, dot_product_attention, fused_attention
+from jaxformer.layers.attention import MultiHeadAttention
 from jaxformer.layers.blockwise import blockwise_attention
+from jaxformer.layers.dot_product import dot_product_attention, fused_attention
 from jaxformer.layers.positions import alibi_bias, alibi_slopes, apply_rope
 from jaxformer.layers.scores import attention_mask, attention_scores
 from jaxformer.models.transformer import BOS_ID, PAD_ID, EncoderDecoder

@@ -7,6 +7,7 @@ import pytest
 from jaxformer import sharding as sh
 from jaxformer.checkpoint import average
 from jaxformer.checkpoint import manager as ckpt
+from jaxformer.checkpoint import run_files as rf
 from jaxformer.config import MeshConfig, config_from_dict
 from jaxformer.errors import CheckpointError
 from jaxformer.models.transformer import EncoderDecoder
@@ -75,13 +76,13 @@ def test_too_few_checkpoints_is_one_line(run):
 
 def test_written_average_restores_as_a_params_checkpoint(run, tmp_path):
   workdir, target, history = run
-  (workdir / ckpt.CONFIG_FILE).write_text("name: avg\n")
+  (workdir / rf.CONFIG_FILE).write_text("name: avg\n")
   checkpointer = ckpt.Checkpointer(workdir, async_save=False)
   steps = average.last_steps(checkpointer, 2)
   mean = average.average_params(lambda s: checkpointer.restore_params(target, s)[1], steps)
   checkpointer.close()
   out = average.write_averaged(workdir, tmp_path / "avg2", steps, mean)
-  assert (out / ckpt.CONFIG_FILE).read_text() == "name: avg\n"
+  assert (out / rf.CONFIG_FILE).read_text() == "name: avg\n"
   assert not (tmp_path / "avg2.incomplete").exists()
   step, params = ckpt.Checkpointer(out, async_save=False).restore_params(target)
   assert step == 4

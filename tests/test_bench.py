@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import pytest
 
+from jaxformer.bench import flops
 from jaxformer.bench import step as bench
 from jaxformer.config import ModelConfig, config_from_dict
 
@@ -34,8 +35,8 @@ def _hand_count_forward(d, f, v, s, t, encoder_layers, decoder_layers):
 def test_train_flops_match_a_hand_count():
   m = ModelConfig(vocab_size=37, d_model=8, num_heads=2, d_ff=12, num_encoder_layers=2, num_decoder_layers=1)
   hand = _hand_count_forward(d=8, f=12, v=37, s=5, t=3, encoder_layers=2, decoder_layers=1)
-  assert bench.forward_flops_per_pair(m, 5, 3) == hand == 17_840
-  assert bench.train_flops_per_step(m, batch_size=4, src_length=5, tgt_length=3) == 3 * 4 * 17_840
+  assert flops.forward_flops_per_pair(m, 5, 3) == hand == 17_840
+  assert flops.train_flops_per_step(m, batch_size=4, src_length=5, tgt_length=3) == 3 * 4 * 17_840
 
 
 def test_decoder_only_flops_count_gqa_and_gated_ffn():
@@ -52,7 +53,7 @@ def test_decoder_only_flops_count_gqa_and_gated_ffn():
     ffn="swiglu",
   )
   per_token = 2 * 2 * 64 + 2 * 2 * 8 * 4 + 3 * 2 * 8 * 12 + 4 * 3 * 8 + 2 * 8 * 37
-  assert bench.forward_flops_per_pair(m, 99, 3) == 3 * per_token == 4_944
+  assert flops.forward_flops_per_pair(m, 99, 3) == 3 * per_token == 4_944
   assert bench.BenchOptions(4, src_length=5, tgt_length=3).validate(m).src_length == 3
 
 
@@ -82,7 +83,7 @@ def test_train_flops_match_xla_within_5_percent(lowered_fp32):
   # XLA also counts elementwise work (LayerNorm, softmax, Adam: ~1 FLOP per element),
   # which at this shape adds ~2% to the matmuls; the formula must be within 5%.
   m = _config().model
-  formula = bench.train_flops_per_step(m, batch_size=8, src_length=13, tgt_length=11)
+  formula = flops.train_flops_per_step(m, batch_size=8, src_length=13, tgt_length=11)
   xla = lowered_fp32.cost_analysis()["flops"]
   assert formula <= xla <= 1.05 * formula
 
@@ -91,15 +92,15 @@ def test_compute_dtype_is_read_from_the_program(lowered_fp32):
   assert bench.compute_dtype(lowered_fp32) == "f32"
   options = bench.BenchOptions(batch_size=8, src_length=13, tgt_length=11, steps=1, warmup=0, peer=False)
   lowered = bench.prepare_step(_config("params=float32,compute=bfloat16,output=float32"), options).lowered
-  counts = bench.dot_dtypes(lowered.as_text())
+  counts = flops.dot_dtypes(lowered.as_text())
   assert bench.compute_dtype(lowered) == "bf16" and counts["bf16"] > counts["f32"]
 
 
 def test_published_peak_lookup():
-  assert bench.published_peak("NVIDIA H100 80GB HBM3", low_precision=True) == 989.4e12
-  assert bench.published_peak("NVIDIA H100 PCIe", low_precision=False) == 378e12
-  assert bench.published_peak("TPU v5 lite", low_precision=True) == 197e12
-  assert bench.published_peak("cpu", low_precision=False) is None
+  assert flops.published_peak("NVIDIA H100 80GB HBM3", low_precision=True) == 989.4e12
+  assert flops.published_peak("NVIDIA H100 PCIe", low_precision=False) == 378e12
+  assert flops.published_peak("TPU v5 lite", low_precision=True) == 197e12
+  assert flops.published_peak("cpu", low_precision=False) is None
 
 
 def _run_bench(*args):
@@ -174,7 +175,7 @@ def test_bench_command_prints_a_table_and_json(bench_runs):
   }
   assert math.isclose(r["tokens_per_sec"], 8 * 7 / r["step_time_s"])
   m = ModelConfig(vocab_size=37, d_model=32, num_heads=4, d_ff=48, num_encoder_layers=2, num_decoder_layers=2)
-  assert r["model_flops_per_step"] == bench.train_flops_per_step(m, 8, 11, 7)
+  assert r["model_flops_per_step"] == flops.train_flops_per_step(m, 8, 11, 7)
   assert math.isclose(r["mfu"], r["model_flops_per_step"] / r["step_time_s"] / r["peak_flops"])
   assert r["temp_memory_bytes"] > 0 and r["peak_source"] == "measured float32 matmul"
   assert len(r["losses"]) == 4 and r["losses"][-1] < r["losses"][0]  # 1 warm-up + 3 timed steps, learning

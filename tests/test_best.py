@@ -11,6 +11,7 @@ from test_cli import TINY, run_cli
 from test_own_data import TINY_MODEL, _reverse, _sentences
 
 from jaxformer.checkpoint import manager as ckpt
+from jaxformer.checkpoint import run_files as rf
 from jaxformer.train.best import BestCheckpoint
 
 
@@ -24,7 +25,7 @@ def _restore(directory):
 
 
 def test_keeps_the_best_step_and_counts_evaluations_without_improvement(tmp_path):
-  (tmp_path / ckpt.CONFIG_FILE).write_text("name: x\n")
+  (tmp_path / rf.CONFIG_FILE).write_text("name: x\n")
   best = BestCheckpoint(tmp_path, "val_bleu", patience=2, start=0)
   stops = [
     best.update(step, {"val_bleu": bleu, "val_loss": 1.0}, _params(step))
@@ -36,7 +37,7 @@ def test_keeps_the_best_step_and_counts_evaluations_without_improvement(tmp_path
   assert best.best() == (20, 7.5) and best.evaluations_since_best() == 2
   step, params = _restore(tmp_path / "best")
   assert step == 20 and np.all(params["w"] == 20)
-  assert (tmp_path / "best" / ckpt.CONFIG_FILE).read_text() == "name: x\n"  # a workdir of its own
+  assert (tmp_path / "best" / rf.CONFIG_FILE).read_text() == "name: x\n"  # a workdir of its own
   saved = json.loads((tmp_path / "best" / "best.json").read_text())
   assert saved["step"] == 20 and saved["metric"] == "val_bleu" and len(saved["history"]) == 4
   assert "val_bleu has not improved for 2 evaluations" in best.stop_message()

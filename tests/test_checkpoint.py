@@ -8,6 +8,7 @@ import pytest
 
 from jaxformer import sharding as sh
 from jaxformer.checkpoint import manager as ckpt
+from jaxformer.checkpoint import run_files as rf
 from jaxformer.config import MeshConfig, config_from_dict
 from jaxformer.models.transformer import EncoderDecoder
 from jaxformer.train.optim import make_optimizer
@@ -97,4 +98,4 @@ def test_missing_checkpoints_give_clear_errors(setup, tmp_path):
   with pytest.raises(ckpt.CheckpointError, match="no checkpoint in"):
     ckpt.Checkpointer(tmp_path).restore(ckpt.sharded_target(abstract, shardings))
   with pytest.raises(ckpt.CheckpointError, match="not a jaxformer workdir"):
-    ckpt.run_file(tmp_path / "elsewhere", ckpt.CONFIG_FILE)
+    rf.run_file(tmp_path / "elsewhere", rf.CONFIG_FILE)

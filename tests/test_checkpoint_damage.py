@@ -17,6 +17,7 @@ from test_cli import cli_env
 
 from jaxformer import sharding as sh
 from jaxformer.checkpoint import manager as ckpt
+from jaxformer.checkpoint import run_files as rf
 from jaxformer.config import MeshConfig, load_config
 from jaxformer.inference import restore as inference_restore
 from jaxformer.tasks import get_task
@@ -80,7 +81,7 @@ def run(tmp_path_factory, multi30k_dir):
 @pytest.fixture(scope="module")
 def targets(run):
   """(train-state target, params target, step-2 params) on one device."""
-  config = load_config(run[0] / ckpt.CONFIG_FILE)
+  config = load_config(run[0] / rf.CONFIG_FILE)
   model = get_task(config).make_model()
   mesh = sh.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
   abstract, shardings = state_shardings(model, make_optimizer(config.optim, config.model.d_model), mesh)

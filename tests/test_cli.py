@@ -166,7 +166,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path):
 
 
 def test_eval_errors_on_workdir_without_checkpoints_and_mismatched_files(tmp_path):
-  from jaxformer.checkpoint.manager import save_run_files
+  from jaxformer.checkpoint.run_files import save_run_files
   from jaxformer.config import dump_config, load_config
 
   workdir = tmp_path / "w"

@@ -202,6 +202,7 @@ def test_import_gives_identical_params(exported, arch):
 @pytest.mark.slow
 def test_import_then_train_fine_tunes_and_export_cli(exported, tmp_path, capsys):
   from jaxformer.checkpoint import manager as ckpt
+  from jaxformer.checkpoint import run_files as rf
   from jaxformer.cli import main
   from jaxformer.interop.hf_import import import_hf
   from jaxformer.interop.links import flatten
@@ -214,7 +215,7 @@ def test_import_then_train_fine_tunes_and_export_cli(exported, tmp_path, capsys)
   with pytest.raises(ConfigError, match="already exists"):
     import_hf(directory, workdir)
   tuned = load_config(
-    workdir / ckpt.CONFIG_FILE,
+    workdir / rf.CONFIG_FILE,
     [
       "train.num_steps=2",
       "train.batch_size=8",

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from jaxformer.config import ModelConfig
-from jaxformer.layers.attention import MultiHeadAttention, dot_product_attention
+from jaxformer.layers.attention import MultiHeadAttention
+from jaxformer.layers.dot_product import dot_product_attention
 from jaxformer.layers.embedding import sinusoidal_positions
 from jaxformer.layers.feed_forward import FeedForward
 from jaxformer.layers.norm import LayerNorm, RMSNorm, make_norm

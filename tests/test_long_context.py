@@ -15,8 +15,9 @@ from test_mesh_equivalence import _run
 
 from jaxformer.config import ConfigError, config_from_dict
 from jaxformer.inference import cache as kv
-from jaxformer.layers.attention import MultiHeadAttention, dot_product_attention
+from jaxformer.layers.attention import MultiHeadAttention
 from jaxformer.layers.blockwise import blockwise_attention
+from jaxformer.layers.dot_product import dot_product_attention
 from jaxformer.layers.positions import RopeScaling, T5Bias, apply_rope, dynamic_base, rope_frequencies, t5_buckets
 from jaxformer.layers.scores import attention_mask, position_mask
 from jaxformer.models.decoder_only import DecoderOnly

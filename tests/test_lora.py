@@ -371,6 +371,7 @@ def test_lora_fine_tunes_a_workdir_without_adapters_and_exports_merged_and_peft(
   peft = pytest.importorskip("peft")
   transformers = pytest.importorskip("transformers")
   from jaxformer.checkpoint import manager as ckpt
+  from jaxformer.checkpoint import run_files as rf
   from jaxformer.cli import main
   from jaxformer.inference import restore as inference_restore
   from jaxformer.interop.hf_import import write_workdir
@@ -401,9 +402,9 @@ def test_lora_fine_tunes_a_workdir_without_adapters_and_exports_merged_and_peft(
     "train.async_checkpoint=false",
   ]
   bf16 = "precision.policy=params=bfloat16,compute=bfloat16,output=float32"
-  train(load_config(workdir / ckpt.CONFIG_FILE, [*run, bf16, "train.num_steps=2"]), workdir)
+  train(load_config(workdir / rf.CONFIG_FILE, [*run, bf16, "train.num_steps=2"]), workdir)
   train(
-    load_config(workdir / ckpt.CONFIG_FILE, [*run, "precision.policy=compute=float32", "train.num_steps=3"]), workdir
+    load_config(workdir / rf.CONFIG_FILE, [*run, "precision.policy=compute=float32", "train.num_steps=3"]), workdir
   )  # resumes with adapters
   assert ckpt.Checkpointer(workdir, read_only=True).all_steps() == [0, 2, 3]
   config = inference_restore.workdir_config(workdir)

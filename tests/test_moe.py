@@ -298,7 +298,7 @@ def test_int8_quantization_scales_each_expert(scan):
 
 
 def test_model_flops_count_the_routed_experts_and_the_router():
-  from jaxformer.bench.step import forward_flops_per_pair
+  from jaxformer.bench.flops import forward_flops_per_pair
 
   dense, moe = (load_config(TINY, ["model.kind=decoder_only", f"model.num_experts={e}"]).model for e in (0, 4))
   # Per token and layer: one more FFN (2 of 4 experts, 2 * 2 * d_model * d_ff) and the router (2 * d_model * 4).

@@ -12,8 +12,8 @@ import pytest
 
 from jaxformer.config import config_from_dict
 from jaxformer.inference import cache as kv
-from jaxformer.layers.attention import dot_product_attention
 from jaxformer.layers.blockwise import blockwise_attention
+from jaxformer.layers.dot_product import dot_product_attention
 from jaxformer.layers.scores import attention_mask
 from jaxformer.models.decoder_only import DecoderOnly
 from jaxformer.models.encoder_only import EncoderOnly

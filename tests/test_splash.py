@@ -14,7 +14,7 @@ from conftest import TINY
 from jaxformer import sharding as sh
 from jaxformer.aot import train_step as aot
 from jaxformer.config import ConfigError, load_config
-from jaxformer.layers.attention import dot_product_attention
+from jaxformer.layers.dot_product import dot_product_attention
 from jaxformer.layers.scores import attention_mask
 from jaxformer.layers.splash import splash_attention
 from jaxformer.runtime.startup import build_mesh

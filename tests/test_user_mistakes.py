@@ -15,6 +15,7 @@ from test_cli import TINY, _error_line, _first_lines, run_cli
 
 from jaxformer import sharding as sh
 from jaxformer.checkpoint import manager as ckpt
+from jaxformer.checkpoint import run_files as rf
 from jaxformer.config import MeshConfig, dump_config, load_config
 from jaxformer.data.tokenizer import train_tokenizer
 from jaxformer.tasks import evaluate, get_task
@@ -40,7 +41,7 @@ def _make_run(workdir: Path, data_dir: Path, scale: float = 1.0) -> list[str]:
   overrides = SMALL + [f"data.data_dir={data_dir}", f"train.num_steps={STEP}"]
   config = load_config(TINY, overrides)
   tokenizer = train_tokenizer(_first_lines("train.en.gz", 400).splitlines(), 64)
-  ckpt.save_run_files(workdir, dump_config(config), tokenizer.serialized)
+  rf.save_run_files(workdir, dump_config(config), tokenizer.serialized)
   model = get_task(config).make_model()
   tx = make_optimizer(config.optim, config.model.d_model)
   mesh = sh.make_mesh(MeshConfig(data=1), jax.devices()[:1])
@@ -86,7 +87,7 @@ def _run_files(workdir: Path) -> dict[str, bytes]:
   return {
     name: data
     for name, data in _files(workdir).items()
-    if name.startswith(("checkpoints/", ckpt.CONFIG_FILE, ckpt.TOKENIZER_FILE))
+    if name.startswith(("checkpoints/", rf.CONFIG_FILE, rf.TOKENIZER_FILE))
   }
 
 
@@ -133,10 +134,10 @@ def test_workdir_and_data_dir_that_are_files_or_read_only(tmp_path, run):
 
 
 def test_save_run_files_failure_is_one_line_and_leaves_no_temp_file(tmp_path):
-  (tmp_path / ckpt.CONFIG_FILE).mkdir()  # os.replace cannot put a file over a folder
+  (tmp_path / rf.CONFIG_FILE).mkdir()  # os.replace cannot put a file over a folder
   with pytest.raises(ckpt.CheckpointError, match=f"cannot write the run files in --workdir {tmp_path}: Is a dir"):
-    ckpt.save_run_files(tmp_path, "name: x\n", b"tokenizer")
-  assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.CONFIG_FILE]
+    rf.save_run_files(tmp_path, "name: x\n", b"tokenizer")
+  assert sorted(p.name for p in tmp_path.iterdir()) == [rf.CONFIG_FILE]
 
 
 def test_resume_below_or_at_the_latest_step_and_with_another_tokenizer(run):

@@ -1,1 +1,2 @@
-"""`jaxformer bench`: the train step timed on synthetic batches (`step`), and its PyTorch peer (`torch_peer`)."""
+"""`jaxformer bench`: the train step timed on synthetic batches (`step`), the model FLOPs and device peaks its MFU
+divides (`flops`), and its PyTorch peer (`torch_peer`)."""

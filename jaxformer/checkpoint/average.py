@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.checkpoint import manager as ckpt
+from jaxformer.checkpoint import run_files as rf
 from jaxformer.errors import CheckpointError
 
 AVERAGE_FILE = "average.json"  # marks a workdir written by `write_averaged`: which run, which steps
@@ -83,7 +84,7 @@ def write_averaged(workdir: str | Path, output: str | Path, steps: list[int], pa
   tmp = output.with_name(output.name + ".incomplete")
   shutil.rmtree(tmp, ignore_errors=True)
   tmp.mkdir(parents=True)
-  ckpt.copy_run_files(workdir, tmp)
+  rf.copy_run_files(workdir, tmp)
   (tmp / AVERAGE_FILE).write_text(json.dumps({"workdir": str(workdir.absolute()), "steps": steps}) + "\n")
   saver = ckpt.Checkpointer(tmp, async_save=False)
   saver.save_params(max(steps), params)

@@ -142,7 +142,7 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
 def search_options(args):
   """SearchOptions from the decoding flags (and `--draft-workdir`, which needs plain greedy
   search); ValueError (one line) on a bad combination."""
-  from jaxformer.inference.decode import SearchOptions
+  from jaxformer.inference.options import SearchOptions
 
   sampling = [
     f

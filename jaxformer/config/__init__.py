@@ -2,7 +2,8 @@
 
 Loaded and checked before JAX is imported. The modules: `loader` (the run's sections and
 `load_config`), `schema` (dicts to dataclasses and back), `model` and `mesh` (those sections),
-`options` (checks of the model's architecture options), `policy` (the mixed-precision policy).
+`options` (checks of the model's architecture options), `policy` (the mixed-precision policy
+and the `precision` section).
 The names below are the public ones: `from jaxformer.config import load_config, Config, ConfigError`.
 """
 
@@ -11,7 +12,6 @@ from jaxformer.config.loader import (
   Config,
   DataConfig,
   OptimConfig,
-  PrecisionConfig,
   RuntimeConfig,
   TrainConfig,
   check_directory,
@@ -23,6 +23,7 @@ from jaxformer.config.loader import (
 )
 from jaxformer.config.mesh import MeshConfig
 from jaxformer.config.model import ModelConfig
+from jaxformer.config.policy import PrecisionConfig
 from jaxformer.config.schema import parse_override
 from jaxformer.errors import ConfigError
 

@@ -16,6 +16,7 @@ import jax
 from jaxformer import sharding as sh
 from jaxformer.checkpoint import average
 from jaxformer.checkpoint import manager as ckpt
+from jaxformer.checkpoint import run_files as rf
 from jaxformer.config import Config, ConfigError, config_from_dict, load_config, to_dict
 from jaxformer.data import Tokenizer
 from jaxformer.inference.quantize import quantize_params
@@ -63,7 +64,7 @@ def workdir_config(workdir: str | Path, overrides: Sequence[str] = ()) -> Config
       raise ConfigError(
         f"override {o!r} is not allowed at eval time; only runtime.*, mesh.*, train.batch_size and data.data_dir"
       )
-  saved = to_dict(load_config(ckpt.run_file(workdir, ckpt.CONFIG_FILE)))
+  saved = to_dict(load_config(rf.run_file(workdir, rf.CONFIG_FILE)))
   # The training mesh rarely fits the evaluating machine: default to data parallelism over
   # whatever devices are here, unless mesh.* overrides say otherwise.
   saved.pop("mesh")
@@ -91,8 +92,8 @@ def restore(
   checkpointer = ckpt.Checkpointer(workdir, read_only=True)
   if not checkpointer.all_steps():
     raise ckpt.CheckpointError(f"no checkpoint in {checkpointer.directory}; train first or check --workdir")
-  ckpt.run_file(workdir, ckpt.TOKENIZER_FILE)  # a one-line error if it is not a workdir
-  vocab = ckpt.load_vocabulary(workdir)
+  rf.run_file(workdir, rf.TOKENIZER_FILE)  # a one-line error if it is not a workdir
+  vocab = rf.load_vocabulary(workdir)
   rules = sh.rules_for(config.mesh)
   mesh = build_mesh(config)
   model = get_task(config).make_model()
@@ -131,7 +132,7 @@ def restore_draft(
   if num_tokens < 1:
     raise ValueError(f"--draft-tokens must be >= 1, got {num_tokens}")
   config = workdir_config(workdir, overrides)
-  for name in (ckpt.TOKENIZER_FILE, ckpt.SOURCE_TOKENIZER_FILE):
+  for name in (rf.TOKENIZER_FILE, rf.SOURCE_TOKENIZER_FILE):
     mine, theirs = Path(workdir) / name, Path(target.config_workdir) / name
     if mine.is_file() != theirs.is_file() or (mine.is_file() and mine.read_bytes() != theirs.read_bytes()):
       raise ValueError(

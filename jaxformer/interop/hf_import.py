@@ -263,6 +263,7 @@ def write_workdir(
     ConfigError: `workdir` exists.
   """
   from jaxformer.checkpoint import manager as ckpt  # noqa: PLC0415
+  from jaxformer.checkpoint import run_files as rf  # noqa: PLC0415
 
   workdir = Path(workdir)
   if workdir.exists():
@@ -271,7 +272,7 @@ def write_workdir(
   shutil.rmtree(tmp, ignore_errors=True)
   try:
     source = tokenizer.with_side("source").serialized if config.data.tokenizer == "marian" else None
-    ckpt.save_run_files(tmp, dump_config(config), tokenizer.serialized, source)
+    rf.save_run_files(tmp, dump_config(config), tokenizer.serialized, source)
     if tokenizer_files is not None:
       (tmp / TOKENIZER_DIR).mkdir()
       for name in TOKENIZER_FILES:

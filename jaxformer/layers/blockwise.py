@@ -9,7 +9,7 @@ q, k, v, the output and the per-row max and sum, and recomputes each block's sco
 Masks are given as padding validity, optional segment ids (packed examples) and causal /
 sliding-window / global-token flags on positions, and built per block, as is a position
 bias (ALiBi, T5) whose params get their gradient from the recomputing backward pass; the result equals
-`attention.dot_product_attention` with the same mask (fully masked rows included: they
+`dot_product.dot_product_attention` with the same mask (fully masked rows included: they
 average all values).
 """
 

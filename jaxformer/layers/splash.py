@@ -118,7 +118,7 @@ def splash_attention(
   gather_axes: tuple[str, ...] = (),
 ) -> jax.Array:
   """softmax(q k^T / sqrt(head_dim)) v by the splash-attention kernels (module docstring), equal to
-  `attention.dot_product_attention` under `scores.attention_mask` on every real query.
+  `dot_product.dot_product_attention` under `scores.attention_mask` on every real query.
 
   Args:
     q: `[batch, T, num_heads, head_dim]`; k, v: `[batch, S, num_kv_heads, head_dim]`, num_kv_heads

@@ -261,7 +261,7 @@ def serve(
   a non-loopback `host` without a key prints a one-line warning."""
   import uvicorn  # noqa: PLC0415  (only the serve command needs it)
 
-  from jaxformer.inference.decode import SearchOptions  # noqa: PLC0415
+  from jaxformer.inference.options import SearchOptions  # noqa: PLC0415
   from jaxformer.tasks import evaluate  # noqa: PLC0415
 
   cfg = restored.config

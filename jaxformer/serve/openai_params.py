@@ -14,7 +14,7 @@ import math
 import secrets
 from typing import Any
 
-from jaxformer.inference.engine import MAX_LOGPROBS
+from jaxformer.inference.request import MAX_LOGPROBS
 from jaxformer.serve.errors import BadRequest
 
 MAX_STOPS = 4
@@ -47,7 +47,7 @@ class Options:
   echo: bool
 
   def engine_fields(self) -> dict[str, Any]:
-    """The `inference.engine.Request` sampling fields: greedy when `temperature` is None."""
+    """The `inference.request.Request` sampling fields: greedy when `temperature` is None."""
     if self.temperature is None:
       return {"seed": self.seed}
     return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "seed": self.seed}

@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any
 
-from jaxformer.inference.engine import Request
+from jaxformer.inference.request import Request
 from jaxformer.serve.text import Continuation, token_logprobs
 
 

@@ -19,7 +19,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from jaxformer.inference.engine import Request
+from jaxformer.inference.request import Request
 from jaxformer.inference.search import EXTRA_TOKENS
 from jaxformer.serve.errors import BadRequest
 from jaxformer.serve.text import Continuation

@@ -64,7 +64,7 @@ class Continuation:
 
 
 def token_logprobs(tokenizer: Any, ids: Sequence[int], logprobs: Sequence, start: int, k: int) -> list[tuple]:
-  """For each of `ids[start:]`, with `logprobs[j]` its `inference.engine.TokenLogprob` (or None):
+  """For each of `ids[start:]`, with `logprobs[j]` its `inference.request.TokenLogprob` (or None):
   (its text, its log-probability or None, [(text, log-probability)] of its `k` best
   alternatives, plus itself when it is not among them; None with no log-probability). A
   token's text is what it adds to the `CONTEXT` ids before it, decoded."""

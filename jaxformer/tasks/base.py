@@ -31,7 +31,7 @@ class EvalOptions:
 
   split: `val`, `test` or None (the task's `default_split`); src / ref: files to score
   instead of a split (translation);
-  batch_size: sentences per decoding batch; search: `inference.decode.SearchOptions`; output: the
+  batch_size: sentences per decoding batch; search: `inference.options.SearchOptions`; output: the
   hypotheses file, or a folder (the workdir) where it is named after the split and the
   search, or None (not written: the Python API's `score`); workdir: the run's folder, whose
   tokenizers encode the evaluation data; draft: None, or a function restoring the draft model of
@@ -150,7 +150,7 @@ class Task(abc.ABC):
     Raises:
       ValueError: the dataset has no such split.
     """
-    from jaxformer.checkpoint.manager import load_vocabulary  # noqa: PLC0415  (Orbax: only when evaluating)
+    from jaxformer.checkpoint.run_files import load_vocabulary  # noqa: PLC0415  (Orbax: only when evaluating)
 
     split = {"val": "validation", "test": "test"}[options.split or self.default_split]
     vocab = load_vocabulary(options.workdir) if options.workdir else None

@@ -116,7 +116,7 @@ class Translation(Task):
 
   def score_validation(self, restored, split) -> dict[str, float]:
     """Greedy-decoding BLEU (sacrebleu) of the validation split against its references."""
-    from jaxformer.inference.decode import SearchOptions  # noqa: PLC0415
+    from jaxformer.inference.options import SearchOptions  # noqa: PLC0415
     from jaxformer.tasks import evaluate  # noqa: PLC0415  (evaluate imports the task registry)
 
     sources, references = split.texts(range(len(split)))

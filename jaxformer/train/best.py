@@ -25,6 +25,7 @@ from typing import Any
 import jax
 
 from jaxformer.checkpoint import manager as ckpt
+from jaxformer.checkpoint import run_files as rf
 
 BEST_DIR = "best"
 BEST_FILE = "best.json"
@@ -114,7 +115,7 @@ class BestCheckpoint:
       saver.save_params(step, params)
     saver.close()
     if jax.process_index() == 0:
-      ckpt.copy_run_files(self.workdir, self.directory)
+      rf.copy_run_files(self.workdir, self.directory)
       print(f"best {self.metric} so far at step {step}: saved to {self.directory}", file=sys.stderr, flush=True)
 
 

@@ -22,6 +22,7 @@ import tqdm
 
 from jaxformer import sharding as sh
 from jaxformer.checkpoint import manager as ckpt
+from jaxformer.checkpoint import run_files as rf
 from jaxformer.checkpoint.average import AVERAGE_FILE
 from jaxformer.config import Config, ConfigError, TrainConfig, check_directory, dump_config, load_config
 from jaxformer.data import PAIRS, absolute_paths, global_batch, padding_fraction, stack_batches
@@ -56,7 +57,7 @@ def _check_resume_config(workdir: Path, config: Config) -> bool:
       tokenizer, another steps_per_call (bucketed pairs), or a checkpoint past train.num_steps.
   """
   check_directory("--workdir", workdir, writable=True)
-  saved_path = workdir / ckpt.CONFIG_FILE
+  saved_path = workdir / rf.CONFIG_FILE
   if not saved_path.is_file():
     return False
   saved = load_config(saved_path)
@@ -218,7 +219,7 @@ def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[
         "train in the run's own --workdir"
       )
   # A workdir keeps its tokenizers: a resumed run reads its data with the ids it trained on.
-  saved_vocab = ckpt.load_vocabulary(workdir)
+  saved_vocab = rf.load_vocabulary(workdir)
   config, vocab = get_task(config).fit_vocab_size(saved_vocab)  # a char vocabulary sizes an unset model.vocab_size
   if _check_resume_config(workdir, config) and not dry_run:
     return {}  # a complete run: nothing is trained or rewritten
@@ -243,7 +244,7 @@ def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[
     print(f"using the tokenizer saved in {workdir}", file=sys.stderr, flush=True)
   vocab, splits = main_process_first(lambda: task.load_data(vocab), "prepare_data")
   if jax.process_index() == 0:
-    ckpt.save_run_files(
+    rf.save_run_files(
       workdir,
       dump_config(absolute_paths(config)),
       vocab.target.serialized,
