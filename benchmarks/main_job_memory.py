@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _rss_mib(pid: int) -> float | None:
+def rss_mib(pid: int) -> float | None:
   """The resident set of process `pid` in MiB (None once it has exited)."""
   try:
     with open(f"/proc/{pid}/status") as f:
@@ -75,7 +75,7 @@ def run_measured(command: list[str], interval: float, first_phase: str) -> dict:
 
   def sample():
     while not done.is_set():
-      rss = _rss_mib(child.pid)
+      rss = rss_mib(child.pid)
       if rss is not None:
         peaks[state["phase"]] = max(peaks.get(state["phase"], 0.0), rss)
       time.sleep(interval)
@@ -91,7 +91,7 @@ def run_measured(command: list[str], interval: float, first_phase: str) -> dict:
       state["phase"] = "data, state"
     elif step is not None:
       state["phase"] = "train"
-      rss = _rss_mib(child.pid)
+      rss = rss_mib(child.pid)
       if rss is not None:
         steps.append((step, rss))
   _, status, usage = os.wait4(child.pid, 0)  # this child's own rusage (its peak RSS, KiB on Linux)

@@ -26,22 +26,14 @@ import json
 import os
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from main_job_memory import rss_mib
 
-from jaxformer.runtime.host_memory import limit_malloc_arenas, release_free_memory  # noqa: E402
-
-limit_malloc_arenas()  # as `jaxformer train` does, before JAX starts its thread pools
-
-from jaxformer.bench.step import BenchOptions, prepare_step  # noqa: E402
-from jaxformer.config import load_config  # noqa: E402
-from jaxformer.runtime.startup import init_runtime  # noqa: E402
+from jaxformer.bench.step import BenchOptions, prepare_step
+from jaxformer.config import load_config
+from jaxformer.runtime.host_memory import release_free_memory
+from jaxformer.runtime.startup import init_runtime
 
 MIB = 2**20
-
-
-def _rss_mib() -> float:
-  with open("/proc/self/status") as f:
-    return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS"))
 
 
 def _compile(config, batch_size: int, length: int):
@@ -62,18 +54,18 @@ def main() -> None:
   parser.add_argument("overrides", nargs="*", help="key=value overrides applied to every compile")
   args = parser.parse_args()
   config = load_config(args.config, args.overrides)
-  init_runtime(config.runtime)  # the run's XLA flags (runtime.deterministic), as `jaxformer train` sets them
+  init_runtime(config.runtime)  # as `jaxformer train`: malloc arenas, the XLA flags of runtime.deterministic
   batch_size = args.batch_size or config.train.batch_size
   lengths = [int(x) for x in args.lengths.split(",")]
 
   kept, rows = [], []
   release_free_memory()
-  before = _rss_mib()
+  before = rss_mib(os.getpid())
   for length in lengths:
     compiled, seconds = _compile(config, batch_size, length)
     kept.append(compiled)  # alive, as in a run that has compiled this length
     release_free_memory()
-    after = _rss_mib()
+    after = rss_mib(os.getpid())
     m = compiled.memory_analysis()
     rows.append(
       {
@@ -92,7 +84,7 @@ def main() -> None:
     variants.append({"overrides": text, "temp_mib": round(compiled.memory_analysis().temp_size_in_bytes / MIB, 1)})
     del compiled
 
-  print(f"train step of {args.config}, batch {batch_size}, one device per mesh axis as configured\n")
+  print(f"train step of {args.config}, batch {batch_size}, on the config's mesh\n")
   print("| length | resident MiB (executable) | temp MiB (one call) | args MiB | compile s |")
   print("|---:|---:|---:|---:|---:|")
   for r in rows:
