@@ -12,7 +12,7 @@ from jaxformer.tasks import get_task
 SMALL = {"vocab_size": 300, "max_length": 64}
 
 
-def _sources(tmp):
+def _sources(tmp, multi30k_dir):
   (tmp / "a.xx").write_text("".join(f"w{i} x{i % 9} y{i % 4}\n" for i in range(120)))
   (tmp / "a.yy").write_text("".join(f"v{i} z{i % 9}\n" for i in range(120)))
   (tmp / "d.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " * (1 + i % 6)}) + "\n" for i in range(200)))
@@ -24,8 +24,8 @@ def _sources(tmp):
   files = {"dataset": "files", "source_lang": "xx", "target_lang": "yy", "tokenizer": "bpe"}
   return {
     # Multi30k at configs/tiny.yaml's vocabulary, so the session's prepared copy serves (`multi30k_dir`).
-    "multi30k": ({"vocab_size": 1000}, {"buckets": [16, 32, 64]}),
-    "multi30k-packed": ({"vocab_size": 1000}, {"packing": True}),
+    "multi30k": ({"vocab_size": 1000}, {"data_dir": multi30k_dir, "buckets": [16, 32, 64]}),
+    "multi30k-packed": ({"vocab_size": 1000}, {"data_dir": multi30k_dir, "packing": True}),
     "tinyshakespeare": ({"kind": "decoder_only"}, {"dataset": "tinyshakespeare", "tokenizer": "char"}),
     "files-pairs-packed": ({}, {**files, "train_files": f"{tmp}/a.xx,{tmp}/a.yy", "packing": True}),
     "files-text-mlm": (
@@ -37,22 +37,21 @@ def _sources(tmp):
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory):
+def sources(tmp_path_factory, multi30k_dir):
   tmp = tmp_path_factory.mktemp("order")
-  return tmp, _sources(tmp)
+  return tmp, _sources(tmp, multi30k_dir)
 
 
 @pytest.mark.parametrize(
   "name", ["multi30k", "multi30k-packed", "tinyshakespeare", "files-pairs-packed", "files-text-mlm", "tfds-pairs"]
 )
-def test_batch_k_is_a_pure_function_of_seed_and_step(sources, multi30k_dir, name):
+def test_batch_k_is_a_pure_function_of_seed_and_step(sources, name):
   tmp, table = sources
   model, data = table[name]
-  data_dir = multi30k_dir if name.startswith("multi30k") else str(tmp / "cache")
   config = config_from_dict(
     {
       "model": {**SMALL, **model},
-      "data": {"data_dir": data_dir, **data},
+      "data": {"data_dir": str(tmp / "cache"), **data},
       "train": {"batch_size": 8},
       "runtime": {"seed": 5},
     }
