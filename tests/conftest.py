@@ -21,11 +21,12 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault(
-  "XLA_FLAGS",
-  "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-  " --xla_llvm_disable_expensive_passes=true --xla_cpu_parallel_codegen_split_count=1",
+# The fast-compile flags alone: CLI subprocesses take these and set their own device count.
+COMPILE_FLAGS = (
+  "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+  " --xla_llvm_disable_expensive_passes=true --xla_cpu_parallel_codegen_split_count=1"
 )
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {COMPILE_FLAGS}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 for _name, _prefix in (
   ("JAX_COMPILATION_CACHE_DIR", "jaxformer-test-xla-cache-"),

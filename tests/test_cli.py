@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import COMPILE_FLAGS
 
 ROOT = Path(__file__).parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -16,8 +17,8 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 
 def cli_env() -> dict:
   """The environment of a CLI run: the CLI sets its own device count from runtime.num_cpu_devices;
-  XLA's backend optimisation stays off, as in the tests (compiles several times faster)."""
-  return dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0")
+  XLA compiles with the suite's fast-compile flags (conftest.COMPILE_FLAGS)."""
+  return dict(os.environ, XLA_FLAGS=COMPILE_FLAGS)
 
 
 def run_cli(*args, check=True):

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import COMPILE_FLAGS
 
 from jaxformer.runtime import distributed
 
@@ -30,7 +31,7 @@ PER_CALL = 2  # steps per jitted call, and per logged interval
 
 def _env(tmp: Path) -> dict:
   env = dict(os.environ)
-  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # devices come from runtime.num_cpu_devices
+  env["XLA_FLAGS"] = COMPILE_FLAGS  # devices come from runtime.num_cpu_devices
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHON"] = sys.executable
   env["JAXFORMER_LOG_DIR"] = str(tmp / "logs")

@@ -24,6 +24,7 @@ from pathlib import Path
 import jax
 import pytest
 import yaml
+from conftest import COMPILE_FLAGS
 from openai_served import events as sse_events
 from test_cli import ROOT
 from test_engine import NO_EOS, PAGE, SLOTS, SMALL_POOL, _model
@@ -83,7 +84,7 @@ NEVER = 95  # a token the trained model does not emit: EOS moved there never com
 
 def _env():
   env = dict(os.environ)
-  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # fast compiles; the device count comes from ONE_DEVICE
+  env["XLA_FLAGS"] = COMPILE_FLAGS  # fast compiles; the device count comes from ONE_DEVICE
   return env
 
 
