@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SHAKESPEARE, tiny_config
+from conftest import shakespeare_files, tiny_config
 
 from jaxformer import sharding as sh
 from jaxformer.aot.train_step import compile_train_step
@@ -239,7 +239,6 @@ def test_a_decoder_trains_on_a_32k_token_sequence_over_8_devices(tmp_path):
   """`jaxformer train` on one 32,768-token sequence per step with mesh.context=8 (4,096 tokens per
   simulated CPU device; RoPE, causal blockwise attention): two steps, the loss finite and falling.
   A subprocess, so XLA:CPU optimises the program (the suite turns that off to compile faster)."""
-  import gzip
   import json
   import os
   import subprocess
@@ -248,21 +247,13 @@ def test_a_decoder_trains_on_a_32k_token_sequence_over_8_devices(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["JAX_PLATFORMS"] = "cpu"
   length = 32768
-  # Tiny Shakespeare as own text, its validation one window long: the run's closing evaluation
-  # covers one 32k window instead of the four of the shipped validation split.
-  text = gzip.open(SHAKESPEARE, "rt", encoding="utf-8").read()
-  (tmp_path / "train.txt").write_text(text[: -length - 1], encoding="utf-8")
-  (tmp_path / "valid.txt").write_text(text[-length - 1 :], encoding="utf-8")
   args = [
     "train",
     "--config",
     str(ROOT / "configs/shakespeare_char.yaml"),
     "--workdir",
     str(tmp_path / "run"),
-    f"data.data_dir={tmp_path / 'data'}",
-    "data.dataset=files",
-    f"data.train_files={tmp_path / 'train.txt'}",
-    f"data.validation_files={tmp_path / 'valid.txt'}",
+    *shakespeare_files(tmp_path, length + 1),  # the closing evaluation: one 32k window
     "model.d_model=16",
     "model.num_heads=1",  # one head of 16 and 512-key blocks: half the time of 2 x 8 and 1024
     "model.d_ff=32",

@@ -7,6 +7,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from conftest import shakespeare_files
 
 from jaxformer import sharding as sh
 from jaxformer.config import (
@@ -125,6 +126,7 @@ def _lm_run(workdir, steps_per_call: int, num_steps: int = 7):
   config = load_config(
     "configs/shakespeare_char.yaml",
     [
+      *shakespeare_files(workdir.parent),
       "model.d_model=16",
       "model.num_heads=2",
       "model.d_ff=32",

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import COMPILE_FLAGS
+from conftest import COMPILE_FLAGS, shakespeare_files
 
 from jaxformer.runtime import distributed
 
@@ -319,7 +319,7 @@ def test_context_parallel_two_processes_match_one_process(tmp_path):
   a decoder-only model's sequences, attention gathers keys/values over them; losses equal one 8-device process."""
   env = _env(tmp_path)
   overrides = [
-    f"data.data_dir={tmp_path / 'data'}",
+    *shakespeare_files(tmp_path),
     "model.d_model=32",
     "model.num_heads=2",
     "model.d_ff=64",

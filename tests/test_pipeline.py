@@ -245,13 +245,14 @@ def test_two_processes_pipelined_match_one_process_unpipelined(tmp_path):
   """2 processes x 4 CPU devices on a stage=2 x data=2 x fsdp=2 mesh train the character LM
   pipelined; one process on 8 devices trains it data-parallel, unpipelined: the same losses.
   The pipelined checkpoint then evaluates in one process on one device."""
+  from conftest import shakespeare_files
   from test_multihost import LAUNCH, _check, _env, _losses, _run
 
   env = _env(tmp_path)
   common = [
     "--config",
     "configs/shakespeare_char.yaml",
-    f"data.data_dir={tmp_path / 'data'}",
+    *shakespeare_files(tmp_path),
     "model.d_model=32",
     "model.num_heads=2",
     "model.d_ff=48",

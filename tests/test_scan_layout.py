@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import shakespeare_files
 
 from jaxformer import sharding as sh
 from jaxformer.config import ModelConfig, load_config
@@ -96,6 +97,7 @@ def _lm_run(workdir, num_steps, *overrides):
   config = load_config(
     "configs/shakespeare_char.yaml",
     [
+      *shakespeare_files(workdir.parent),
       "model.d_model=16",
       "model.num_heads=2",
       "model.d_ff=32",
