@@ -131,6 +131,8 @@ _SMALL = (
   "model.d_ff=48",
   "model.num_heads=4",
   "model.vocab_size=37",
+  "model.num_encoder_layers=1",
+  "model.num_decoder_layers=1",
 )
 
 
@@ -174,7 +176,7 @@ def test_bench_command_prints_a_table_and_json(bench_runs):
     "tensor": 1,
   }
   assert math.isclose(r["tokens_per_sec"], 8 * 7 / r["step_time_s"])
-  m = ModelConfig(vocab_size=37, d_model=32, num_heads=4, d_ff=48, num_encoder_layers=2, num_decoder_layers=2)
+  m = ModelConfig(vocab_size=37, d_model=32, num_heads=4, d_ff=48, num_encoder_layers=1, num_decoder_layers=1)
   assert r["model_flops_per_step"] == flops.train_flops_per_step(m, 8, 11, 7)
   assert math.isclose(r["mfu"], r["model_flops_per_step"] / r["step_time_s"] / r["peak_flops"])
   assert r["temp_memory_bytes"] > 0 and r["peak_source"] == "measured float32 matmul"
