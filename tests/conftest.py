@@ -99,6 +99,7 @@ def shakespeare_files(directory: Path, validation_chars: int = 2048) -> list[str
   train = directory / f"shakespeare-train-{validation_chars}.txt"
   validation = directory / f"shakespeare-validation-{validation_chars}.txt"
   if not validation.exists():
+    directory.mkdir(parents=True, exist_ok=True)
     text = gzip.open(SHAKESPEARE, "rt", encoding="utf-8").read()
     train.write_text(text[:-validation_chars], encoding="utf-8")
     validation.write_text(text[-validation_chars:], encoding="utf-8")

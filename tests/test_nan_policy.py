@@ -156,6 +156,7 @@ def _poisoning(monkeypatch, bad_steps: set[int]):
 
 
 def _lm_config(directory, num_steps: int, *overrides: str):
+  # The text files and their prepared cache go in `directory`, beside the workdirs, not in one.
   # The vocabulary size is given (Tiny Shakespeare's 66 character ids), so `_params` builds the saved shapes.
   return load_config(
     "configs/shakespeare_char.yaml",
@@ -193,7 +194,7 @@ def _params(workdir, config, step: int):
 
 @pytest.mark.slow
 def test_abort_names_the_step_keeps_the_last_good_checkpoint_and_resumes(monkeypatch, tmp_path):
-  config = _lm_config(tmp_path, 6, "train.checkpoint_every=2")
+  config = _lm_config(tmp_path / "text", 6, "train.checkpoint_every=2")
   loop.train(config, tmp_path / "clean")
   with monkeypatch.context() as patch:
     _poisoning(patch, {3})
@@ -211,7 +212,7 @@ def test_abort_names_the_step_keeps_the_last_good_checkpoint_and_resumes(monkeyp
 
 @pytest.mark.slow
 def test_skip_drops_the_bad_update_and_counts_it(monkeypatch, tmp_path):
-  config = _lm_config(tmp_path, 5, "train.checkpoint_every=1", "train.nan_policy=skip")
+  config = _lm_config(tmp_path / "text", 5, "train.checkpoint_every=1", "train.nan_policy=skip")
   _poisoning(monkeypatch, {3})
   record = loop.train(config, tmp_path)
   assert record["step"] == 5 and record["nonfinite_skips"] == 1 and record["skipped"] == 1
@@ -224,7 +225,7 @@ def test_skip_drops_the_bad_update_and_counts_it(monkeypatch, tmp_path):
 def test_skip_stops_after_max_consecutive_skips_counted_across_calls(monkeypatch, tmp_path):
   """Two steps per call; steps 2 and 4 are isolated skips, 4 and 5 (two calls) make two in a row."""
   config = _lm_config(
-    tmp_path,
+    tmp_path / "text",
     8,
     "train.checkpoint_every=4",
     "train.nan_policy=skip",
