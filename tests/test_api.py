@@ -36,6 +36,7 @@ def run(tmp_path_factory, multi30k_dir):
       "train.num_steps=2",
       "train.log_every=1",
       "train.checkpoint_every=2",
+      "train.eval_batches=2",
       "train.async_checkpoint=false",
       "runtime.deterministic=false",
     ],

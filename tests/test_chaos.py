@@ -29,6 +29,7 @@ def test_random_kills_and_preemptions_change_nothing(tmp_path, multi30k_dir):
       "model.num_encoder_layers=1",
       "model.num_decoder_layers=1",
       "data.buckets=[64]",
+      "train.eval_batches=2",
     ],
     capture_output=True,
     text=True,

@@ -57,6 +57,7 @@ def _train_args(workdir, data_dir, num_steps, *extra):
     "train.batch_size=16",
     "train.log_every=1",
     "train.eval_every=100",
+    "train.eval_batches=2",
     "train.checkpoint_every=2",
     f"train.num_steps={num_steps}",
     *extra,

@@ -39,6 +39,7 @@ def _common(data_dir):
     "model.num_decoder_layers=1",
     "train.log_every=1",
     "train.eval_every=100",
+    "train.eval_batches=2",
     "train.checkpoint_every=4",
     "train.batch_size=16",
   ]

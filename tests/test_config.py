@@ -48,6 +48,7 @@ def test_overrides_are_typed():
     ("data.buckets=[32, 16]", "strictly increasing"),
     ("data.max_length=16", "must equal data.max_length (16); e.g. data.buckets=[12,14,16]"),
     ("train.steps_per_call=0", "train.steps_per_call must be >= 1, got 0"),
+    ("train.eval_batches=-1", "train.eval_batches must be >= 0 (0 = the whole validation split), got -1"),
     ("mesh.data=0", "mesh.data must be a positive size or -1"),
     ("train.num_steps", "not of the form section.key=value"),
     (

@@ -20,6 +20,7 @@ RUN = [
   "train.batch_size=16",
   "train.log_every=5",
   "train.eval_every=1000",
+  "train.eval_batches=2",
   "train.checkpoint_every=5",
   "train.num_steps=100000",
   "data.buckets=[64]",

@@ -398,6 +398,7 @@ def test_lora_fine_tunes_a_workdir_without_adapters_and_exports_merged_and_peft(
     "train.batch_size=8",
     "train.checkpoint_every=2",
     "train.eval_every=2",
+    "train.eval_batches=2",
     "train.log_every=2",
     "train.async_checkpoint=false",
   ]

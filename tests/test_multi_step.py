@@ -180,6 +180,7 @@ def _pairs_run(workdir, data_dir, num_steps: int):
       "train.batch_size=8",
       "train.log_every=6",
       "train.eval_every=1000",
+      "train.eval_batches=2",
       "train.checkpoint_every=1000",
       f"train.num_steps={num_steps}",
       "optim.warmup_steps=2",

@@ -238,10 +238,13 @@ def test_abort_names_the_step_keeps_the_last_good_checkpoint_and_resumes(monkeyp
 
 @pytest.mark.slow
 def test_skip_drops_the_bad_update_and_counts_it(monkeypatch, tmp_path):
-  config = _lm_config(tmp_path / "text", 5, "train.checkpoint_every=1", "train.nan_policy=skip")
+  config = _lm_config(tmp_path / "text", 5, "train.checkpoint_every=1", "train.nan_policy=skip", "train.eval_batches=3")
   _poisoning(monkeypatch, {3})
   record = loop.train(config, tmp_path)
   assert record["step"] == 5 and record["nonfinite_skips"] == 1 and record["skipped"] == 1
+  # The closing evaluation read the first 3 validation batches: 8 full 16-token windows each.
+  rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [row["val_num_tokens"] for row in rows if "val_loss" in row] == [3 * 8 * 16]
   assert math.isfinite(record["loss"])
   _assert_trees_identical(_params(tmp_path, config, 3), _params(tmp_path, config, 2))
   after, skipped = jax.tree.leaves(_params(tmp_path, config, 4)), jax.tree.leaves(_params(tmp_path, config, 3))

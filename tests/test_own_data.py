@@ -30,6 +30,7 @@ def _steps(n):
     f"train.num_steps={n}",
     f"train.log_every={n // 2}",
     f"train.eval_every={n}",
+    "train.eval_batches=2",
     f"train.checkpoint_every={n}",
     "train.batch_size=8",
   ]

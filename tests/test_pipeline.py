@@ -265,6 +265,7 @@ def test_two_processes_pipelined_match_one_process_unpipelined(tmp_path):
     "train.steps_per_call=2",
     "train.log_every=2",
     "train.eval_every=100",
+    "train.eval_batches=2",
     "train.checkpoint_every=4",
     "optim.warmup_steps=2",
   ]

@@ -201,6 +201,7 @@ class TrainConfig:
   batch_size: int = 64  # global, in sentence pairs
   log_every: int = 50  # steps between metrics.jsonl lines
   eval_every: int = 500  # validation loss
+  eval_batches: int = 0  # validation batches per evaluation, the same first ones (shortest first for pairs); 0 = all
   checkpoint_every: int = 1000  # steps between checkpoints
   keep_checkpoints: int = 3  # newest checkpoints kept
   async_checkpoint: bool = True  # write checkpoints in the background
@@ -238,6 +239,8 @@ class TrainConfig:
         f"{self.grad_accum_steps} equal microbatches; use a train.batch_size that is a multiple "
         f"of {self.grad_accum_steps}"
       )
+    if self.eval_batches < 0:
+      raise ConfigError(f"train.eval_batches must be >= 0 (0 = the whole validation split), got {self.eval_batches}")
     if self.early_stop_patience < 0:
       raise ConfigError(f"train.early_stop_patience must be >= 0 (0 = off), got {self.early_stop_patience}")
     if self.nan_policy not in ("abort", "skip"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import sys
 import time
@@ -307,7 +308,8 @@ def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[
         # Time the queued steps, not the evaluation: wait for them, then pause the clock.
         jax.block_until_ready(state)
         seconds += time.perf_counter() - last_time
-        scores = {f"val_{k}": v for k, v in evaluate_loss(eval_step, state.params, val_batches, mesh, rules).items()}
+        limited = itertools.islice(val_batches, config.train.eval_batches or None)
+        scores = {f"val_{k}": v for k, v in evaluate_loss(eval_step, state.params, limited, mesh, rules).items()}
         if config.train.keep_best.removeprefix("val_") in task.validation_scores:
           scores.update(task_scores(task, vocab, model, mesh, state.params, step, splits["validation"]))
         logger.write({"step": step, **scores}, prefix="validation")
