@@ -276,6 +276,8 @@ def _published(folder: Path, name: str, style: str):
   [("gpt2-default", "gpt2"), ("llama3-tied-headdim", "llama"), ("qwen2-tied", "gpt2"), ("mistral-window", "llama")],
 )
 def test_published_model_with_its_tokenizer_imports_generates_trains_and_exports(name, style, tmp_path):
+  import jax
+
   import jaxformer
   from jaxformer.config import load_config
   from jaxformer.inference.decode import greedy_decode
@@ -301,7 +303,7 @@ def test_published_model_with_its_tokenizer_imports_generates_trains_and_exports
 
   # Greedy decoding equals transformers' generate, token for token (until its EOS).
   prompt = np.asarray([ids[0][:6]], np.int32)
-  ours = np.asarray(greedy_decode(model.model, model.params, prompt, 10))[0]
+  ours = np.asarray(jax.jit(lambda p, x: greedy_decode(model.model, p, x, 10))(model.params, prompt))[0]
   with torch.no_grad():
     theirs = hf.generate(torch.from_numpy(prompt).long(), max_new_tokens=10, do_sample=False, pad_token_id=m.eos_id)[
       0, 6:

@@ -117,6 +117,8 @@ def test_import_gives_transformers_logits_and_exports_back(name, tmp_path):
 @pytest.mark.parametrize("name", ["v1.0-relu-tied", "v1.1-gated-gelu-own-head"])
 def test_greedy_decoding_matches_generate(name, tmp_path):
   """`greedy_decode` gives `generate`'s tokens (after its decoder start token) through EOS."""
+  import jax
+
   from jaxformer.inference.decode import greedy_decode
 
   hf = _hf_model(name, seed=1, noise=0.5)  # outputs that vary from step to step
@@ -131,7 +133,7 @@ def test_greedy_decoding_matches_generate(name, tmp_path):
       do_sample=False,
       suppress_tokens=[0],
     ).numpy()[:, 1:]
-  ours = np.asarray(greedy_decode(model, params, src, n))
+  ours = np.asarray(jax.jit(lambda p, x: greedy_decode(model, p, x, n))(params, src))
   for row_ours, row_theirs in zip(ours, theirs):
     stop = list(row_theirs).index(1) + 1 if 1 in row_theirs else len(row_theirs)
     np.testing.assert_array_equal(row_ours[:stop], row_theirs[:stop])
@@ -177,6 +179,7 @@ def test_published_t5_with_only_spiece_imports_trains_and_exports(tmp_path):
   logits and greedy decoding equal transformers', 3 training steps, and the export computes ours."""
   import io
 
+  import jax
   import sentencepiece as spm
 
   import jaxformer
@@ -235,7 +238,7 @@ def test_published_t5_with_only_spiece_imports_trains_and_exports(tmp_path):
       do_sample=False,
       suppress_tokens=[0],
     ).numpy()[:, 1:]
-  ours = np.asarray(greedy_decode(restored.model, restored.params, src, 8))
+  ours = np.asarray(jax.jit(lambda p, x: greedy_decode(restored.model, p, x, 8))(restored.params, src))
   for row_ours, row_theirs in zip(ours, generated):
     stop = list(row_theirs).index(1) + 1 if 1 in row_theirs else len(row_theirs)
     np.testing.assert_array_equal(row_ours[:stop], row_theirs[:stop])

@@ -50,10 +50,11 @@ def _inputs():
 def test_output_is_the_targets_greedy_output(kind):
   target, tp, draft, dp = _models(kind)
   src = _inputs()
-  plain = np.asarray(greedy_decode(target, tp, src, OUT_LEN, eos_id=-1))
+  greedy = jax.jit(lambda p, x, e: greedy_decode(target, p, x, OUT_LEN, eos_id=e), static_argnums=2)
+  plain = np.asarray(greedy(tp, src, -1))
   # An EOS the target emits mid-row in some rows: those rows must stop there.
   eos = int(plain[0, 5])
-  with_eos = np.asarray(greedy_decode(target, tp, src, OUT_LEN, eos_id=eos))
+  with_eos = np.asarray(greedy(tp, src, eos))
   assert (with_eos == PAD_ID).any()
   for d, p, k, same in ((draft, dp, 1, False), (draft, dp, 3, False), (target, tp, 3, True)):
     run = jax.jit(lambda a, b, s, e, d=d, k=k: speculative_greedy(target, a, d, b, s, OUT_LEN, k, e))
