@@ -159,7 +159,7 @@ def test_tiny_model_loss_and_gradients_equal_one_device(kind, context, extra):
   ids = rng.integers(1, config.model.vocab_size, size=(2, 2, 16)).astype(np.int32)
   ids[:, 1, 12:] = 0  # padding
   batch = {"inputs": ids[0], "targets": ids[1]}
-  params = model.init(jax.random.key(0), batch["inputs"], batch["targets"])["params"]
+  params = jax.jit(model.init)(jax.random.key(0), batch["inputs"], batch["targets"])["params"]
 
   def loss(p):
     return loss_fn(task, model, p, batch, None, 0.0)[0]
@@ -186,7 +186,7 @@ def test_bfloat16_compute_compiles_and_agrees_with_one_device(attention):
   model = task.make_model()
   ids = np.random.default_rng(1).integers(1, config.model.vocab_size, size=(2, 2, 16)).astype(np.int32)
   batch = {"inputs": ids[0], "targets": ids[1]}
-  params = model.init(jax.random.key(0), batch["inputs"], batch["targets"])["params"]
+  params = jax.jit(model.init)(jax.random.key(0), batch["inputs"], batch["targets"])["params"]
 
   def loss(p):
     return loss_fn(task, model, p, batch, None, 0.0)[0]

@@ -255,7 +255,7 @@ def _bert_model(seed: int = 0):
 
   model = get_task(_bert_config()).make_model()
   ids = jnp.ones((1, 4), jnp.int32)
-  params = nn.meta.unbox(model.init(jax.random.key(seed), ids, ids)["params"])
+  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(seed), ids, ids)["params"])
   leaves, tree = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
   return model, tree.unflatten([x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])

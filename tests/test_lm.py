@@ -255,7 +255,7 @@ def uniform_lm(tmp_path_factory):
     }
   )
   model = DecoderOnly(config.model)
-  params = jax.tree.map(jnp.zeros_like, model.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32))["params"])
+  params = jax.tree.map(jnp.zeros_like, jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 4), jnp.int32))["params"])
   tokenizer = CharTokenizer.from_text(read_text())
   return Restored(config, tokenizer, model, sh.make_mesh(config.mesh, jax.devices()[:1]), params, 0, sh.LOGICAL_RULES)
 
@@ -300,7 +300,7 @@ def test_generate_keeps_the_space_between_prompt_and_sentencepiece_continuation(
   )
   [we] = tokenizer.encode("we")
   model = DecoderOnly(config.model)
-  params = nn.meta.unbox(model.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32))["params"])
+  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 4), jnp.int32))["params"])
   params = jax.tree.map(jnp.zeros_like, params)
   params["final_norm"]["bias"] = jnp.ones(8)
   params["embed"]["embedding"] = params["embed"]["embedding"].at[we].set(1.0)

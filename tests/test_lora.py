@@ -139,7 +139,7 @@ def test_encoder_decoder_adapts_self_and_cross_attention_and_merges():
 def test_adapters_shapes_axes_and_init():
   config = _config("model.lora_rank=4", ALL)
   model = get_task(config).make_model()
-  boxed = model.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32))["params"]
+  boxed = jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 4), jnp.int32))["params"]
   expected = {  # path -> (shape, logical axes): A keeps its kernel's input axes, B its output axes
     "self_attention/query_lora_a": ((32, 4), ("embed", "lora")),
     "self_attention/query_lora_b": ((4, 4, 8), ("lora", "heads", "kv")),

@@ -126,7 +126,7 @@ def _lm(*overrides):
   task = get_task(config)
   model = task.make_model()
   ids = jnp.ones((1, 8), jnp.int32)
-  return task, model, nn.meta.unbox(model.init(jax.random.key(0), ids, ids)["params"])
+  return task, model, nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), ids, ids)["params"])
 
 
 def _loss_and_grads(overrides, batch):

@@ -28,7 +28,8 @@ def _sums(config, batch):
   model = task.make_model()
   params = _random_params(model, batch["inputs"][:1], batch["targets"][:1])
   batch = {k: jax.numpy.asarray(v) for k, v in batch.items()}
-  return {k: float(v) for k, v in loss_fn(task, model, params, batch, None, 0.1, 1e-3)[1].items()}
+  sums = jax.jit(lambda p, b: loss_fn(task, model, p, b, None, 0.1, 1e-3)[1])(params, batch)
+  return {k: float(v) for k, v in sums.items()}
 
 
 def _ids(rng, n):

@@ -105,7 +105,7 @@ def _hand_set(config_path: str, overrides: list[str]) -> Restored:
   config = load_config(config_path, overrides)
   model = get_task(config).make_model()
   tokens = jnp.ones((1, 4), jnp.int32)
-  params = nn.unbox(model.init(jax.random.key(0), tokens, tokens)["params"])
+  params = nn.unbox(jax.jit(model.init)(jax.random.key(0), tokens, tokens)["params"])
   params = jax.tree_util.tree_map_with_path(lambda path, x: jnp.zeros_like(x) if path[-1].key == "query" else x, params)
   return Restored(config, CharTokenizer("0123abcdefgh"), model, None, params, 7, ())
 

@@ -35,7 +35,12 @@ def _models(kind):
     target = DecoderOnly(ModelConfig(**BASE, kind="decoder_only", position="rope", num_kv_heads=2))
     draft = DecoderOnly(ModelConfig(**{**BASE, "d_model": 16, "num_heads": 2}, kind="decoder_only"))
   x = jnp.ones((1, 4), jnp.int32)
-  return target, target.init(jax.random.key(0), x, x)["params"], draft, draft.init(jax.random.key(1), x, x)["params"]
+  return (
+    target,
+    jax.jit(target.init)(jax.random.key(0), x, x)["params"],
+    draft,
+    jax.jit(draft.init)(jax.random.key(1), x, x)["params"],
+  )
 
 
 def _inputs():
