@@ -99,6 +99,23 @@ def test_packed_segments_with_positions_equal_dense():
   _compare(q, k, v, valid, valid, ids, ids, positions, positions, causal=True)
 
 
+def test_a_kernel_built_in_one_trace_is_not_reused_by_the_next():
+  """Each trace builds its own kernels: one kept from an earlier trace (here `eval_shape`'s) held
+  that trace's mask arrays, and the next trace failed with an escaped tracer."""
+  q, k, v = _qkv(128, 128, 2, seed=2)
+  valid = _valid([128, 90], 128)
+
+  def splash(q, k, v):
+    return splash_attention(q, k, v, valid, valid, causal=True)
+
+  assert jax.eval_shape(splash, q, k, v).shape == q.shape
+  mask = attention_mask(jnp.arange(128)[None], jnp.arange(128)[None], valid, valid, True, 0)
+  want = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, mask))(q, k, v)
+  real = valid[:, :, None, None]
+  got = jax.jit(lambda q, k, v: splash(q, k, v))(q, k, v)  # another function: a new trace, not eval_shape's
+  np.testing.assert_allclose(jnp.where(real, got, 0), jnp.where(real, want, 0), atol=1e-5)
+
+
 @pytest.mark.slow
 def test_cross_attention_over_a_padded_source_equals_dense():
   q, k, v = _qkv(128, 256, N, seed=2)
@@ -155,7 +172,7 @@ def test_sharded_model_with_splash_equals_dense():
   for attention in ("dense", "splash"):
     config = load_config(TINY, [*base, f"model.attention={attention}"])
     model, mesh = get_task(config).make_model(), build_mesh(config)
-    params = model.init(jax.random.key(0), inputs)["params"]
+    params = jax.jit(model.init)(jax.random.key(0), inputs)["params"]
 
     def loss(params, model=model):
       logits = model.apply({"params": params}, inputs, deterministic=True, **batch)

@@ -35,12 +35,13 @@ from jaxformer import sharding as sh
 LANES = 128  # the kernels' key blocks are multiples of a TPU vector register's 128 lanes
 
 
-@functools.lru_cache(maxsize=64)
 def _kernel(
   q_len: int, kv_len: int, group: int, causal: bool, window: int, softcap: float, block: int, interpret: bool
 ) -> kernels.SplashAttentionKernel:
-  """The multi-query kernel for `group` query heads over one key/value head (its masks are
-  preprocessed in numpy, so it is built once per shape)."""
+  """The multi-query kernel for `group` query heads over one key/value head, built afresh in each
+  trace: it holds its block masks as arrays of the trace that built it, so a kernel kept from one
+  trace would leak tracers into the next. The costly part, the numpy preprocessing of the masks, is
+  cached by JAX itself (`splash_attention_mask_info._process_mask`, keyed by the mask)."""
   if causal and window:
     mask = masks.LocalMask((q_len, kv_len), window_size=(window - 1, 0), offset=0)
   else:
