@@ -19,15 +19,8 @@ from jaxformer.inference.decode import (
   sample_decode,
   source_limits,
 )
-from jaxformer.inference.search import (
-  EOS_ID,
-  LENGTH_PENALTY,
-  beam_search_core,
-  filter_logits,
-  length_penalty,
-  sample_core,
-  source_row_keys,
-)
+from jaxformer.inference.sampling import filter_logits, source_row_keys
+from jaxformer.inference.search import EOS_ID, LENGTH_PENALTY, beam_search_core, length_penalty, sample_core
 from jaxformer.models.transformer import PAD_ID, EncoderDecoder
 from jaxformer.tasks.evaluate import hypothesis_scores
 from jaxformer.train.optim import make_optimizer

@@ -21,15 +21,14 @@ from jaxformer import sharding as sh
 from jaxformer.inference import cache as kv
 from jaxformer.inference.options import SearchOptions
 from jaxformer.inference.quantize import decoding_params
+from jaxformer.inference.sampling import check_sampling, source_row_keys
 from jaxformer.inference.search import (
   BEAM_SIZE,
   EXTRA_TOKENS,
   LENGTH_PENALTY,
   beam_search_core,
-  check_sampling,
   greedy_core,
   sample_core,
-  source_row_keys,
 )
 from jaxformer.inference.speculative import speculative_greedy
 

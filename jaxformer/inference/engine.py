@@ -41,7 +41,7 @@ from jaxformer.inference import topk
 from jaxformer.inference.pages import PageAllocator
 from jaxformer.inference.quantize import decoding_params
 from jaxformer.inference.request import MAX_LOGPROBS, Request, token_logprob
-from jaxformer.inference.search import check_sampling, check_seed, sample_tokens, source_row_keys
+from jaxformer.inference.sampling import check_sampling, check_seed, sample_tokens, source_row_keys
 
 BATCHING = ("continuous", "static")
 

@@ -10,7 +10,8 @@ import numpy as np
 
 from jaxformer.inference.decode import Draft, start
 from jaxformer.inference.restore import Restored
-from jaxformer.inference.search import check_sampling, check_seed, sample_core
+from jaxformer.inference.sampling import check_sampling, check_seed
+from jaxformer.inference.search import sample_core
 from jaxformer.inference.speculative import speculative_greedy
 from jaxformer.tasks import get_task
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxformer.inference.search import EXTRA_TOKENS, LENGTH_PENALTY, check_sampling, check_seed, sampling_values
+from jaxformer.inference.sampling import check_sampling, check_seed, sampling_values
+from jaxformer.inference.search import EXTRA_TOKENS, LENGTH_PENALTY
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ import itertools
 from collections.abc import Callable
 from typing import NamedTuple
 
-from jaxformer.inference.search import sampling_values
+from jaxformer.inference.sampling import sampling_values
 
 _ids = itertools.count()
 MAX_LOGPROBS = 5  # most probable alternatives a request may ask for per token (the OpenAI API's limit)

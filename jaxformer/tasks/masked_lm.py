@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer import data as D
-from jaxformer.inference.search import source_row_keys
+from jaxformer.inference.sampling import source_row_keys
 from jaxformer.models.encoder_only import EncoderOnly
 from jaxformer.models.transformer import PAD_ID
 from jaxformer.tasks.base import Outputs
