@@ -253,7 +253,7 @@ def test_router_fields_in_the_log(tmp_path):
   from tensorboardX.proto import event_pb2
 
   from jaxformer.tasks.router import summarise_router
-  from jaxformer.train.loop import _Logger
+  from jaxformer.train.metrics_log import MetricsLog
 
   history = [
     {"router_load": np.array([[3.0, 1.0], [2.0, 2.0]]), "router_balance": 5.0, "router_z": 6.0, "router_dropped": 1.0},
@@ -267,7 +267,7 @@ def test_router_fields_in_the_log(tmp_path):
     "router_load": [[0.75, 0.25], [0.6, 0.4]],
     "router_max_load": [1.5, 1.2],
   }
-  logger = _Logger(tmp_path, 0)
+  logger = MetricsLog(tmp_path, 0)
   logger.write({"step": 3, **out})
   logger.close()
   assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 3, **out}

@@ -37,6 +37,7 @@ from jaxformer.tasks.objective import evaluate_loss, make_eval_step
 from jaxformer.tasks.router import summarise_router
 from jaxformer.train import lora
 from jaxformer.train.best import BEST_FILE, BestCheckpoint, task_scores
+from jaxformer.train.metrics_log import MetricsLog
 from jaxformer.train.optim import make_optimizer
 from jaxformer.train.state import abstract_state, create_state
 from jaxformer.train.step import make_train_call
@@ -125,78 +126,6 @@ def call_length(step: int, train: TrainConfig) -> int:
   return min(*ends, train.num_steps) - step
 
 
-def _summary_writer(folder: Path):
-  """A tensorboardX SummaryWriter writing to `folder`, imported without PyTorch: tensorboardX
-  imports torch when it can (only to accept torch tensors; we log floats), which costs a
-  train run seconds of start-up wherever torch is installed."""
-  blocked = "torch" not in sys.modules
-  if blocked:
-    sys.modules["torch"] = None  # makes `import torch` raise ImportError inside tensorboardX
-  try:
-    from tensorboardX import SummaryWriter  # noqa: PLC0415
-  finally:
-    if blocked:
-      del sys.modules["torch"]
-  return SummaryWriter(str(folder))
-
-
-class _Logger:
-  """Appends JSON lines to metrics.jsonl and mirrors scalars to TensorBoard (process 0 only).
-
-  A run resumed from the step-`start` checkpoint first drops the rows of later steps (a crash
-  logged them, then undid them: the resumed run logs them again), so every step is covered by
-  exactly one training row and no row is duplicated.
-  """
-
-  def __init__(self, workdir: Path, start: int):
-    self.enabled = jax.process_index() == 0
-    if self.enabled:
-      _drop_rows_after(workdir / "metrics.jsonl", start)
-      self._file = open(workdir / "metrics.jsonl", "a")
-      self._tb = _summary_writer(workdir / "tensorboard")
-
-  def write(self, record: dict[str, Any], prefix: str = "train") -> None:
-    if not self.enabled:
-      return
-    self._file.write(json.dumps(record) + "\n")
-    self._file.flush()
-    for k, v in record.items():
-      if k != "step" and isinstance(v, (int, float)):
-        self._tb.add_scalar(f"{prefix}/{k}", v, record["step"])
-      elif isinstance(v, list):  # per layer (the router's load): one curve per layer, per expert
-        for index, value in np.ndenumerate(np.asarray(v)):
-          self._tb.add_scalar(f"{prefix}/{k}/{'/'.join(map(str, index))}", float(value), record["step"])
-    self._tb.flush()
-
-  def close(self) -> None:
-    if self.enabled:
-      self._file.close()
-      self._tb.close()
-
-
-def _drop_rows_after(path: Path, step: int) -> None:
-  """Rewrites the JSON-lines file `path` without its rows of steps after `step` (and without a
-  torn last line), atomically; says on stderr how many it dropped."""
-  if not path.is_file():
-    return
-  kept, dropped = [], 0
-  for line in path.read_text().splitlines():
-    try:
-      row = json.loads(line)
-    except json.JSONDecodeError:  # a line cut short by a kill
-      dropped += 1
-      continue
-    if row.get("step", 0) > step:
-      dropped += 1
-    else:
-      kept.append(line)
-  if dropped:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.replace(path)
-    print(f"{path}: dropped {dropped} rows after step {step}, which this run replays", file=sys.stderr, flush=True)
-
-
 def train(config: Config, workdir: str | Path, dry_run: bool = False, verbose: bool = False) -> dict[str, Any]:
   """Trains `config` in `workdir`, resuming from its latest checkpoint if there is one.
 
@@ -273,7 +202,7 @@ def _train(config: Config, workdir: Path, dry_run: bool, verbose: bool) -> dict[
   rng = jax.random.key(config.runtime.seed)
 
   batches, val_batches = task.make_batches(splits, jax.process_index(), jax.process_count())
-  logger = _Logger(workdir, start)
+  logger = MetricsLog(workdir, start)
   show_bar = jax.process_index() == 0 and sys.stderr.isatty()
   bar = tqdm.tqdm(total=config.train.num_steps, initial=start, disable=not show_bar, unit="step")
   record: dict[str, Any] = {}
