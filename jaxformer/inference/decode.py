@@ -27,6 +27,7 @@ from jaxformer.inference.search import (
   EXTRA_TOKENS,
   LENGTH_PENALTY,
   beam_search_core,
+  check_beam_options,
   greedy_core,
   sample_core,
 )
@@ -151,8 +152,7 @@ def beam_search(
   """
   _check_inputs(inputs)
   length = _resolve_decode_len(model, inputs, max_decode_len)
-  if not isinstance(beam_size, int) or beam_size < 1:
-    raise ValueError(f"beam_size must be an integer >= 1, got {beam_size!r}")
+  check_beam_options(beam_size, length, alpha)  # before the encoder runs, not after
   logits, cache, step = start(model, params, inputs, length)
   return beam_search_core(
     step,

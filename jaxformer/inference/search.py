@@ -179,6 +179,17 @@ def _take(x, idx):  # x [B, M, ...] gathered at idx [B, K'] along axis 1
   return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
+def check_beam_options(beam_size: int, max_decode_len: int, alpha: float) -> None:
+  """Raises ValueError (one line) unless beam_size and max_decode_len are integers >= 1 and the
+  length-penalty alpha is >= 0."""
+  if not isinstance(beam_size, int) or beam_size < 1:
+    raise ValueError(f"beam_size must be an integer >= 1, got {beam_size!r}")
+  if not isinstance(max_decode_len, int) or max_decode_len < 1:
+    raise ValueError(f"max_decode_len must be an integer >= 1, got {max_decode_len!r}")
+  if not alpha >= 0.0:
+    raise ValueError(f"length penalty alpha must be >= 0, got {alpha}")
+
+
 def beam_strategy(
   beam_size: int,
   max_decode_len: int,
@@ -200,13 +211,8 @@ def beam_strategy(
   Raises:
     ValueError: beam_size or max_decode_len < 1, alpha < 0.
   """
+  check_beam_options(beam_size, max_decode_len, alpha)
   k, length = beam_size, max_decode_len
-  if not isinstance(k, int) or k < 1:
-    raise ValueError(f"beam_size must be an integer >= 1, got {beam_size!r}")
-  if not isinstance(length, int) or length < 1:
-    raise ValueError(f"max_decode_len must be an integer >= 1, got {max_decode_len!r}")
-  if not alpha >= 0.0:
-    raise ValueError(f"length penalty alpha must be >= 0, got {alpha}")
   neg_inf = jnp.float32(-jnp.inf)
   best_possible_lp = length_penalty(length if row_limits is None else row_limits, alpha)
 
