@@ -13,8 +13,8 @@ ignored so every run does the same work:
     the same way;
   * round(K): seconds per round of `speculative_greedy` with K draft tokens. A round does the
     same work whatever is accepted (the draft's catch-up and K - 1 steps, the target's pass over
-    K + 1 tokens, the bookkeeping), so it is wall time over the rounds run; with random weights
-    almost nothing is accepted and nearly every round keeps one token.
+    K + 1 tokens, the bookkeeping), so it is wall time over the rounds run. How much random
+    weights accept varies (none or all of it in the runs of 2026-12-06); the round's work does not.
 
 Derived, per K, with each proposal accepted independently with probability a (Leviathan et al.
 2023, eq. 1): a round keeps E(a) = (1 - a^(K+1)) / (1 - a) tokens, so the speed-up over plain
@@ -46,6 +46,7 @@ from jaxformer.config import load_config
 from jaxformer.inference import cache as kv
 from jaxformer.inference.decode import greedy_decode
 from jaxformer.inference.speculative import speculative_greedy
+from jaxformer.models.abstract import init_params
 from jaxformer.runtime.startup import init_runtime
 from jaxformer.tasks import get_task
 
@@ -53,8 +54,7 @@ from jaxformer.tasks import get_task
 def random_model(config, seed: int) -> tuple[Any, Any, int]:
   """(module, params, parameter count) of `config`'s model with random weights."""
   model = get_task(config).make_model()
-  ids = jnp.ones((1, 8), jnp.int32)
-  params = jax.jit(lambda key: model.init(key, ids, ids)["params"])(jax.random.key(seed))
+  params = jax.jit(lambda key: init_params(model, key))(jax.random.key(seed))
   return model, params, sum(x.size for x in jax.tree.leaves(params))
 
 
