@@ -193,6 +193,31 @@ def test_layer_norm_normalizes_rows():
   np.testing.assert_allclose(y.var(-1), 1.0, atol=1e-4)  # epsilon 1e-6 vs variance ~25
 
 
+def test_params_are_made_once_at_init_and_an_applied_shape_is_checked():
+  from flax.errors import ScopeParamShapeError
+
+  from jaxformer import sharding as sh
+
+  calls = []
+
+  def init(key, shape, dtype=jnp.float32):
+    calls.append(shape)
+    return jnp.full(shape, 2.0, dtype)
+
+  class Scaled(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return x * sh.param(self, "w", init, (sh.EMBED,), (x.shape[-1],))
+
+  x = jnp.ones((2, 3))
+  params = Scaled().init(jax.random.key(0), x)
+  assert calls == [(3,)] and nn.get_partition_spec(params)["params"]["w"] == jax.sharding.PartitionSpec("embed")
+  np.testing.assert_array_equal(Scaled().apply(nn.meta.unbox(params), x), 2.0)
+  assert calls == [(3,)]  # applying neither calls nor traces the initializer
+  with pytest.raises(ScopeParamShapeError, match=r'"w".*expected.*\(3,\).*has shape \(4,\)'):
+    Scaled().apply({"params": {"w": jnp.ones(4)}}, x)
+
+
 def test_layer_norm_scale_and_bias():
   x = _normal(8, (3, 6))
   ln = LayerNorm(epsilon=1e-6)

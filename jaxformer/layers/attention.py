@@ -121,7 +121,7 @@ class MultiHeadAttention(nn.Module):
   lora: LoraSpec | None = None  # LoRA adapters beside the query/key/value/out kernels (layers/lora.py)
 
   def _kernel(self, name: str, shape, axes, in_axis, out_axis):
-    w = self.param(name, sh.param_with_axes(_proj_init(in_axis, out_axis), axes), shape)
+    w = sh.param(self, name, _proj_init(in_axis, out_axis), axes, shape)
     return w if int8.is_quantized(w) else w.astype(self.dtype)  # int8 kernels: decoding (`layers.int8`)
 
   def _heads(self, x: jax.Array, w: jax.Array, name: str) -> jax.Array:
@@ -130,7 +130,7 @@ class MultiHeadAttention(nn.Module):
     y = add_adapter(self, self.lora, name, name, x, _project(x, w), (sh.EMBED,), (sh.HEADS, sh.KV), self.dtype)
     if self.bias == "none":
       return y
-    b = self.param(f"{name}_bias", sh.param_with_axes(nn.initializers.zeros, (sh.HEADS, sh.KV)), w.shape[1:])
+    b = sh.param(self, f"{name}_bias", nn.initializers.zeros, (sh.HEADS, sh.KV), w.shape[1:])
     return y + b.astype(self.dtype)
 
   @nn.compact
@@ -197,9 +197,7 @@ class MultiHeadAttention(nn.Module):
       y = jnp.dot(out.reshape(b * t, n * h), wo.reshape(n * h, d_model)).reshape(b, t, d_model)
     y = add_adapter(self, self.lora, "out", "out", out, y, (sh.HEADS, sh.KV), (sh.EMBED,), self.dtype)
     if self.bias == "all":
-      y = y + self.param("out_bias", sh.param_with_axes(nn.initializers.zeros, (sh.EMBED,)), (d_model,)).astype(
-        self.dtype
-      )
+      y = y + sh.param(self, "out_bias", nn.initializers.zeros, (sh.EMBED,), (d_model,)).astype(self.dtype)
     return y
 
   def _position_bias(self, bias_table):
@@ -300,7 +298,7 @@ class MultiHeadAttention(nn.Module):
     init = nn.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=0, out_axis=1)
     shape = (self.max_length, self.linformer_k)
     e, f = (
-      self.param(name, sh.param_with_axes(init, (None, None)), shape).astype(self.dtype)[:length]
+      sh.param(self, name, init, (None, None), shape).astype(self.dtype)[:length]
       for name in ("key_projection", "value_projection")
     )
     if kv_valid is not None:

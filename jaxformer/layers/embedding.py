@@ -56,9 +56,7 @@ class Embed(nn.Module):
   def setup(self):
     """Creates the `[vocab_size, d_model]` table, initialised N(0, 1/d_model)."""
     init = nn.initializers.normal(stddev=self.d_model**-0.5)
-    self.embedding = self.param(
-      "embedding", sh.param_with_axes(init, (sh.VOCAB, sh.EMBED)), (self.vocab_size, self.d_model)
-    )
+    self.embedding = sh.param(self, "embedding", init, (sh.VOCAB, sh.EMBED), (self.vocab_size, self.d_model))
 
   def __call__(self, ids: jax.Array) -> jax.Array:
     """int `[batch, length]` ids -> `[batch, length, d_model]` vectors (times sqrt(d_model) if `scale`), in `dtype`."""

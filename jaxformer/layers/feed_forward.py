@@ -53,13 +53,13 @@ class FeedForward(nn.Module):
 
   def _dense_in(self, name: str, x: jax.Array) -> jax.Array:
     d_model = x.shape[-1]
-    w = self.param(name, sh.param_with_axes(xavier_uniform(), (sh.EMBED, sh.MLP)), (d_model, self.d_ff))
+    w = sh.param(self, name, xavier_uniform(), (sh.EMBED, sh.MLP), (d_model, self.d_ff))
     # Matmuls over the flattened tokens `[batch*length, ...]`: XLA:CPU runs the 2-D form's
     # weight gradients without transposed copies of the activations (a third faster there).
     h = _dense(x.reshape(-1, d_model), w, "nd,df->nf", self.dtype)
     h = add_adapter(self, self.lora, "mlp_in", name, x, h, (sh.EMBED,), (sh.MLP,), self.dtype)
     if self.use_bias:
-      b = self.param(name.replace("wi", "bi"), sh.param_with_axes(nn.initializers.zeros, (sh.MLP,)), (self.d_ff,))
+      b = sh.param(self, name.replace("wi", "bi"), nn.initializers.zeros, (sh.MLP,), (self.d_ff,))
       h = h + b.astype(self.dtype)
     return h.reshape(*x.shape[:-1], self.d_ff)
 
@@ -74,9 +74,9 @@ class FeedForward(nn.Module):
     h = self._dense_in("wi", x)
     h = act(self._dense_in("wi_gate", x)) * h if gated else act(h)
     h = sh.constrain(h, (sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_MLP))
-    w2 = self.param("wo", sh.param_with_axes(xavier_uniform(), (sh.MLP, sh.EMBED)), (self.d_ff, d_model))
+    w2 = sh.param(self, "wo", xavier_uniform(), (sh.MLP, sh.EMBED), (self.d_ff, d_model))
     y = _dense(h.reshape(-1, self.d_ff), w2, "nf,fd->nd", self.dtype)
     y = add_adapter(self, self.lora, "mlp_out", "wo", h, y, (sh.MLP,), (sh.EMBED,), self.dtype)
     if self.use_bias:
-      y = y + self.param("bo", sh.param_with_axes(nn.initializers.zeros, (sh.EMBED,)), (d_model,)).astype(self.dtype)
+      y = y + sh.param(self, "bo", nn.initializers.zeros, (sh.EMBED,), (d_model,)).astype(self.dtype)
     return y.reshape(*x.shape[:-1], d_model)

@@ -99,8 +99,8 @@ def add_adapter(
     return y
   r = lora.rank
   in_shape, out_shape = x.shape[x.ndim - len(in_axes) :], y.shape[y.ndim - len(out_axes) :]
-  a = module.param(kernel + SUFFIX_A, sh.param_with_axes(_a_init(len(in_shape)), (*in_axes, sh.LORA)), (*in_shape, r))
-  b = module.param(kernel + SUFFIX_B, sh.param_with_axes(nn.initializers.zeros, (sh.LORA, *out_axes)), (r, *out_shape))
+  a = sh.param(module, kernel + SUFFIX_A, _a_init(len(in_shape)), (*in_axes, sh.LORA), (*in_shape, r))
+  b = sh.param(module, kernel + SUFFIX_B, nn.initializers.zeros, (sh.LORA, *out_axes), (r, *out_shape))
   h = jnp.dot(x.reshape(-1, math.prod(in_shape)), a.reshape(-1, r).astype(dtype))  # [tokens, r]
   update = jnp.dot(h, b.reshape(r, -1).astype(dtype)) * jnp.asarray(lora.scale, dtype)
   return y + update.reshape(y.shape)

@@ -34,12 +34,12 @@ class MaskedLMHead(nn.Module):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     d = cfg.d_model
-    kernel = self.param("dense_kernel", sh.param_with_axes(nn.initializers.xavier_uniform(), (sh.EMBED, None)), (d, d))
-    bias = self.param("dense_bias", sh.param_with_axes(nn.initializers.zeros, (sh.EMBED,)), (d,))
+    kernel = sh.param(self, "dense_kernel", nn.initializers.xavier_uniform(), (sh.EMBED, None), (d, d))
+    bias = sh.param(self, "dense_bias", nn.initializers.zeros, (sh.EMBED,), (d,))
     b, t, _ = y.shape  # one 2-D matmul over the tokens (see layers/attention.py `_project`)
     h = jnp.einsum("md,de->me", y.reshape(b * t, d).astype(dtype), kernel.astype(dtype)) + bias.astype(dtype)
     h = ACTIVATIONS[cfg.ffn][0](h.reshape(b, t, d))
     h = make_norm(cfg.norm, dtype, name="norm", epsilon=cfg.norm_epsilon)(h)
-    output_bias = self.param("output_bias", sh.param_with_axes(nn.initializers.zeros, (sh.VOCAB,)), (cfg.vocab_size,))
+    output_bias = sh.param(self, "output_bias", nn.initializers.zeros, (sh.VOCAB,), (cfg.vocab_size,))
     logits = output(h) + output_bias.astype(jnp.float32)
     return sh.constrain(logits, (sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_VOCAB))

@@ -122,10 +122,8 @@ class MixtureOfExperts(nn.Module):
   def _expert_in(self, name: str, x: jax.Array) -> jax.Array:
     e, d = self.num_experts, x.shape[-1]
     init = nn.initializers.xavier_uniform(in_axis=-2, out_axis=-1, batch_axis=(0,))
-    w = self.param(name, sh.param_with_axes(init, (sh.EXPERTS, sh.EMBED, sh.MLP)), (e, d, self.d_ff))
-    b = self.param(
-      name.replace("wi", "bi"), sh.param_with_axes(nn.initializers.zeros, (sh.EXPERTS, sh.MLP)), (e, self.d_ff)
-    )
+    w = sh.param(self, name, init, (sh.EXPERTS, sh.EMBED, sh.MLP), (e, d, self.d_ff))
+    b = sh.param(self, name.replace("wi", "bi"), nn.initializers.zeros, (sh.EXPERTS, sh.MLP), (e, self.d_ff))
     return jnp.einsum("becd,edf->becf", x, w.astype(self.dtype)) + b.astype(self.dtype)[None, :, None]
 
   @nn.compact
@@ -136,9 +134,7 @@ class MixtureOfExperts(nn.Module):
       raise ValueError(f"unknown activation {self.activation!r}; use one of {', '.join(ACTIVATIONS)}")
     act, gated = ACTIVATIONS[self.activation]
     batch, length, d_model = x.shape
-    router = self.param(
-      "router", sh.param_with_axes(nn.initializers.xavier_uniform(), (sh.EMBED, None)), (d_model, self.num_experts)
-    )
+    router = sh.param(self, "router", nn.initializers.xavier_uniform(), (sh.EMBED, None), (d_model, self.num_experts))
     logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), router)
     capacity = expert_capacity(length, self.num_experts, self.experts_per_token, self.capacity_factor)
     routing = route(logits, valid, self.experts_per_token, capacity)
@@ -151,12 +147,8 @@ class MixtureOfExperts(nn.Module):
     h = act(self._expert_in("wi_gate", xe)) * h if gated else act(h)
     h = sh.constrain(h, (*_EXPERT_AXES, sh.ACT_MLP))  # [B, E, C, F]
     init = nn.initializers.xavier_uniform(in_axis=-2, out_axis=-1, batch_axis=(0,))
-    wo = self.param(
-      "wo", sh.param_with_axes(init, (sh.EXPERTS, sh.MLP, sh.EMBED)), (self.num_experts, self.d_ff, d_model)
-    )
-    bo = self.param(
-      "bo", sh.param_with_axes(nn.initializers.zeros, (sh.EXPERTS, sh.EMBED)), (self.num_experts, d_model)
-    )
+    wo = sh.param(self, "wo", init, (sh.EXPERTS, sh.MLP, sh.EMBED), (self.num_experts, self.d_ff, d_model))
+    bo = sh.param(self, "bo", nn.initializers.zeros, (sh.EXPERTS, sh.EMBED), (self.num_experts, d_model))
     ye = jnp.einsum("becf,efd->becd", h, wo.astype(self.dtype)) + bo.astype(self.dtype)[None, :, None]
     ye = sh.constrain(ye, (*_EXPERT_AXES, sh.ACT_EMBED))
     y = jnp.einsum("btec,becd->btd", routing.combine.astype(self.dtype), ye)

@@ -53,8 +53,8 @@ class LayerNorm(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     """`[..., d_model]` -> normalised, scaled and shifted `[..., d_model]` in `dtype`."""
     d_model = x.shape[-1]
-    scale = self.param("scale", sh.param_with_axes(nn.initializers.ones, (sh.EMBED,)), (d_model,))
-    bias = self.param("bias", sh.param_with_axes(nn.initializers.zeros, (sh.EMBED,)), (d_model,))
+    scale = sh.param(self, "scale", nn.initializers.ones, (sh.EMBED,), (d_model,))
+    bias = sh.param(self, "bias", nn.initializers.zeros, (sh.EMBED,), (d_model,))
     y = standardize(x.astype(jnp.float32), self.epsilon)
     return (y * scale + bias).astype(self.dtype)
 
@@ -71,7 +71,7 @@ class RMSNorm(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     """`[..., d_model]` -> RMS-normalised and scaled `[..., d_model]` in `dtype`."""
-    scale = self.param("scale", sh.param_with_axes(nn.initializers.ones, (sh.EMBED,)), (x.shape[-1],))
+    scale = sh.param(self, "scale", nn.initializers.ones, (sh.EMBED,), (x.shape[-1],))
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
     return (y * scale).astype(self.dtype)

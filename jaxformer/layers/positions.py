@@ -35,10 +35,8 @@ class LearnedPositions(nn.Module):
   @nn.compact
   def __call__(self, positions: jax.Array) -> jax.Array:
     """int `[batch, length]` positions -> `[batch, length, d_model]` table rows in `dtype`."""
-    table = self.param(
-      "embedding",
-      sh.param_with_axes(nn.initializers.normal(0.02), (None, sh.EMBED)),
-      (self.offset + self.max_length, self.d_model),
+    table = sh.param(
+      self, "embedding", nn.initializers.normal(0.02), (None, sh.EMBED), (self.offset + self.max_length, self.d_model)
     )
     return int8.take_rows(table, positions + self.offset).astype(self.dtype)  # float or int8 (decoding)
 
@@ -242,6 +240,4 @@ class T5Bias:
 def t5_table(module: nn.Module, name: str, num_buckets: int, num_heads: int) -> jax.Array:
   """A stack's learned T5 bias table `[num_buckets, num_heads]` (float32, heads on the tensor
   axis), a param `name` of `module`; every layer of the stack reads the same table."""
-  return module.param(
-    name, sh.param_with_axes(nn.initializers.normal(0.02), (None, sh.HEADS)), (num_buckets, num_heads)
-  )
+  return sh.param(module, name, nn.initializers.normal(0.02), (None, sh.HEADS), (num_buckets, num_heads))

@@ -70,10 +70,8 @@ class SelfAttentionStack(StackedInit, nn.Module):
     if cfg.position == "learned":
       self.positions = LearnedPositions(cfg.max_length, cfg.d_model, dtype, offset=cfg.position_offset)
     if cfg.type_vocab_size:
-      self.token_types = self.param(
-        "token_types",
-        sh.param_with_axes(nn.initializers.normal(0.02), (None, sh.EMBED)),
-        (cfg.type_vocab_size, cfg.d_model),
+      self.token_types = sh.param(
+        self, "token_types", nn.initializers.normal(0.02), (None, sh.EMBED), (cfg.type_vocab_size, cfg.d_model)
       )
     if cfg.embedding_norm:
       self.embedding_norm = make_norm(cfg.norm, dtype, epsilon=cfg.norm_epsilon)

@@ -202,10 +202,8 @@ def output_logits(
 
 def untied_output_proj(module: nn.Module, config: ModelConfig) -> jax.Array:
   """The `[d_model, vocab_size]` output projection parameter of an untied model."""
-  return module.param(
-    "output_proj",
-    sh.param_with_axes(nn.initializers.xavier_uniform(), (sh.EMBED, sh.VOCAB)),
-    (config.d_model, config.vocab_size),
+  return sh.param(
+    module, "output_proj", nn.initializers.xavier_uniform(), (sh.EMBED, sh.VOCAB), (config.d_model, config.vocab_size)
   )
 
 
@@ -236,9 +234,7 @@ class EncoderDecoder(StackedInit, nn.Module):
       self.target_embed = Embed(cfg.vocab_size, cfg.d_model, dtype, cfg.embedding_scale, name="target_embed")
       self.output_proj = untied_output_proj(self, cfg)
     if cfg.logits_bias:  # Marian's final_logits_bias
-      self.logits_bias = self.param(
-        "logits_bias", sh.param_with_axes(nn.initializers.zeros, (sh.VOCAB,)), (cfg.vocab_size,)
-      )
+      self.logits_bias = sh.param(self, "logits_bias", nn.initializers.zeros, (sh.VOCAB,), (cfg.vocab_size,))
     self.encoder_stack = layer_stack(EncoderBlock, cfg, cfg.num_encoder_layers, "encoder", self.pipeline)
     self.decoder_stack = layer_stack(DecoderBlock, cfg, cfg.num_decoder_layers, "decoder", self.pipeline)
     self.encoder_bias = bias_table(self, cfg, "encoder_relative_bias")
