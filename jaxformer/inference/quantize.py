@@ -16,6 +16,7 @@ exist in float only as per-call temporaries. `dequantize_params` gives the whole
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -75,6 +76,9 @@ def _reduced_axes(name: str, ndim: int, depth: int) -> tuple[int, ...] | None:
   return None
 
 
+# Jitted: one fused program per kernel shape, rather than eight whole-kernel passes (and eight
+# small compiles) op by op when a model is quantized on the host.
+@functools.partial(jax.jit, static_argnames="reduced_axes")
 def quantize_array(w: jax.Array, reduced_axes: tuple[int, ...]) -> QuantizedArray:
   """Symmetric int8 quantization with one float32 scale per output channel.
 
