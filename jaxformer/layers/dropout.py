@@ -27,7 +27,7 @@ _PARITY = 0x1BD11BDA  # Threefish key-schedule parity constant (Random123's SKEI
 
 
 def _rotl(x: jax.Array, r: int) -> jax.Array:
-  return (x << np.uint32(r)) | (x >> np.uint32(32 - r))
+  return lax.bitwise_or(lax.shift_left(x, np.uint32(r)), lax.shift_right_logical(x, np.uint32(32 - r)))
 
 
 def threefry_2x32(key: tuple[jax.Array, jax.Array], x0: jax.Array, x1: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -41,16 +41,18 @@ def threefry_2x32(key: tuple[jax.Array, jax.Array], x0: jax.Array, x1: jax.Array
     `(y0, y1)`, uint32 of the broadcast shape.
   """
   k0, k1 = (jnp.asarray(k, jnp.uint32) for k in key)
-  ks = (k0, k1, k0 ^ k1 ^ np.uint32(_PARITY))
-  x0 = jnp.asarray(x0, jnp.uint32) + ks[0]
-  x1 = jnp.asarray(x1, jnp.uint32) + ks[1]
+  x0, x1, k0, k1 = jnp.broadcast_arrays(jnp.asarray(x0, jnp.uint32), jnp.asarray(x1, jnp.uint32), k0, k1)
+  ks = (k0, k1, lax.bitwise_xor(lax.bitwise_xor(k0, k1), np.uint32(_PARITY)))
+  # lax ops on operands of one shape: each jnp operator would trace its own promotion and
+  # broadcasting, and these 20 rounds were a sixth of tracing a small train step.
+  x0, x1 = lax.add(x0, ks[0]), lax.add(x1, ks[1])
   for i in range(20):  # Python loop on purpose: unrolled, so XLA fuses it into one kernel
-    x0 = x0 + x1
-    x1 = _rotl(x1, _ROTATIONS[i % 8]) ^ x0
+    x0 = lax.add(x0, x1)
+    x1 = lax.bitwise_xor(_rotl(x1, _ROTATIONS[i % 8]), x0)
     if i % 4 == 3:  # key injection s after every 4 rounds, with the injection count added
       s = i // 4 + 1
-      x0 = x0 + ks[s % 3]
-      x1 = x1 + ks[(s + 1) % 3] + np.uint32(s)
+      x0 = lax.add(x0, ks[s % 3])
+      x1 = lax.add(lax.add(x1, ks[(s + 1) % 3]), np.uint32(s))
   return x0, x1
 
 
