@@ -131,6 +131,23 @@ def test_contiguous_cache_shapes(params):
   assert all(float(jnp.abs(x).max()) == 0.0 for x in jax.tree.leaves(cache.layers))
 
 
+def test_a_cache_of_shapes_seen_before_is_made_without_tracing_the_prefill(params, monkeypatch):
+  calls = []
+  original = EncoderDecoder.prefill
+
+  def counting(self, *args, **kwargs):
+    calls.append(args[0].shape)
+    return original(self, *args, **kwargs)
+
+  monkeypatch.setattr(EncoderDecoder, "prefill", counting)
+  first = kv.contiguous_cache(MODEL, params, 2, SRC_LEN, capacity=7)
+  again = kv.contiguous_cache(MODEL, params, 2, SRC_LEN, capacity=7)
+  other = kv.contiguous_cache(MODEL, params, 2, SRC_LEN, capacity=9)
+  assert calls == [(2, SRC_LEN), (2, SRC_LEN)]  # traced for capacities 7 and 9, not for 7 again
+  assert jax.tree.map(jnp.shape, first) == jax.tree.map(jnp.shape, again) != jax.tree.map(jnp.shape, other)
+  assert all(float(jnp.abs(x).max()) == 0.0 for x in jax.tree.leaves(again.layers))
+
+
 def test_cached_decoding_matches_full_forward(params, fns):
   src = jnp.asarray(_sources())
   batch = src.shape[0]

@@ -14,6 +14,7 @@ inference package depends on the model kind.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import flax.linen as nn
@@ -40,13 +41,34 @@ class KVCache:
   state: CacheState
 
 
+# The cache's shapes per (model, params' and state's structure and shapes, input shape): finding
+# them traces a whole prefill, which building a decode function would otherwise do once more
+# every time (half its tracing for a small model). A few entries: one per decoding shape in use.
+_SHAPES: dict[Any, Any] = {}
+_MAX_SHAPES = 64
+_SHAPES_LOCK = threading.Lock()  # the server decodes from several threads
+
+
+def _signature(tree: Any) -> tuple[Any, ...]:
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in leaves)
+
+
 def _zeros(model: nn.Module, params: Any, inputs_shape: tuple[int, int], state: CacheState) -> KVCache:
   def run(params):
     return model.apply(
       {"params": params}, jnp.ones(inputs_shape, jnp.int32), state, method="prefill", mutable=["cache"]
     )[1]["cache"]
 
-  shapes = jax.eval_shape(run, params)
+  key = (model, _signature(params), tuple(inputs_shape), _signature(state))
+  with _SHAPES_LOCK:
+    shapes = _SHAPES.get(key)
+  if shapes is None:
+    shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), jax.eval_shape(run, params))
+    with _SHAPES_LOCK:
+      if len(_SHAPES) >= _MAX_SHAPES:
+        _SHAPES.pop(next(iter(_SHAPES)))  # the oldest
+      _SHAPES[key] = shapes
   return KVCache(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), state)
 
 
