@@ -86,8 +86,8 @@ def param(
   applies. Every parameter of the model code is declared through here.
 
   `module.param` alone would check an applied parameter's shape by tracing `init` again under
-  `jax.eval_shape`, at every apply of every parameter: about a sixth of the tracing time of a
-  small model's decode. The shape is known here, so it is compared directly.
+  `jax.eval_shape`, at every apply of every parameter (tests/test_search.py spent 8 of its 71 s
+  there). The shape is known here, so it is compared directly.
 
   Returns:
     The parameter, unboxed: a `jax.Array`, or a `layers.int8.QuantizedArray` when decoding with
