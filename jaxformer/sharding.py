@@ -96,11 +96,13 @@ def param(
   Raises:
     flax.errors.ScopeParamShapeError: the applied parameter's shape is not `shape` (params of
       another model configuration).
+    ValueError: `name` is already used in `module` (by a parameter or a submodule).
   """
   if module.has_variable("params", name):
+    module.scope.reserve(name, "params")  # as `module.param` does: a name declared twice is an error
     value = nn.meta.unbox(module.get_variable("params", name))
-    if tuple(value.shape) != tuple(shape):
-      raise flax.errors.ScopeParamShapeError(name, module.scope.path_text, tuple(value.shape), tuple(shape))
+    if np.shape(value) != tuple(shape):
+      raise flax.errors.ScopeParamShapeError(name, module.scope.path_text, np.shape(value), tuple(shape))
     return value
   return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape))
 

@@ -217,6 +217,16 @@ def test_params_are_made_once_at_init_and_an_applied_shape_is_checked():
   with pytest.raises(ScopeParamShapeError, match=r'"w".*expected.*\(3,\).*has shape \(4,\)'):
     Scaled().apply({"params": {"w": jnp.ones(4)}}, x)
 
+  class Twice(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return x * sh.param(self, "w", init, (sh.EMBED,), (3,)) * sh.param(self, "w", init, (sh.EMBED,), (3,))
+
+  with pytest.raises(ValueError, match='Duplicate use of scope name: "w"'):
+    Twice().init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match='Duplicate use of scope name: "w"'):
+    Twice().apply(nn.meta.unbox(params), x)
+
 
 def test_layer_norm_scale_and_bias():
   x = _normal(8, (3, 6))
