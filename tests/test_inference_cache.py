@@ -140,7 +140,7 @@ def test_a_cache_of_shapes_seen_before_is_made_without_tracing_the_prefill(param
     return original(self, *args, **kwargs)
 
   monkeypatch.setattr(EncoderDecoder, "prefill", counting)
-  monkeypatch.setattr(kv, "_SHAPES", {})  # whatever other tests left there
+  kv._cache_shapes.cache_clear()  # whatever other tests left there
   first = kv.contiguous_cache(MODEL, params, 2, SRC_LEN, capacity=7)
   again = kv.contiguous_cache(MODEL, params, 2, SRC_LEN, capacity=7)
   other = kv.contiguous_cache(MODEL, params, 2, SRC_LEN, capacity=9)

@@ -14,7 +14,7 @@ inference package depends on the model kind.
 
 from __future__ import annotations
 
-import threading
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -41,34 +41,32 @@ class KVCache:
   state: CacheState
 
 
-# The cache's shapes per (model, params' and state's structure and shapes, input shape): finding
-# them traces a whole prefill, which building a decode function would otherwise do once more
-# every time (half its tracing for a small model). A few entries: one per decoding shape in use.
-_SHAPES: dict[Any, Any] = {}
-_MAX_SHAPES = 64
-_SHAPES_LOCK = threading.Lock()  # the server decodes from several threads
-
-
-def _signature(tree: Any) -> tuple[Any, ...]:
+def _abstract(tree: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], str], ...]]:
+  """A hashable stand-in for `tree`: its structure and each leaf's (shape, dtype name)."""
   leaves, treedef = jax.tree.flatten(tree)
   return treedef, tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in leaves)
 
 
-def _zeros(model: nn.Module, params: Any, inputs_shape: tuple[int, int], state: CacheState) -> KVCache:
-  def run(params):
+def _concrete(abstract: tuple[Any, tuple[tuple[tuple[int, ...], str], ...]]) -> Any:
+  treedef, leaves = abstract
+  return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in leaves])
+
+
+# Finding the cache's shapes traces a whole prefill, which building a decode function would
+# otherwise do again for shapes it has seen (half its tracing for a small model); one entry per
+# decoding shape in use. lru_cache is thread-safe: the server decodes from several threads.
+@functools.lru_cache(maxsize=64)
+def _cache_shapes(model: nn.Module, params: Any, inputs_shape: tuple[int, int], state: Any) -> Any:
+  def run(params, state):
     return model.apply(
       {"params": params}, jnp.ones(inputs_shape, jnp.int32), state, method="prefill", mutable=["cache"]
     )[1]["cache"]
 
-  key = (model, _signature(params), tuple(inputs_shape), _signature(state))
-  with _SHAPES_LOCK:
-    shapes = _SHAPES.get(key)
-  if shapes is None:
-    shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), jax.eval_shape(run, params))
-    with _SHAPES_LOCK:
-      if len(_SHAPES) >= _MAX_SHAPES:
-        _SHAPES.pop(next(iter(_SHAPES)))  # the oldest
-      _SHAPES[key] = shapes
+  return _abstract(jax.eval_shape(run, _concrete(params), _concrete(state)))
+
+
+def _zeros(model: nn.Module, params: Any, inputs_shape: tuple[int, int], state: CacheState) -> KVCache:
+  shapes = _concrete(_cache_shapes(model, _abstract(params), tuple(inputs_shape), _abstract(state)))
   return KVCache(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), state)
 
 
