@@ -57,13 +57,15 @@ def test_decoder_only_is_causal(decoder):
 def _cached_logits(model, params, tokens, first):
   """Logits `[batch, T, vocab]` of `tokens` fed through the KV cache: `first` tokens as one
   chunk (`extend` on an empty cache), then one `step` per token; and the prefill's
-  next-token logits `[batch, vocab]` of the first chunk, and the final cache."""
+  next-token logits `[batch, vocab]` of the first chunk, and the final cache. Each call is
+  jitted on its own, so the one-token step compiles once for every position."""
   empty = kv.contiguous_cache(model, params, tokens.shape[0], first)
-  prefilled, _ = kv.prefill(model, params, empty, tokens[:, :first])
-  logits, cache = kv.extend(model, params, empty, tokens[:, :first])
+  prefilled, _ = jax.jit(lambda p, c, x: kv.prefill(model, p, c, x))(params, empty, tokens[:, :first])
+  logits, cache = jax.jit(lambda p, c, x: kv.extend(model, p, c, x))(params, empty, tokens[:, :first])
+  step = jax.jit(lambda p, c, x: kv.step(model, p, c, x))
   steps = [logits]
   for t in range(first, tokens.shape[1]):
-    logits, cache = kv.step(model, params, cache, tokens[:, t])
+    logits, cache = step(params, cache, tokens[:, t])
     steps.append(logits[:, None])
   return jnp.concatenate(steps, axis=1), prefilled, cache
 
@@ -71,7 +73,7 @@ def _cached_logits(model, params, tokens, first):
 def test_cached_decoding_equals_full_forward(decoder):
   model, params, tokens = decoder
   full = model.apply({"params": params}, tokens)
-  cached, prefilled, cache = jax.jit(lambda p, x: _cached_logits(model, p, x, 4))(params, tokens)
+  cached, prefilled, cache = _cached_logits(model, params, tokens, 4)
   np.testing.assert_allclose(np.asarray(cached), np.asarray(full), atol=1e-5, rtol=0)
   np.testing.assert_allclose(np.asarray(prefilled), np.asarray(full[:, 3]), atol=1e-5, rtol=0)
   np.testing.assert_array_equal(cache.state.lengths, [T] * tokens.shape[0])
@@ -102,7 +104,7 @@ def test_every_option_is_causal_and_decodes_like_the_full_forward(options):
   changed = forward(params, tokens.at[:, 6:].set((tokens[:, 6:] + 5) % (V - 1) + 1))
   np.testing.assert_allclose(np.asarray(changed[:, :6]), np.asarray(full[:, :6]), atol=1e-6, rtol=0)
 
-  cached, prefilled, _ = jax.jit(lambda p, x: _cached_logits(model, p, x, 4))(params, tokens)
+  cached, prefilled, _ = _cached_logits(model, params, tokens, 4)
   np.testing.assert_allclose(np.asarray(cached), np.asarray(full), atol=1e-5, rtol=0)
   np.testing.assert_allclose(np.asarray(prefilled), np.asarray(full[:, 3]), atol=1e-5, rtol=0)
 

@@ -17,7 +17,6 @@ from jaxformer.layers.blockwise import blockwise_attention
 from jaxformer.layers.context_parallel import gather_length
 from jaxformer.layers.dropout import dropout
 from jaxformer.layers.scores import attention_mask, attention_scores, repeat_kv
-from jaxformer.layers.splash import splash_attention
 
 
 def dot_product_attention(
@@ -134,6 +133,9 @@ def attention(opts: AttentionOptions, arrays, bias_params, gather_axes: tuple[st
       gather_axes=gather_axes,
     ), None
   if opts.implementation == "splash":
+    # Imported here: the Pallas TPU kernels cost every process 0.3 s to import; only splash models need them.
+    from jaxformer.layers.splash import splash_attention
+
     return splash_attention(
       q,
       k,
