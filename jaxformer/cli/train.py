@@ -78,7 +78,7 @@ def cmd_train(args) -> None:
   from jaxformer.runtime import interrupt
 
   interrupt.install()  # before any library starts a thread (they inherit the blocked SIGINT/SIGTERM)
-  config = load_config(config_path(args.config), args.overrides)  # before any JAX import: a typo fails fast
+  config = load_config(config_path(args.config), args.overrides)  # before the runtime starts: a typo fails fast
   from jaxformer.runtime.distributed import initialize_from_args
   from jaxformer.runtime.startup import init_runtime
 
