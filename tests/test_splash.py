@@ -14,6 +14,7 @@ from conftest import TINY
 from jaxformer import sharding as sh
 from jaxformer.aot import train_step as aot
 from jaxformer.config import ConfigError, load_config
+from jaxformer.layers import dot_product
 from jaxformer.layers.dot_product import dot_product_attention
 from jaxformer.layers.scores import attention_mask
 from jaxformer.layers.splash import splash_attention
@@ -112,7 +113,11 @@ def test_a_kernel_built_in_one_trace_is_not_reused_by_the_next():
   mask = attention_mask(jnp.arange(128)[None], jnp.arange(128)[None], valid, valid, True, 0)
   want = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, mask))(q, k, v)
   real = valid[:, :, None, None]
-  got = jax.jit(lambda q, k, v: splash(q, k, v))(q, k, v)  # another function: a new trace, not eval_shape's
+  # A new trace (not eval_shape's), through the dispatcher a model's attention layer calls.
+  opts = dot_product.AttentionOptions("splash", True, 0, 0, 0.0, 128, None, False, 0.0)
+  got, _ = jax.jit(lambda q, k, v: dot_product.attention(opts, (q, k, v, None, None, valid, valid, None, None), None))(
+    q, k, v
+  )
   np.testing.assert_allclose(jnp.where(real, got, 0), jnp.where(real, want, 0), atol=1e-5)
 
 
