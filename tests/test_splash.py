@@ -14,8 +14,8 @@ from conftest import TINY
 from jaxformer import sharding as sh
 from jaxformer.aot import train_step as aot
 from jaxformer.config import ConfigError, load_config
-from jaxformer.layers import dot_product
-from jaxformer.layers.dot_product import dot_product_attention
+from jaxformer.layers.dot_product import AttentionOptions, dot_product_attention
+from jaxformer.layers.dot_product import attention as dispatch
 from jaxformer.layers.scores import attention_mask
 from jaxformer.layers.splash import splash_attention
 from jaxformer.runtime.startup import build_mesh
@@ -114,10 +114,18 @@ def test_a_kernel_built_in_one_trace_is_not_reused_by_the_next():
   want = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, mask))(q, k, v)
   real = valid[:, :, None, None]
   # A new trace (not eval_shape's), through the dispatcher a model's attention layer calls.
-  opts = dot_product.AttentionOptions("splash", True, 0, 0, 0.0, 128, None, False, 0.0)
-  got, _ = jax.jit(lambda q, k, v: dot_product.attention(opts, (q, k, v, None, None, valid, valid, None, None), None))(
-    q, k, v
+  opts = AttentionOptions(
+    implementation="splash",
+    causal=True,
+    sliding_window=0,
+    global_tokens=0,
+    softcap=0.0,
+    block_size=128,
+    bias_fn=None,
+    causal_by_index=False,
+    dropout_rate=0.0,
   )
+  got, _ = jax.jit(lambda q, k, v: dispatch(opts, (q, k, v, None, None, valid, valid, None, None), None))(q, k, v)
   np.testing.assert_allclose(jnp.where(real, got, 0), jnp.where(real, want, 0), atol=1e-5)
 
 
