@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 
 from jaxformer import sharding as sh
 from jaxformer.layers import lora
+from jaxformer.models.batched_threefry import batched_threefry
 
 
 def _boxed_params(model: nn.Module, rng: jax.Array) -> Any:
@@ -26,8 +27,11 @@ def _held(model: nn.Module, params: Any, known: Any = None) -> Any:
 
 def init_params(model: nn.Module, rng: jax.Array, known: Any = None) -> Any:
   """`model`'s initial params, unboxed; `known`: params that replace their initial values (a nested
-  dict of some of the paths)."""
-  return _held(model, nn.meta.unbox(_boxed_params(model, rng)), known)
+  dict of some of the paths). Call it inside `jax.jit`: the parameters' random draws are merged
+  into a few Threefry calls (`batched_threefry`), bitwise the values `model.init` gives, which
+  compiles about 5x faster than one hash per draw."""
+  boxed = batched_threefry(lambda key: _boxed_params(model, key))(rng)
+  return _held(model, nn.meta.unbox(boxed), known)
 
 
 def abstract_params(model: nn.Module) -> tuple[Any, Any]:
