@@ -6,7 +6,9 @@ LLVM passes and one codegen module make those compiles several times faster (the
 about 2.6x on their own) and change no values beyond float rounding. A persistent compilation
 cache, shared by both pytest-xdist workers and the CLI subprocesses (they inherit the
 environment) and removed at exit, compiles each distinct program once per test session:
-many tests build the same step again (a resumed run, the same config on another mesh).
+many tests build the same step again (a resumed run, the same config on another mesh). Only
+programs that took 0.1 s or more to compile are written: the other 2,900 of the fast suite's
+3,360 (mostly single operations run eagerly) compiled in 10 ms each and took 6 ms each to write.
 Likewise one data cache (`multi30k_dir`) prepares Multi30k once per session.
 
 Python's cyclic garbage collector is made to run about 14 times less often: a worker's heap
@@ -41,12 +43,19 @@ for _name, _prefix in (
   if _name not in os.environ:
     os.environ[_name] = tempfile.mkdtemp(prefix=_prefix)
     atexit.register(shutil.rmtree, os.environ[_name], True)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 gc.set_threshold(10_000, 10, 10)  # Python's default first threshold is 700
 
 TINY = str(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml")
 SHAKESPEARE = Path(__file__).resolve().parents[1] / "jaxformer" / "data" / "raw" / "tinyshakespeare" / "input.txt.gz"
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+  """pytest-xdist workers for `-n auto` (pyproject's addopts): three for the fast suite, whose tests
+  often wait on a server, a subprocess or a file, so two workers kept 2 cores only 186-188% busy;
+  two for the slow set, whose tests start processes of their own."""
+  return 3 if config.getoption("markexpr") == "not slow" else 2
 
 
 def tiny_config(kind: str | None = None, *overrides: str, **sections: dict):

@@ -2,15 +2,20 @@
 `model.init`, with as many hashes as the key chain is deep instead of one per draw; draws above
 `max_size`, keys passed through a scan, other key implementations and side effects are handled."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_config
 
+from jaxformer import sharding as sh
+from jaxformer.config import MeshConfig
 from jaxformer.models.abstract import _boxed_params
 from jaxformer.models.batched_threefry import batched_threefry
 from jaxformer.tasks import get_task
+from jaxformer.train.optim import make_optimizer
+from jaxformer.train.state import create_state, state_shardings
 
 
 def _equal(a, b) -> bool:
@@ -54,6 +59,9 @@ def test_big_draws_keep_their_own_hash_and_keys_pass_through_a_scan():
   key = jax.random.key(3)
   merged = batched_threefry(fn, max_size=1000)
   got, want = jax.jit(merged)(key), jax.jit(fn)(key)
+  # Key data rewrapped inside: the same key, so the same values.
+  rewrapped = batched_threefry(lambda k: fn(jax.random.wrap_key_data(jax.random.key_data(k))), max_size=1000)
+  assert _equal(jax.jit(rewrapped)(key)[:-1], want[:-1])
   assert _equal(jax.random.key_data(got[-1]), jax.random.key_data(want[-1]))
   assert _equal(got[:-1], want[:-1])
   eqns = jax.make_jaxpr(merged)(key).jaxpr.eqns
@@ -66,6 +74,9 @@ def test_other_key_implementations_and_side_effects_run_the_function_as_written(
   fn = lambda key: jax.random.normal(jax.random.fold_in(key, 1), (3,))  # noqa: E731
   rbg = jax.random.key(0, impl="rbg")
   assert _equal(jax.jit(batched_threefry(fn))(rbg), jax.jit(fn)(rbg))
+  scanned = lambda keys: jax.lax.scan(lambda c, k: (c + fn(k), None), jnp.zeros(3), keys)[0]  # noqa: E731
+  rbg_keys = jax.random.split(rbg, 2)  # they reach the scan before any key operation
+  assert _equal(jax.jit(batched_threefry(scanned))(rbg_keys), jax.jit(scanned)(rbg_keys))
 
   def printing(key):
     x = fn(key)
@@ -76,3 +87,16 @@ def test_other_key_implementations_and_side_effects_run_the_function_as_written(
   jaxpr = jax.make_jaxpr(batched_threefry(printing))(key)
   assert jaxpr.effects and str(jaxpr).count("random_fold_in") == 1  # unchanged: not expanded
   assert _equal(jax.jit(batched_threefry(printing))(key), jax.jit(fn)(key))
+
+
+def test_create_state_on_an_fsdp_mesh_holds_flax_init_sharded():
+  """The merged draws are replicated, then each device slices out its own shards."""
+  config = tiny_config(None, "model.num_encoder_layers=1", "model.num_decoder_layers=1")
+  model = get_task(config).make_model()
+  tx = make_optimizer(config.optim, config.model.d_model)
+  mesh = sh.make_mesh(MeshConfig(data=1, fsdp=8), jax.devices()[:8])
+  _, shardings = state_shardings(model, tx, mesh)
+  state = create_state(model, tx, mesh, 5, shardings)
+  want = nn.meta.unbox(jax.jit(lambda key: _boxed_params(model, key))(jax.random.key(5)))
+  assert _equal(jax.device_get(state.params), want)
+  assert state.params["embed"]["embedding"].sharding == shardings.params["embed"]["embedding"]
