@@ -58,6 +58,21 @@ def pytest_xdist_auto_num_workers(config) -> int:
   return 3 if config.getoption("markexpr") == "not slow" else 2
 
 
+def sweep(values, fast: set[str], ids=None) -> list:
+  """`pytest.param`s of a parametrized sweep: the cases whose id is in `fast` run in the fast suite,
+  the others are marked slow (the marker's "heaviest equivalence checks"). The fast cases were
+  chosen so that the fast suite as a whole covers every line of jaxformer/ it covered with the
+  whole sweep (pytest-cov's per-test contexts, 2026-12-07). `values`: the cases (tuples for
+  several argnames); `ids`: their ids, when the values are not their own (strings)."""
+  values = list(values)
+  ids = [str(v) for v in values] if ids is None else list(ids)
+  assert set(fast) <= set(ids), f"no such cases: {set(fast) - set(ids)}"
+  return [
+    pytest.param(*(v if isinstance(v, tuple) else (v,)), id=i, marks=() if i in fast else pytest.mark.slow)
+    for v, i in zip(values, ids)
+  ]
+
+
 def tiny_config(kind: str | None = None, *overrides: str, **sections: dict):
   """configs/tiny.yaml as a `Config`, the one base of the tests' small models: `kind` sets
   `model.kind` (None keeps the file's encoder-decoder), each keyword is a section whose fields

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import sweep
 from test_layers import _normal, _random_params
 
 from jaxformer.config import ConfigError, ModelConfig, config_from_dict
@@ -368,7 +369,9 @@ def _model_batch():
   return tuple(jnp.asarray(a, jnp.int32) for a in (src, dec, perturbed))
 
 
-@pytest.mark.parametrize("case", MODEL_CASES, ids=list(MODEL_CASES))
+@pytest.mark.parametrize(
+  "case", sweep(MODEL_CASES, {"alibi-dense", "learned-gpt2", "rope_llama3-biases", "rope_ntk-linformer"})
+)
 def test_option_is_causal_and_cached_decoding_matches(case):
   config = ModelConfig(**BASE, **MODEL_CASES[case])
   config.validate()

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import shakespeare_files, tiny_config
+from conftest import shakespeare_files, sweep, tiny_config
 
 from jaxformer import sharding as sh
 from jaxformer.aot.train_step import compile_train_step
@@ -140,14 +140,18 @@ def _config(*overrides: str):
 
 @pytest.mark.parametrize(
   "kind, context, extra",
-  [
-    (
-      "decoder_only",
-      8,
-      ["model.position=rope", "model.attention=blockwise", "model.remat=full", "model.scan_layers=true"],
-    ),
-    ("encoder_decoder", 4, []),
-  ],
+  sweep(
+    [
+      (
+        "decoder_only",
+        8,
+        ["model.position=rope", "model.attention=blockwise", "model.remat=full", "model.scan_layers=true"],
+      ),
+      ("encoder_decoder", 4, []),
+    ],
+    {"decoder_only-8-extra0"},
+    ids=["decoder_only-8-extra0", "encoder_decoder-4-extra1"],
+  ),
 )
 def test_tiny_model_loss_and_gradients_equal_one_device(kind, context, extra):
   """A decoder-only model (RoPE, blockwise, remat, scanned layers) and the encoder-decoder (its

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import sweep
 
 from jaxformer.config import ModelConfig
 from jaxformer.inference import cache as kv
@@ -387,7 +388,7 @@ def _close(a, b, **kw):
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5, **kw)
 
 
-@pytest.mark.parametrize("name", KINDS, ids=list(KINDS))
+@pytest.mark.parametrize("name", sweep(KINDS, {"do-rope-gqa-window", "do-alibi-mqa-window"}))
 def test_paged_cache_equals_contiguous(name):
   """Prefill, a chunk and single steps through a paged cache (shuffled page ids, pages of 3
   tokens: rows of 7, 3 and 5 inputs end mid-page) give the contiguous cache's logits."""

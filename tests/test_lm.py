@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import sweep
 from test_cli import run_cli
 
 from jaxformer.config import ConfigError, ModelConfig, OptimConfig, config_from_dict
@@ -92,7 +93,7 @@ OPTION_CASES = {
 }
 
 
-@pytest.mark.parametrize("options", OPTION_CASES.values(), ids=OPTION_CASES.keys())
+@pytest.mark.parametrize("options", sweep(OPTION_CASES.values(), {"alibi-window3"}, ids=OPTION_CASES))
 def test_every_option_is_causal_and_decodes_like_the_full_forward(options):
   """The decoder-only LM under each architecture option: future tokens never change past
   logits, and prefill + one-token cached steps give the full forward's logits."""

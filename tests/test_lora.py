@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY, tiny_config
+from conftest import TINY, sweep, tiny_config
 
 from jaxformer import sharding as sh
 from jaxformer.config import ConfigError, MeshConfig, load_config
@@ -167,7 +167,7 @@ def test_adapters_shapes_axes_and_init():
   assert not lora.has_adapters(_init(_config())[1])
 
 
-@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+@pytest.mark.parametrize("scan", sweep([False, True], {"unrolled"}, ids=["unrolled", "scanned"]))
 def test_step_zero_is_the_base_and_merged_params_give_the_lora_logits(scan):
   base_config = _config(f"model.scan_layers={scan}")
   config = _config(f"model.scan_layers={scan}", "model.lora_rank=4", "model.lora_alpha=8", ALL)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import shakespeare_files
+from conftest import shakespeare_files, sweep
 
 from jaxformer import sharding as sh
 from jaxformer.config import ModelConfig, load_config
@@ -51,7 +51,7 @@ def _args(kind):
   return (_tokens(0, (3, 11)), _tokens(1, (3, 9))) if kind == "encoder_decoder" else (_tokens(0, (3, 11)),)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", sweep(KINDS, {"decoder_only", "encoder_only"}))
 def test_scanned_init_is_the_stacked_unrolled_init(kind):
   unrolled, scanned = _models(kind)
   boxed = jax.jit(scanned.init)(jax.random.key(4), *_args(kind))["params"]  # jitted: one compile, not one per op

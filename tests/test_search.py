@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import sweep
 
 from jaxformer import sharding as sh
 from jaxformer.config import Config, MeshConfig, ModelConfig, OptimConfig
@@ -435,11 +436,15 @@ def test_make_decode_fn_matches_direct_calls_on_a_mesh(model_and_params):
 
 @pytest.mark.parametrize(
   "options",
-  [
-    SearchOptions(beam_size=3, extra_tokens=1),
-    SearchOptions(extra_tokens=2),
-    SearchOptions(temperature=2.0, seed=0, extra_tokens=1),
-  ],
+  sweep(
+    [
+      SearchOptions(beam_size=3, extra_tokens=1),
+      SearchOptions(extra_tokens=2),
+      SearchOptions(temperature=2.0, seed=0, extra_tokens=1),
+    ],
+    {"options1"},
+    ids=["options0", "options1", "options2"],
+  ),
 )
 def test_make_decode_fn_reuses_its_cache_memory_without_reading_it(model_and_params, options):
   """On one device the decode function donates the last call's KV cache to the next call of
@@ -468,11 +473,15 @@ def test_make_decode_fn_reuses_its_cache_memory_without_reading_it(model_and_par
 
 @pytest.mark.parametrize(
   "options",
-  [
-    SearchOptions(extra_tokens=3),
-    SearchOptions(beam_size=3, extra_tokens=3),
-    SearchOptions(temperature=2.0, seed=0, extra_tokens=3),
-  ],
+  sweep(
+    [
+      SearchOptions(extra_tokens=3),
+      SearchOptions(beam_size=3, extra_tokens=3),
+      SearchOptions(temperature=2.0, seed=0, extra_tokens=3),
+    ],
+    {"options0"},
+    ids=["options0", "options1", "options2"],
+  ),
 )
 def test_each_sentence_is_capped_at_its_own_length(model_and_params, options):
   """Section 6.1's "input length + 50" is per sentence: beside a longer source (a wider batch), a
