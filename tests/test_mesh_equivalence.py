@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_config
+from conftest import sweep, tiny_config
 
 from jaxformer import sharding as sh
 from jaxformer.config import MeshConfig, load_config
@@ -70,20 +70,11 @@ def references():
 
 # One-axis meshes without dropout; the multi-axis meshes with it (which runs the same sharded
 # computations as without, plus the masks, which must not depend on the sharding either).
-# The fast suite runs fsdp alone and all three axes with dropout; the slow set the other three.
-FAST_CASES = {((1, 8, 1), 0.0), ((2, 2, 2), 0.1)}
-CASES = [
-  pytest.param(
-    shape,
-    dropout,
-    id=f"{'x'.join(map(str, shape))}-dropout{dropout}",
-    marks=() if (shape, dropout) in FAST_CASES else pytest.mark.slow,
-  )
-  for shape, dropout in [(shape, 0.0) for shape in MESHES[1:4]] + [(shape, 0.1) for shape in MESHES[4:]]
-]
+CASES = [(shape, 0.0) for shape in MESHES[1:4]] + [(shape, 0.1) for shape in MESHES[4:]]
+CASE_IDS = [f"{'x'.join(map(str, s))}-dropout{d}" for s, d in CASES]
 
 
-@pytest.mark.parametrize("mesh_shape, dropout", CASES)
+@pytest.mark.parametrize("mesh_shape, dropout", sweep(CASES, {"1x8x1-dropout0.0", "2x2x2-dropout0.1"}, ids=CASE_IDS))
 def test_same_losses_and_params_on_every_mesh(references, mesh_shape, dropout):
   ref_losses, ref_state = references[dropout]
   losses, state = _run(mesh_shape, dropout)
