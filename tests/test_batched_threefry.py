@@ -89,14 +89,19 @@ def test_other_key_implementations_and_side_effects_run_the_function_as_written(
   assert _equal(jax.jit(batched_threefry(printing))(key), jax.jit(fn)(key))
 
 
-def test_create_state_on_an_fsdp_mesh_holds_flax_init_sharded():
-  """The merged draws are replicated, then each device slices out its own shards."""
+def test_merged_draws_sharded_over_an_fsdp_mesh_and_create_state_there_hold_flax_init():
+  """Under a mesh the merged draws are replicated, then each device slices out its own shards;
+  `create_state` on a mesh of several devices draws each parameter as `model.init` does."""
   config = tiny_config(None, "model.num_encoder_layers=1", "model.num_decoder_layers=1")
   model = get_task(config).make_model()
   tx = make_optimizer(config.optim, config.model.d_model)
   mesh = sh.make_mesh(MeshConfig(data=1, fsdp=8), jax.devices()[:8])
   _, shardings = state_shardings(model, tx, mesh)
+  init = lambda key: nn.meta.unbox(_boxed_params(model, key))  # noqa: E731
+  want = jax.jit(init)(jax.random.key(5))
+  with sh.bind(mesh, sh.LOGICAL_RULES):
+    merged = jax.jit(batched_threefry(init), out_shardings=shardings.params)(jax.random.key(5))
+  assert _equal(jax.device_get(merged), want)
+  assert merged["embed"]["embedding"].sharding == shardings.params["embed"]["embedding"]
   state = create_state(model, tx, mesh, 5, shardings)
-  want = nn.meta.unbox(jax.jit(lambda key: _boxed_params(model, key))(jax.random.key(5)))
   assert _equal(jax.device_get(state.params), want)
-  assert state.params["embed"]["embedding"].sharding == shardings.params["embed"]["embedding"]
