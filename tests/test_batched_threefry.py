@@ -77,6 +77,9 @@ def test_other_key_implementations_and_side_effects_run_the_function_as_written(
   scanned = lambda keys: jax.lax.scan(lambda c, k: (c + fn(k), None), jnp.zeros(3), keys)[0]  # noqa: E731
   rbg_keys = jax.random.split(rbg, 2)  # they reach the scan before any key operation
   assert _equal(jax.jit(batched_threefry(scanned))(rbg_keys), jax.jit(scanned)(rbg_keys))
+  # An rbg key seeded inside a call the merge would inline.
+  seeded = lambda seed: jax.jit(lambda s: jax.random.normal(jax.random.key(s, impl="rbg"), (3,)))(seed)  # noqa: E731
+  assert _equal(jax.jit(batched_threefry(seeded))(7), jax.jit(seeded)(7))
 
   def printing(key):
     x = fn(key)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import sweep
 
 from jaxformer.config import ModelConfig
 from jaxformer.inference.decode import beam_search
@@ -20,7 +21,9 @@ from jaxformer.models.transformer import PAD_ID, EncoderDecoder
 from jaxformer.tasks.evaluate import hypothesis_scores
 
 
-@pytest.mark.parametrize("cached", [(4, 4, 4, 2, 2, 2), (12, 12, 12, 9, 9, 9)])
+@pytest.mark.parametrize(
+  "cached", sweep([((4, 4, 4, 2, 2, 2),), ((12, 12, 12, 9, 9, 9),)], {"cached1"}, ids=["cached0", "cached1"])
+)
 def test_beam_attention_equals_attention_over_each_rows_own_history(cached):
   """Sentences of 3 beams, GQA (4 query heads, 2 key heads), causal + sliding window + ALiBi,
   storage in two segments (positions 0-9, 10-19): each row's output equals `cached_attention`

@@ -288,7 +288,7 @@ def reference_losses() -> list[float]:
   "devices, overrides, mesh",
   [
     (1, ["model.scan_layers=true", "model.remat=full"], MeshConfig(1, 1, 1)),
-    (2, ["train.grad_accum_steps=2"], MeshConfig(1, 2, 1)),
+    pytest.param(2, ["train.grad_accum_steps=2"], MeshConfig(1, 2, 1), marks=pytest.mark.slow),
     pytest.param(2, [], MeshConfig(1, 1, 2), marks=pytest.mark.slow),
     pytest.param(
       2, ["model.scan_layers=true", "train.microbatches=2"], MeshConfig(1, 1, 1, stage=2), marks=pytest.mark.slow
@@ -311,7 +311,7 @@ def _transformers_logits(model, tokens) -> np.ndarray:
     return model(input_ids=torch.tensor(np.asarray(tokens))).logits.numpy()
 
 
-@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+@pytest.mark.parametrize("scan", sweep([False, True], {"unrolled"}, ids=["unrolled", "scanned"]))
 def test_merged_export_and_peft_adapter_give_our_logits(scan, tmp_path):
   """`hf_model` of a LoRA model is the merged one; the PEFT adapter (`peft_tensors`,
   `adapter_config`) loaded by `peft.PeftModel` on the transformers base gives our logits."""

@@ -74,7 +74,7 @@ CASES = [(shape, 0.0) for shape in MESHES[1:4]] + [(shape, 0.1) for shape in MES
 CASE_IDS = [f"{'x'.join(map(str, s))}-dropout{d}" for s, d in CASES]
 
 
-@pytest.mark.parametrize("mesh_shape, dropout", sweep(CASES, {"1x8x1-dropout0.0", "2x2x2-dropout0.1"}, ids=CASE_IDS))
+@pytest.mark.parametrize("mesh_shape, dropout", sweep(CASES, {"1x8x1-dropout0.0"}, ids=CASE_IDS))
 def test_same_losses_and_params_on_every_mesh(references, mesh_shape, dropout):
   ref_losses, ref_state = references[dropout]
   losses, state = _run(mesh_shape, dropout)
@@ -160,7 +160,7 @@ def test_golden_partition_specs_for_scanned_tiny_on_stages():
   assert got == golden
 
 
-@pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (1, 1, 8)], ids=["fsdp8", "tensor8"])
+@pytest.mark.parametrize("mesh_shape", sweep([((1, 8, 1),), ((1, 1, 8),)], {"tensor8"}, ids=["fsdp8", "tensor8"]))
 def test_sharded_arrays_hold_one_eighth_per_device(mesh_shape):
   config = _config(0.0)
   mesh = sh.make_mesh(MeshConfig(*mesh_shape))

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import sweep
 
 from jaxformer.config import load_config
 from jaxformer.inference import quantize
@@ -117,7 +118,7 @@ def test_int8_storage_is_about_four_times_smaller():
   assert weight_bytes(abstract) >= 3.5 * weight_bytes(quantized)
 
 
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("scan", sweep([False, True], {"True"}))
 def test_dequantized_logits_match_float32(scan):
   model, params = _model_and_params("configs/tiny.yaml", [f"model.scan_layers={str(scan).lower()}"])
   vocab = model.config.vocab_size
@@ -192,7 +193,7 @@ def test_decoding_keeps_the_layers_int8_kernels(int8_dots):
   np.testing.assert_allclose(layer["moe"]["wi"], params["layer_0"]["moe"]["wi"], rtol=1e-6)
 
 
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("scan", sweep([False, True], {"True"}))
 def test_int8_products_match_float32(scan, int8_dots):
   # Activations quantized per row add their own rounding to the weights': a looser bound than dequantized.
   model, params = _model_and_params("configs/tiny.yaml", [f"model.scan_layers={str(scan).lower()}"])

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import sweep
 from jax.sharding import PartitionSpec
 
 from jaxformer import sharding as sh
@@ -121,7 +122,7 @@ def test_scan_with_remat_matches_unrolled(params, reference):
   _assert_close(grads, _stacked(ref_grads))
 
 
-@pytest.mark.parametrize("policy", ["none", "full"])
+@pytest.mark.parametrize("policy", sweep(["none", "full"], {"full"}))
 def test_scan_with_dropout_matches_unrolled(params, reference, policy):
   """The scanned layers draw the unrolled layers' dropout masks, and remat inside the scan
   recomputes with the forward pass's masks."""

@@ -68,17 +68,24 @@ def _is_key(aval) -> bool:
   return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-def _key_op_jaxpr(eqn) -> core.ClosedJaxpr:
-  """The key operation `eqn` written over raw uint32 key data, as JAX itself expands it.
+def _only_threefry(jaxpr: core.Jaxpr) -> bool:
+  """Whether every key `jaxpr` seeds, takes or gives (through the calls the merge inlines) is a
+  Threefry key: the only implementation whose expansion the merge knows."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "random_seed" and eqn.params["impl"] is not threefry_prng_impl:
+      return False
+    if any(_is_key(v.aval) and v.aval.dtype._impl is not threefry_prng_impl for v in (*eqn.invars, *eqn.outvars)):
+      return False
+    inner = eqn.params.get("jaxpr") if eqn.primitive.name in _INLINED | _REMAT else None
+    if inner is not None and not _only_threefry(getattr(inner, "jaxpr", inner)):
+      return False
+  return True
 
-  Raises:
-    NotImplementedError: the key is not a Threefry key.
-  """
+
+def _key_op_jaxpr(eqn) -> core.ClosedJaxpr:
+  """The Threefry key operation `eqn` written over raw uint32 key data, as JAX itself expands it."""
   name, params, avals = eqn.primitive.name, eqn.params, [v.aval for v in eqn.invars]
-  impl = params["impl"] if name == "random_seed" else avals[0].dtype._impl
-  if impl is not threefry_prng_impl:
-    raise NotImplementedError(f"key implementation {impl.name}")
-  key = avals[0]
+  impl, key = threefry_prng_impl, avals[0]
   expansions = {
     "random_bits": lambda k: prng.random_bits_impl_base(
       impl, k, key.ndim, bit_width=params["bit_width"], shape=params["shape"]
@@ -122,8 +129,6 @@ class _Flat:
       elif name in _REMAT:
         outs = self.add(eqn.params["jaxpr"], (), ins_)
       else:
-        if any(_is_key(v.aval) and v.aval.dtype._impl is not threefry_prng_impl for v in (*eqn.invars, *eqn.outvars)):
-          raise NotImplementedError(f"key implementation of {name}'s operands")
         outs = [next(self.ids) for _ in eqn.outvars]
         self.eqns.append(_Eqn(eqn, ins_, outs))
       env.update(zip(eqn.outvars, outs))
@@ -188,16 +193,13 @@ def batched_threefry(fn: Callable, max_size: int = 1 << 16) -> Callable:
 
   def merged(*args):
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-    if closed.effects:
-      return fn(*args)
+    if closed.effects or not _only_threefry(closed.jaxpr):
+      return fn(*args)  # what the merge does not handle runs as written
     flat, ins = _Flat(), []
     for var, arg in zip(closed.jaxpr.invars, jax.tree.leaves(args)):
       ins.append(next(flat.ids))
       flat.values[ins[-1]] = jax.random.key_data(arg) if _is_key(var.aval) else arg
-    try:
-      outputs = flat.add(closed.jaxpr, closed.consts, ins)
-    except NotImplementedError:  # raised above for what the merge does not handle: run `fn` as written
-      return fn(*args)
+    outputs = flat.add(closed.jaxpr, closed.consts, ins)
     values = flat.values
 
     def read(i):
