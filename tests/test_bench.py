@@ -221,3 +221,57 @@ def test_torch_peer_has_our_parameter_count():
     abstract, _ = abstract_state(EncoderDecoder(m), make_optimizer(_config().optim, m.d_model))
     ours = sum(x.size for x in jax.tree.leaves(abstract.params))
     assert count_parameters(PeerTransformer(m)) == ours, overrides
+
+
+@pytest.mark.parametrize("pre_norm", [True, False])
+def test_decoder_only_peer_is_our_model_in_torch(pre_norm):
+  """Our `DecoderOnly` parameters copied into `PeerDecoderOnly` give our logits, and the two
+  count the same parameters (tied and untied)."""
+  torch = pytest.importorskip("torch")
+  import flax.linen as fnn
+  import jax.numpy as jnp
+  import numpy as np
+
+  from jaxformer.bench.torch_peer import PeerDecoderOnly, count_parameters
+  from jaxformer.models.decoder_only import DecoderOnly
+
+  m = ModelConfig(
+    kind="decoder_only",
+    vocab_size=37,
+    d_model=16,
+    num_heads=2,
+    d_ff=24,
+    num_decoder_layers=2,
+    pre_norm=pre_norm,
+    max_length=16,
+    dropout_rate=0.0,
+  )
+  tokens = np.random.default_rng(0).integers(3, 37, (3, 11)).astype(np.int32)
+  params = fnn.unbox(DecoderOnly(m).init(jax.random.key(0), jnp.asarray(tokens))["params"])
+  noise = np.random.default_rng(1)  # so that norm scales and biases differ from their initial 1 and 0
+  params = jax.tree.map(lambda x: x + 0.1 * noise.standard_normal(x.shape, np.float32), params)
+  peer = PeerDecoderOnly(m).eval()
+  t = lambda x: torch.from_numpy(np.array(x, dtype=np.float32))  # noqa: E731
+  d = m.d_model
+  with torch.no_grad():
+    peer.embed.weight.copy_(t(params["embed"]["embedding"]))
+    norms = [(peer.stack.norm, params["final_norm"])] if pre_norm else []
+    for i, layer in enumerate(peer.stack.layers):
+      p = params[f"layer_{i}"]
+      qkv = [p["self_attention"][name].reshape(d, d).T for name in ("query", "key", "value")]
+      layer.self_attn.in_proj_weight.copy_(t(np.concatenate(qkv)))
+      layer.self_attn.out_proj.weight.copy_(t(p["self_attention"]["out"].reshape(d, d).T))
+      layer.linear1.weight.copy_(t(p["ffn"]["wi"].T))
+      layer.linear1.bias.copy_(t(p["ffn"]["bi"]))
+      layer.linear2.weight.copy_(t(p["ffn"]["wo"].T))
+      layer.linear2.bias.copy_(t(p["ffn"]["bo"]))
+      norms += [(layer.norm1, p["attention_sublayer"]["norm"]), (layer.norm2, p["ffn_sublayer"]["norm"])]
+    for norm, ours in norms:
+      norm.weight.copy_(t(ours["scale"]))
+      norm.bias.copy_(t(ours["bias"]))
+    theirs = peer(torch.from_numpy(tokens.astype(np.int64))).numpy()
+  np.testing.assert_allclose(theirs, DecoderOnly(m).apply({"params": params}, jnp.asarray(tokens)), atol=2e-5)
+  assert count_parameters(peer) == sum(x.size for x in jax.tree.leaves(params))
+  untied = dataclasses.replace(m, tie_embeddings=False)
+  untied_params = jax.eval_shape(lambda: DecoderOnly(untied).init(jax.random.key(0), jnp.asarray(tokens)))
+  assert count_parameters(PeerDecoderOnly(untied)) == sum(x.size for x in jax.tree.leaves(untied_params))

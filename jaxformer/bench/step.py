@@ -7,8 +7,9 @@ peak (CPU: a matmul micro-benchmark in the same run; GPU/TPU: vendor data sheets
 own FLOP count, the pipeline's bubble fraction (`mesh.stage` > 1), the compiled program's
 memory (`temp_memory_bytes`: XLA's temporary buffers, the part remat shrinks) and, where the
 backend has them, device memory stats.
-With PyTorch installed, `jaxformer.bench.torch_peer` times `torch.nn.Transformer` at the same
-shape, batch and optimizer, in rounds interleaved with ours so that load from other
+With PyTorch installed, `jaxformer.bench.torch_peer` times the same model in PyTorch
+(`torch.nn.Transformer`, or a causal `torch.nn.TransformerEncoder` for a decoder-only LM) at
+the same shape, batch and optimizer, in rounds interleaved with ours so that load from other
 processes hits both alike.
 """
 
@@ -51,7 +52,7 @@ class BenchOptions:
   tgt_length: int = 32
   steps: int = 10
   warmup: int = 3
-  peer: bool = True  # also time torch.nn.Transformer when PyTorch is installed
+  peer: bool = True  # also time the same model in PyTorch when it is installed
 
   def validate(self, model: ModelConfig) -> BenchOptions:
     """These options for `model`: a decoder-only model reads `tgt_length` tokens per row (its
@@ -271,12 +272,8 @@ def run_bench(config: Config, options: BenchOptions) -> dict[str, Any]:
 
 def _make_peer(config: Config, host_batch: dict[str, np.ndarray]):
   """The torch peer when PyTorch is installed, the backend is CPU (it runs on the host) and
-  the model is one `torch.nn.Transformer` can express (the paper's options)."""
-  if (
-    importlib.util.find_spec("torch") is None
-    or jax.default_backend() != "cpu"
-    or not task_class(config.model.kind).translates
-  ):
+  the model is one the torch stacks can express (the paper's options)."""
+  if importlib.util.find_spec("torch") is None or jax.default_backend() != "cpu":
     return None
   m = config.model
   if (m.position, m.norm, m.ffn, m.attention, m.kv_heads, m.attn_logit_softcap, m.sliding_window) != (
@@ -288,11 +285,11 @@ def _make_peer(config: Config, host_batch: dict[str, np.ndarray]):
     0.0,
     0,
   ):
-    print("torch peer skipped: torch.nn.Transformer has only the paper's architecture options", file=sys.stderr)
+    print("torch peer skipped: the torch stacks have only the paper's architecture options", file=sys.stderr)
     return None
   from jaxformer.bench.torch_peer import TorchTrainer
 
-  return TorchTrainer(config, host_batch["inputs"], host_batch["targets"])
+  return TorchTrainer(config, host_batch["inputs"], host_batch["targets"], task_class(m.kind).translates)
 
 
 def _si(x: float | None, unit: str) -> str:

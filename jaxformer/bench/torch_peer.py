@@ -1,5 +1,7 @@
-"""The PyTorch peer of the benchmark: `torch.nn.Transformer` built to the same model as
-`EncoderDecoder` and trained the same way, so tokens/s can be compared at one shape.
+"""The PyTorch peers of the benchmark, built to the same model as ours and trained the same way,
+so tokens/s can be compared at one shape: `torch.nn.Transformer` for `EncoderDecoder`, and a
+causal `torch.nn.TransformerEncoder` for `DecoderOnly` (the GPT stack nanoGPT writes by hand:
+its attention is the same `scaled_dot_product_attention` call with `is_causal`).
 
 Same as ours: d_model, heads, d_ff, layers, ReLU, post-LN (or pre-LN), LayerNorm epsilon,
 residual and embedding dropout, attention dropout, one embedding matrix shared by source,
@@ -8,8 +10,9 @@ positions, padding and causal masks, label-smoothed cross-entropy over non-paddi
 Adam with the config's betas and epsilon (and global-norm clipping / weight decay when set).
 To make the two the same model, the torch defaults that the paper's model lacks are
 removed: attention projection biases, the dropout inside the FFN and the final encoder and
-decoder LayerNorms of post-LN stacks. The learning rate is held at the schedule's first
-value (the schedule's cost is negligible). Imported only when torch is installed.
+decoder LayerNorms of post-LN stacks. The decoder-only peer reads `inputs` and scores its
+logits against `targets` (the inputs shifted by one), as the causal LM task does. The learning
+rate is held at the schedule's first value (the schedule's cost is negligible). Imported only when torch is installed.
 """
 
 from __future__ import annotations
@@ -27,21 +30,35 @@ from jaxformer.models.transformer import BOS_ID, PAD_ID
 from jaxformer.train.optim import make_schedule
 
 
-def _strip_to_paper(transformer: nn.Transformer, m: ModelConfig) -> None:
-  """Removes the torch-only parts listed in the module docstring, in place."""
-  for layer in [*transformer.encoder.layers, *transformer.decoder.layers]:
+def _strip_to_paper(layers: list[nn.Module], m: ModelConfig) -> None:
+  """Removes the torch-only parts of `layers` listed in the module docstring, in place."""
+  for layer in layers:
     attentions = [layer.self_attn] + ([layer.multihead_attn] if hasattr(layer, "multihead_attn") else [])
     for attn in attentions:
       attn.in_proj_bias = None
       attn.out_proj.bias = None
       attn.dropout = m.attention_dropout_rate
     layer.dropout = nn.Identity()  # the FFN's hidden dropout
-  if not m.pre_norm:
-    transformer.encoder.norm = None
-    transformer.decoder.norm = None
 
 
-class PeerTransformer(nn.Module):
+class _Peer(nn.Module):
+  """What both peers share: the config, the sinusoidal table `positions` `[max_length, d_model]`
+  and the embedding dropout."""
+
+  def __init__(self, m: ModelConfig):
+    super().__init__()
+    self.config = m
+    self.dropout = nn.Dropout(m.dropout_rate)
+    table = np.array(sinusoid_table(m.max_length, m.d_model))
+    self.register_buffer("positions", torch.from_numpy(table), persistent=False)
+
+  def _embed(self, embed: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """Embeddings × √d_model plus positions, then dropout: `[batch, length, d_model]`."""
+    x = embed(ids) * self.config.d_model**0.5 + self.positions[: ids.shape[1]]
+    return self.dropout(x)
+
+
+class PeerTransformer(_Peer):
   """`torch.nn.Transformer` (batch_first) with embeddings and tied logits.
 
   forward(inputs int64 `[batch, src_len]`, targets int64 `[batch, tgt_len]`) -> float32
@@ -49,8 +66,7 @@ class PeerTransformer(nn.Module):
   """
 
   def __init__(self, m: ModelConfig):
-    super().__init__()
-    self.config = m
+    super().__init__(m)
     self.source_embed = nn.Embedding(m.vocab_size, m.d_model)
     self.target_embed = self.source_embed if m.tie_embeddings else nn.Embedding(m.vocab_size, m.d_model)
     self.output_proj = None if m.tie_embeddings else nn.Linear(m.d_model, m.vocab_size, bias=False)
@@ -70,14 +86,10 @@ class PeerTransformer(nn.Module):
         batch_first=True,
         norm_first=m.pre_norm,
       )
-    _strip_to_paper(self.transformer, m)
-    self.dropout = nn.Dropout(m.dropout_rate)
-    table = np.array(sinusoid_table(m.max_length, m.d_model))
-    self.register_buffer("positions", torch.from_numpy(table), persistent=False)
-
-  def _embed(self, embed: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    x = embed(ids) * self.config.d_model**0.5 + self.positions[: ids.shape[1]]
-    return self.dropout(x)
+    _strip_to_paper([*self.transformer.encoder.layers, *self.transformer.decoder.layers], m)
+    if not m.pre_norm:
+      self.transformer.encoder.norm = None
+      self.transformer.decoder.norm = None
 
   def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Logits `[batch, tgt_len, vocab_size]` of int `inputs` `[batch, src_len]` and `targets`
@@ -100,6 +112,45 @@ class PeerTransformer(nn.Module):
     return self.output_proj(y)
 
 
+class PeerDecoderOnly(_Peer):
+  """A causal `torch.nn.TransformerEncoder` (batch_first) with tied embeddings: `DecoderOnly`
+  with the paper's options (pre-LN closes with a LayerNorm, as ours does).
+
+  forward(inputs int64 `[batch, length]`) -> float32 logits `[batch, length, vocab_size]`.
+  """
+
+  def __init__(self, m: ModelConfig):
+    super().__init__(m)
+    self.embed = nn.Embedding(m.vocab_size, m.d_model)
+    nn.init.normal_(self.embed.weight, std=m.d_model**-0.5)
+    self.output_proj = None if m.tie_embeddings else nn.Linear(m.d_model, m.vocab_size, bias=False)
+    layer = nn.TransformerEncoderLayer(
+      d_model=m.d_model,
+      nhead=m.num_heads,
+      dim_feedforward=m.d_ff,
+      dropout=m.dropout_rate,
+      activation="relu",
+      layer_norm_eps=1e-6,
+      batch_first=True,
+      norm_first=m.pre_norm,
+    )
+    final_norm = nn.LayerNorm(m.d_model, eps=1e-6) if m.pre_norm else None
+    with warnings.catch_warnings():  # pre-LN: a note that inference fast paths are off (we train)
+      warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
+      self.stack = nn.TransformerEncoder(layer, m.num_decoder_layers, norm=final_norm)
+    _strip_to_paper(list(self.stack.layers), m)
+
+  def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token logits `[batch, length, vocab_size]` of int `inputs` `[batch, length]` (no
+    padding: the benchmark's batches have none); `targets` is ignored."""
+    length = inputs.shape[1]
+    causal = torch.triu(torch.full((length, length), float("-inf")), diagonal=1)
+    y = self.stack(self._embed(self.embed, inputs), mask=causal, is_causal=True)
+    if self.output_proj is None:
+      return y @ self.embed.weight.T
+    return self.output_proj(y)
+
+
 def count_parameters(model: nn.Module) -> int:
   """Trainable scalars, each shared tensor counted once."""
   return sum(p.numel() for p in model.parameters())
@@ -109,11 +160,11 @@ class TorchTrainer:
   """One fixed batch and a training step on it; calling the trainer runs a step and returns
   its loss per target token. Uses as many threads as the process may use cores."""
 
-  def __init__(self, config: Config, inputs: np.ndarray, targets: np.ndarray):
+  def __init__(self, config: Config, inputs: np.ndarray, targets: np.ndarray, translates: bool = True):
     self.threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(self.threads)
     torch.manual_seed(config.runtime.seed)
-    self.model = PeerTransformer(config.model).train()
+    self.model = (PeerTransformer if translates else PeerDecoderOnly)(config.model).train()
     self.inputs = torch.from_numpy(inputs.astype(np.int64))
     self.targets = torch.from_numpy(targets.astype(np.int64))
     o = config.optim

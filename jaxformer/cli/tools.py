@@ -23,7 +23,7 @@ def add_parsers(sub) -> None:
   b = sub.add_parser(
     "bench",
     help="time the train step on synthetic batches: compile time, tokens/s, MFU, "
-    "memory; also torch.nn.Transformer when PyTorch is installed",
+    "memory; also the same model in PyTorch when it is installed",
   )
   b.add_argument("--config", required=True)
   b.add_argument(

@@ -25,6 +25,7 @@ from jaxformer.layers import kv_cache as kvc
 from jaxformer.layers.context_parallel import context_axes, over_length
 from jaxformer.layers.lora import LoraSpec, add_adapter
 from jaxformer.layers.positions import RopeScaling, T5Bias, alibi_bias, alibi_slopes, apply_rope
+from jaxformer.layers.token_sum import add_bias
 
 
 def _project(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -131,7 +132,7 @@ class MultiHeadAttention(nn.Module):
     if self.bias == "none":
       return y
     b = sh.param(self, f"{name}_bias", nn.initializers.zeros, (sh.HEADS, sh.KV), w.shape[1:])
-    return y + b.astype(self.dtype)
+    return add_bias(y, b.astype(self.dtype))
 
   @nn.compact
   def __call__(
@@ -197,7 +198,7 @@ class MultiHeadAttention(nn.Module):
       y = jnp.dot(out.reshape(b * t, n * h), wo.reshape(n * h, d_model)).reshape(b, t, d_model)
     y = add_adapter(self, self.lora, "out", "out", out, y, (sh.HEADS, sh.KV), (sh.EMBED,), self.dtype)
     if self.bias == "all":
-      y = y + sh.param(self, "out_bias", nn.initializers.zeros, (sh.EMBED,), (d_model,)).astype(self.dtype)
+      y = add_bias(y, sh.param(self, "out_bias", nn.initializers.zeros, (sh.EMBED,), (d_model,)).astype(self.dtype))
     return y
 
   def _position_bias(self, bias_table):

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jaxformer import sharding as sh
 from jaxformer.layers import int8
 from jaxformer.layers.lora import LoraSpec, add_adapter
+from jaxformer.layers.token_sum import add_bias
 
 xavier_uniform = nn.initializers.xavier_uniform
 
@@ -60,7 +61,7 @@ class FeedForward(nn.Module):
     h = add_adapter(self, self.lora, "mlp_in", name, x, h, (sh.EMBED,), (sh.MLP,), self.dtype)
     if self.use_bias:
       b = sh.param(self, name.replace("wi", "bi"), nn.initializers.zeros, (sh.MLP,), (self.d_ff,))
-      h = h + b.astype(self.dtype)
+      h = add_bias(h, b.astype(self.dtype))
     return h.reshape(*x.shape[:-1], self.d_ff)
 
   @nn.compact
@@ -78,5 +79,5 @@ class FeedForward(nn.Module):
     y = _dense(h.reshape(-1, self.d_ff), w2, "nf,fd->nd", self.dtype)
     y = add_adapter(self, self.lora, "mlp_out", "wo", h, y, (sh.MLP,), (sh.EMBED,), self.dtype)
     if self.use_bias:
-      y = y + sh.param(self, "bo", nn.initializers.zeros, (sh.EMBED,), (d_model,)).astype(self.dtype)
+      y = add_bias(y, sh.param(self, "bo", nn.initializers.zeros, (sh.EMBED,), (d_model,)).astype(self.dtype))
     return y.reshape(*x.shape[:-1], d_model)

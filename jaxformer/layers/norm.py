@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer import sharding as sh
+from jaxformer.layers.token_sum import scale_only, scale_shift
 
 
 def _standardize_fwd(x: jax.Array, epsilon: float):
@@ -56,7 +57,7 @@ class LayerNorm(nn.Module):
     scale = sh.param(self, "scale", nn.initializers.ones, (sh.EMBED,), (d_model,))
     bias = sh.param(self, "bias", nn.initializers.zeros, (sh.EMBED,), (d_model,))
     y = standardize(x.astype(jnp.float32), self.epsilon)
-    return (y * scale + bias).astype(self.dtype)
+    return scale_shift(y, scale, bias).astype(self.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -74,7 +75,7 @@ class RMSNorm(nn.Module):
     scale = sh.param(self, "scale", nn.initializers.ones, (sh.EMBED,), (x.shape[-1],))
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
-    return (y * scale).astype(self.dtype)
+    return scale_only(y, scale).astype(self.dtype)
 
 
 def make_norm(kind: str, dtype: jnp.dtype, name: str | None = None, epsilon: float = 1e-6) -> nn.Module:

@@ -34,6 +34,7 @@ from jaxformer.layers.moe import AUX
 from jaxformer.layers.norm import make_norm
 from jaxformer.layers.positions import LearnedPositions, t5_table
 from jaxformer.layers.remat import remat_block
+from jaxformer.layers.token_sum import add_bias
 from jaxformer.models.blocks import BLOCK_AXES, DecoderBlock, EncoderBlock
 from jaxformer.models.layout import StackedInit, layer_rngs
 
@@ -196,7 +197,7 @@ def output_logits(
       logits = jnp.einsum("md,dv->mv", y.reshape(b * t, d).astype(dtype), output_proj.astype(dtype))
     logits = logits.reshape(b, t, -1).astype(jnp.float32)
   if bias is not None:
-    logits = logits + bias.astype(jnp.float32)
+    logits = add_bias(logits, bias.astype(jnp.float32))
   return sh.constrain(logits, (sh.ACT_BATCH, sh.ACT_LENGTH, sh.ACT_VOCAB))
 
 

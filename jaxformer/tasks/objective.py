@@ -42,9 +42,10 @@ def loss_fn(
   compute dtype.
   """
   out = task.outputs(model, params, batch, rng)
-  sums = add_router_sums(
-    cross_entropy_sums(out.logits, out.targets, out.weights, label_smoothing, z_loss), out.aux, model.config
-  )
+  with jax.named_scope("loss"):  # names the ops in profiles and HLO dumps (benchmarks/profile_train_step.py)
+    sums = add_router_sums(
+      cross_entropy_sums(out.logits, out.targets, out.weights, label_smoothing, z_loss), out.aux, model.config
+    )
   # Normalise by the global count of real target tokens (section 5.4 loss per token).
   return sums["loss"] / jnp.maximum(sums["num_tokens"], 1.0), sums
 

@@ -171,8 +171,9 @@ def _step_function(model: nn.Module, tx: optax.GradientTransformation, config: C
     if dynamic:
       grads = jax.tree.map(lambda g: g / scale, grads)
     trained = lora.trainable(state.params)  # all params, or with LoRA the adapters
-    updates, opt_state = tx.update(grads, state.opt_state, trained)
-    params = optax.apply_updates(trained, updates)
+    with jax.named_scope("optimizer"):  # names the ops in profiles (benchmarks/profile_train_step.py)
+      updates, opt_state = tx.update(grads, state.opt_state, trained)
+      params = optax.apply_updates(trained, updates)
     # Finiteness from two global norms, one reduction per leaf: a finite squared norm has finite
     # elements, Adam's moments are then convex mixes of finite values, and finite params plus a
     # finite update stay finite. (An is-finite check of every leaf of the gradients, params and
