@@ -21,6 +21,7 @@ Two layouts:
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 import json
@@ -250,15 +251,32 @@ def _log(message: str) -> None:
 
 
 class _Records:
-  """Batched random access to ArrayRecord shards (one read of many records is far faster than many reads)."""
+  """Batched random access to ArrayRecord shards (one read of many records is far faster than many
+  reads), through a least-recently-used cache of up to `cache_bytes` of records: a small corpus
+  (Tiny Shakespeare's 68 records of 64 KB, Multi30k's pairs) is read from disk once, and a
+  batch of a character LM costs a dictionary lookup instead of a read through the reader's
+  thread pool (3.5 ms, 8% of that model's step on 2 cores)."""
 
-  def __init__(self, folder: Path, shards: list[str]):
+  def __init__(self, folder: Path, shards: list[str], cache_bytes: int = 64 << 20):
     import grain  # noqa: PLC0415
 
     self._source = grain.sources.ArrayRecordDataSource([str(folder / s) for s in shards])
+    self._cache: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+    self._cache_bytes, self._cached_bytes = cache_bytes, 0
 
   def get(self, indices: list[int]) -> list[bytes]:
-    return self._source.__getitems__(indices) if indices else []
+    """The records at `indices`, in order."""
+    missing = list(dict.fromkeys(i for i in indices if i not in self._cache))
+    for i, record in zip(missing, self._source.__getitems__(missing) if missing else []):
+      self._cache[i] = record
+      self._cached_bytes += len(record)
+    out = []
+    for i in indices:
+      self._cache.move_to_end(i)
+      out.append(self._cache[i])
+    while self._cached_bytes > self._cache_bytes and len(self._cache) > len(indices):
+      self._cached_bytes -= len(self._cache.popitem(last=False)[1])
+    return out
 
 
 class PreparedPairs:
