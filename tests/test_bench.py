@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from conftest import tiny_config
 
 from jaxformer.bench import flops
 from jaxformer.bench import step as bench
@@ -235,17 +236,8 @@ def test_decoder_only_peer_is_our_model_in_torch(pre_norm):
   from jaxformer.bench.torch_peer import PeerDecoderOnly, count_parameters
   from jaxformer.models.decoder_only import DecoderOnly
 
-  m = ModelConfig(
-    kind="decoder_only",
-    vocab_size=37,
-    d_model=16,
-    num_heads=2,
-    d_ff=24,
-    num_decoder_layers=2,
-    pre_norm=pre_norm,
-    max_length=16,
-    dropout_rate=0.0,
-  )
+  m = tiny_config("decoder_only", "model.vocab_size=37", "model.num_heads=2", "model.dropout_rate=0.0").model
+  m = dataclasses.replace(m, pre_norm=pre_norm)
   tokens = np.random.default_rng(0).integers(3, 37, (3, 11)).astype(np.int32)
   params = fnn.unbox(DecoderOnly(m).init(jax.random.key(0), jnp.asarray(tokens))["params"])
   noise = np.random.default_rng(1)  # so that norm scales and biases differ from their initial 1 and 0

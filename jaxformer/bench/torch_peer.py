@@ -41,6 +41,20 @@ def _strip_to_paper(layers: list[nn.Module], m: ModelConfig) -> None:
     layer.dropout = nn.Identity()  # the FFN's hidden dropout
 
 
+def _layer_options(m: ModelConfig) -> dict:
+  """The torch layers' arguments for `m`: sizes, ReLU, dropout, LayerNorm epsilon, pre- or post-LN."""
+  return dict(
+    d_model=m.d_model,
+    nhead=m.num_heads,
+    dim_feedforward=m.d_ff,
+    dropout=m.dropout_rate,
+    activation="relu",
+    layer_norm_eps=1e-6,
+    batch_first=True,
+    norm_first=m.pre_norm,
+  )
+
+
 class _Peer(nn.Module):
   """What both peers share: the config, the sinusoidal table `positions` `[max_length, d_model]`
   and the embedding dropout."""
@@ -75,16 +89,7 @@ class PeerTransformer(_Peer):
     with warnings.catch_warnings():  # pre-LN: a note that inference fast paths are off (we train)
       warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
       self.transformer = nn.Transformer(
-        d_model=m.d_model,
-        nhead=m.num_heads,
-        num_encoder_layers=m.num_encoder_layers,
-        num_decoder_layers=m.num_decoder_layers,
-        dim_feedforward=m.d_ff,
-        dropout=m.dropout_rate,
-        activation="relu",
-        layer_norm_eps=1e-6,
-        batch_first=True,
-        norm_first=m.pre_norm,
+        num_encoder_layers=m.num_encoder_layers, num_decoder_layers=m.num_decoder_layers, **_layer_options(m)
       )
     _strip_to_paper([*self.transformer.encoder.layers, *self.transformer.decoder.layers], m)
     if not m.pre_norm:
@@ -124,16 +129,7 @@ class PeerDecoderOnly(_Peer):
     self.embed = nn.Embedding(m.vocab_size, m.d_model)
     nn.init.normal_(self.embed.weight, std=m.d_model**-0.5)
     self.output_proj = None if m.tie_embeddings else nn.Linear(m.d_model, m.vocab_size, bias=False)
-    layer = nn.TransformerEncoderLayer(
-      d_model=m.d_model,
-      nhead=m.num_heads,
-      dim_feedforward=m.d_ff,
-      dropout=m.dropout_rate,
-      activation="relu",
-      layer_norm_eps=1e-6,
-      batch_first=True,
-      norm_first=m.pre_norm,
-    )
+    layer = nn.TransformerEncoderLayer(**_layer_options(m))
     final_norm = nn.LayerNorm(m.d_model, eps=1e-6) if m.pre_norm else None
     with warnings.catch_warnings():  # pre-LN: a note that inference fast paths are off (we train)
       warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
