@@ -267,3 +267,30 @@ def test_decoder_only_peer_is_our_model_in_torch(pre_norm):
   untied = dataclasses.replace(m, tie_embeddings=False)
   untied_params = jax.eval_shape(lambda: DecoderOnly(untied).init(jax.random.key(0), jnp.asarray(tokens)))
   assert count_parameters(PeerDecoderOnly(untied)) == sum(x.size for x in jax.tree.leaves(untied_params))
+
+
+def test_profile_script_groups_instructions_by_opcode_and_scope():
+  """benchmarks/profile_train_step.py: a dot is a matmul, a scoped op takes its scope's group, a
+  while loop is control flow (None), and busy time is the union of overlapping events."""
+  import importlib.util
+
+  import jax.numpy as jnp
+
+  spec = importlib.util.spec_from_file_location("profile_train_step", ROOT / "benchmarks" / "profile_train_step.py")
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+
+  def f(x, w):
+    with jax.named_scope("optimizer"):
+      y = jnp.tanh(x) * 3.0
+    return jax.lax.fori_loop(0, 3, lambda i, h: jnp.dot(h, w), y)
+
+  x = jnp.ones((8, 8))
+  hlo = jax.jit(f).lower(x, x).compile().as_text()
+  groups = script.instruction_groups(hlo)
+  ops = {
+    line.split(" = ")[0].strip().removeprefix("ROOT ").lstrip("%"): line for line in hlo.splitlines() if " = " in line
+  }
+  by_opcode = {op: [groups[n] for n, line in ops.items() if f" {op}(" in line] for op in ("dot", "tanh", "while")}
+  assert by_opcode == {"dot": ["matmuls"], "tanh": ["optimizer"], "while": [None]}, by_opcode
+  assert script.union_ns([(0, 10), (5, 10), (20, 5)]) == 20
