@@ -162,16 +162,18 @@ def test_text_stream_windows_and_document_starts(tmp_path):
   np.testing.assert_array_equal(tail.read(), flat[100:160])
   assert tail.doc_starts[0] == 0 and all(flat[99 + s] == D.EOS_ID for s in tail.doc_starts[1:])
   # Records come through an LRU cache: with room for three 200-byte records, random windows stay
-  # exact while it evicts, and it keeps no more than a request needs beyond its budget.
+  # exact while it evicts, and it never holds more than its budget.
   records = prep._Records(stream.folder, stream.meta["shards"], cache_bytes=600)
   stream._records = records
   rng = np.random.default_rng(0)
   for _ in range(30):
     starts = rng.integers(0, len(flat) - 20, 4)
     np.testing.assert_array_equal(stream.windows(starts, 20), flat[starts[:, None] + np.arange(20)])
-    assert len(records._cache) <= 8 and records._cached_bytes == sum(map(len, records._cache.values()))
+    assert records._cached_bytes == sum(map(len, records._cache.values())) <= 600
   np.testing.assert_array_equal(stream.windows(np.array([5]), 20)[0], flat[5:25])
   assert len(records._cache) == 3 and 0 in records._cache
+  np.testing.assert_array_equal(stream.read(), flat)  # a request larger than the budget
+  assert records._cached_bytes <= 600
 
 
 def _error(tmp_path, kind="encoder_decoder", **data) -> str:

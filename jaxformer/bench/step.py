@@ -40,6 +40,23 @@ from jaxformer.train.state import create_state, state_shardings
 from jaxformer.train.step import make_train_call
 
 FIRST_WORD_ID = 3  # ids 0..2 are padding, EOS and BOS; synthetic batches use real words only
+# The model options the torch peers build (the paper's); any other value skips the peer.
+PEER_OPTIONS = {
+  "position": "sinusoidal",
+  "norm": "layernorm",
+  "ffn": "relu",
+  "mlp_bias": True,
+  "attention": "dense",
+  "attention_bias": "none",
+  "attention_head_dim": 0,
+  "attn_logit_softcap": 0.0,
+  "sliding_window": 0,
+  "embedding_scale": True,
+  "embedding_norm": False,
+  "type_vocab_size": 0,
+  "logits_bias": False,
+  "num_experts": 0,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,16 +293,11 @@ def _make_peer(config: Config, host_batch: dict[str, np.ndarray]):
   if importlib.util.find_spec("torch") is None or jax.default_backend() != "cpu":
     return None
   m = config.model
-  if (m.position, m.norm, m.ffn, m.attention, m.kv_heads, m.attn_logit_softcap, m.sliding_window) != (
-    "sinusoidal",
-    "layernorm",
-    "relu",
-    "dense",
-    m.num_heads,
-    0.0,
-    0,
-  ):
-    print("torch peer skipped: the torch stacks have only the paper's architecture options", file=sys.stderr)
+  other = [f"model.{name}={getattr(m, name)}" for name, value in PEER_OPTIONS.items() if getattr(m, name) != value]
+  if m.kv_heads != m.num_heads:
+    other.append(f"model.num_kv_heads={m.kv_heads}")
+  if other:
+    print(f"torch peer skipped: the torch stacks do not build {', '.join(other)}", file=sys.stderr)
     return None
   from jaxformer.bench.torch_peer import TorchTrainer
 

@@ -42,14 +42,14 @@ def _strip_to_paper(layers: list[nn.Module], m: ModelConfig) -> None:
 
 
 def _layer_options(m: ModelConfig) -> dict:
-  """The torch layers' arguments for `m`: sizes, ReLU, dropout, LayerNorm epsilon, pre- or post-LN."""
+  """The torch layers' arguments for `m`: sizes, ReLU, dropout, `model.norm_epsilon`, pre- or post-LN."""
   return dict(
     d_model=m.d_model,
     nhead=m.num_heads,
     dim_feedforward=m.d_ff,
     dropout=m.dropout_rate,
     activation="relu",
-    layer_norm_eps=1e-6,
+    layer_norm_eps=m.norm_epsilon,
     batch_first=True,
     norm_first=m.pre_norm,
   )
@@ -130,7 +130,7 @@ class PeerDecoderOnly(_Peer):
     nn.init.normal_(self.embed.weight, std=m.d_model**-0.5)
     self.output_proj = None if m.tie_embeddings else nn.Linear(m.d_model, m.vocab_size, bias=False)
     layer = nn.TransformerEncoderLayer(**_layer_options(m))
-    final_norm = nn.LayerNorm(m.d_model, eps=1e-6) if m.pre_norm else None
+    final_norm = nn.LayerNorm(m.d_model, eps=m.norm_epsilon) if m.pre_norm else None
     with warnings.catch_warnings():  # pre-LN: a note that inference fast paths are off (we train)
       warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
       self.stack = nn.TransformerEncoder(layer, m.num_decoder_layers, norm=final_norm)

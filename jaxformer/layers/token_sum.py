@@ -27,7 +27,14 @@ def token_sum(a: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Arr
     raise ValueError(f"token_sum: trailing axes of {a.shape} are not {shape}")
   size = math.prod(shape)
   rows = a.size // size if size else 0
-  total = jnp.dot(jnp.ones((rows,), a.dtype), a.reshape(rows, size), preferred_element_type=jnp.float32)
+  # HIGHEST: exact float32 products on GPU and TPU too, whose default would round a float32
+  # gradient to TF32 or bfloat16 before summing (no cost on CPU).
+  total = jnp.dot(
+    jnp.ones((rows,), a.dtype),
+    a.reshape(rows, size),
+    precision=jax.lax.Precision.HIGHEST,
+    preferred_element_type=jnp.float32,
+  )
   return total.reshape(shape).astype(dtype)
 
 
