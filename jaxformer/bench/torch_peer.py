@@ -12,7 +12,8 @@ To make the two the same model, the torch defaults that the paper's model lacks 
 removed: attention projection biases, the dropout inside the FFN and the final encoder and
 decoder LayerNorms of post-LN stacks. The decoder-only peer reads `inputs` and scores its
 logits against `targets` (the inputs shifted by one), as the causal LM task does. The learning
-rate is held at the schedule's first value (the schedule's cost is negligible). Imported only when torch is installed.
+rate is held at the schedule's first value (the schedule's cost is negligible). Imported only
+when torch is installed.
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ class _Peer(nn.Module):
     x = embed(ids) * self.config.d_model**0.5 + self.positions[: ids.shape[1]]
     return self.dropout(x)
 
+  def _logits(self, y: torch.Tensor, embed: nn.Embedding) -> torch.Tensor:
+    """`[batch, length, vocab_size]` logits of the final states `y`: tied to `embed`, or the
+    untied `output_proj`."""
+    return y @ embed.weight.T if self.output_proj is None else self.output_proj(y)
+
 
 class PeerTransformer(_Peer):
   """`torch.nn.Transformer` (batch_first) with embeddings and tied logits.
@@ -112,9 +118,7 @@ class PeerTransformer(_Peer):
       tgt_key_padding_mask=tgt_pad,
       memory_key_padding_mask=src_pad,
     )
-    if self.output_proj is None:
-      return y @ self.target_embed.weight.T
-    return self.output_proj(y)
+    return self._logits(y, self.target_embed)
 
 
 class PeerDecoderOnly(_Peer):
@@ -142,9 +146,7 @@ class PeerDecoderOnly(_Peer):
     length = inputs.shape[1]
     causal = torch.triu(torch.full((length, length), float("-inf")), diagonal=1)
     y = self.stack(self._embed(self.embed, inputs), mask=causal, is_causal=True)
-    if self.output_proj is None:
-      return y @ self.embed.weight.T
-    return self.output_proj(y)
+    return self._logits(y, self.embed)
 
 
 def count_parameters(model: nn.Module) -> int:
