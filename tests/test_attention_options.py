@@ -124,7 +124,14 @@ BLOCKWISE_CASES = {
   # cross-attention shape (T != S); row 1 has no valid key, so its rows are fully masked
   "padding": dict(kv_len=S, q_valid=[T, 9], kv_valid=[S, 0]),
   "causal": dict(kv_len=T, q_valid=[T, 6], kv_valid=[T, 6], causal=True),
+  # keys 13..16 lie after every query: their block is skipped, and row 1's padded queries (fully
+  # masked) still average its values
+  "causal_keys_past_the_queries": dict(kv_len=T + 4, q_valid=[T, 6], kv_valid=[T + 4, T + 4], causal=True),
   "sliding_window": dict(kv_len=T, q_valid=[T, 8], kv_valid=[T, 8], causal=True, sliding_window=3),
+  # queries at positions 8..20: the block of keys 0..3 is out of every query's window and skipped
+  "sliding_window_keys_before_the_queries": dict(
+    kv_len=T + 8, q_offset=8, q_valid=[T, 6], kv_valid=[T + 8, T + 8], causal=True, sliding_window=3
+  ),
   "gqa_alibi_softcap": dict(
     kv_len=T, q_valid=[T, 7], kv_valid=[T, 7], causal=True, kv_heads=2, alibi=True, softcap=2.0
   ),
@@ -137,7 +144,8 @@ def _case_inputs(c: dict, seed: int):
   kv_len, kv_heads = c["kv_len"], c.get("kv_heads", N)
   q = _normal(seed, (B, T, N, H))
   k, v = _normal(seed + 1, (B, kv_len, kv_heads, H)), _normal(seed + 2, (B, kv_len, kv_heads, H))
-  return q, k, v, _normal(seed + 3, (B, T, N, H)), jnp.arange(T)[None], jnp.arange(kv_len)[None]
+  q_pos = jnp.arange(T)[None] + c.get("q_offset", 0)
+  return q, k, v, _normal(seed + 3, (B, T, N, H)), q_pos, jnp.arange(kv_len)[None]
 
 
 @pytest.mark.parametrize("case", BLOCKWISE_CASES, ids=list(BLOCKWISE_CASES))
@@ -171,6 +179,25 @@ def test_blockwise_equals_dense_forward_and_gradients(case):
     )
 
   _assert_same_outputs_and_grads(dense, blockwise, q, k, v, d_out)
+
+
+def test_blocks_masked_by_position_alone_are_recognised():
+  """`block_is_masked`: causal (keys after the last query), the sliding window on either side
+  (not with global tokens, which see across it), padding past S ignored; unmasked specs never skip."""
+  from jaxformer.layers.blockwise import _Spec, block_is_masked
+
+  def masked(keys, queries, in_range=None, causal=True, window=0, global_tokens=0):
+    spec = _Spec(causal, window, 0.0, len(keys), None, global_tokens, ())
+    in_range = np.ones(len(keys), bool) if in_range is None else np.asarray(in_range)
+    return bool(block_is_masked(spec, jnp.asarray([keys]), jnp.asarray([in_range]), jnp.asarray([queries])))
+
+  assert masked([8, 9], [3, 7]) and not masked([7, 8], [3, 7])
+  assert not masked([7, 99], [3, 7], in_range=[True, False])  # the padded key's position is not a key
+  assert masked([99, 8], [3, 7], in_range=[False, True])
+  assert masked([0, 1], [4, 6], causal=False, window=3) and not masked([1, 2], [4, 6], causal=False, window=3)
+  assert masked([9, 10], [4, 6], causal=False, window=3) and not masked([8, 9], [4, 6], causal=False, window=3)
+  assert not masked([0, 1], [4, 6], causal=False, window=3, global_tokens=1)
+  assert not masked([8, 9], [3, 7], causal=False)
 
 
 def _assert_same_outputs_and_grads(reference_fn, fn, q, k, v, d_out):
