@@ -4,12 +4,17 @@ Tests compile many tiny programs, and compiling is most of the suite's time. XLA
 optimisation level 0, the classic loop emitters instead of the MLIR fusion emitters, no expensive
 LLVM passes and one codegen module make those compiles several times faster (the last three
 about 2.6x on their own) and change no values beyond float rounding. A persistent compilation
-cache, shared by both pytest-xdist workers and the CLI subprocesses (they inherit the
-environment) and removed at exit, compiles each distinct program once per test session:
-many tests build the same step again (a resumed run, the same config on another mesh). Only
-programs that took 0.1 s or more to compile are written: the other 2,900 of the fast suite's
-3,360 (mostly single operations run eagerly) compiled in 10 ms each and took 6 ms each to write.
-Likewise one data cache (`multi30k_dir`) prepares Multi30k once per session.
+cache, shared by the pytest-xdist workers and the CLI subprocesses (they inherit the
+environment), compiles each distinct program once: many tests build the same step again (a
+resumed run, the same config on another mesh). It lives in `.pytest_cache/` (git-ignored), one
+folder per host CPU, and outlasts the session, so `pytest -m slow` after `pytest` (the README's
+test command, and CI) reuses the fast suite's programs, and a rerun reuses its own. JAX keys
+each entry by the program, the XLA flags and its own version: an edit that changes a program
+misses the cache rather than reading a stale one. A session that finds it over 2 GiB starts
+it afresh. Only programs that took 0.1 s or more to compile are written: the other
+2,900 of the fast suite's 3,360 (mostly single operations run eagerly) compiled in 10 ms each
+and took 6 ms each to write. Likewise one data cache (`multi30k_dir`) prepares Multi30k once
+per session (a temporary folder: prepared data is not keyed by the code that prepared it).
 
 Python's cyclic garbage collector is made to run about 14 times less often: a worker's heap
 grows to millions of objects (compiled programs, traced jaxprs), every full collection walks
@@ -21,8 +26,10 @@ import atexit
 import fcntl
 import gc
 import gzip
+import hashlib
 import itertools
 import os
+import platform
 import shutil
 import tempfile
 from pathlib import Path
@@ -36,13 +43,29 @@ COMPILE_FLAGS = (
 )
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {COMPILE_FLAGS}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-for _name, _prefix in (
-  ("JAX_COMPILATION_CACHE_DIR", "jaxformer-test-xla-cache-"),
-  ("JAXFORMER_TEST_DATA_DIR", "jaxformer-test-data-"),
-):
-  if _name not in os.environ:
-    os.environ[_name] = tempfile.mkdtemp(prefix=_prefix)
-    atexit.register(shutil.rmtree, os.environ[_name], True)
+
+
+def _host_cpu() -> str:
+  """A short hash of the host CPU's model and ISA flags: code XLA:CPU compiled for one CPU need
+  not run on another, so each gets its own cache folder."""
+  try:
+    text = Path("/proc/cpuinfo").read_text()
+  except OSError:
+    text = platform.processor()
+  lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))][:2]
+  return hashlib.sha256(f"{platform.machine()} {lines}".encode()).hexdigest()[:12]
+
+
+CACHE_LIMIT = 2 * 1024**3  # bytes of compiled programs kept between sessions
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _cache = Path(__file__).resolve().parent.parent / ".pytest_cache" / f"jax-compilation-cache-{_host_cpu()}"
+  if "PYTEST_XDIST_WORKER" not in os.environ and _cache.is_dir():  # the first process, before any reads
+    if sum(f.stat().st_size for f in _cache.iterdir() if f.is_file()) > CACHE_LIMIT:
+      shutil.rmtree(_cache, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = str(_cache)
+if "JAXFORMER_TEST_DATA_DIR" not in os.environ:
+  os.environ["JAXFORMER_TEST_DATA_DIR"] = tempfile.mkdtemp(prefix="jaxformer-test-data-")
+  atexit.register(shutil.rmtree, os.environ["JAXFORMER_TEST_DATA_DIR"], True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 gc.set_threshold(10_000, 10, 10)  # Python's default first threshold is 700
