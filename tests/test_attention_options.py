@@ -218,7 +218,8 @@ def _assert_same_outputs_and_grads(reference_fn, fn, q, k, v, d_out):
     np.testing.assert_allclose(np.asarray(x), np.asarray(x_ref), atol=1e-5, rtol=1e-5, err_msg=name)
 
 
-FUSED_CASES = {name: c for name, c in BLOCKWISE_CASES.items() if name != "gqa_alibi_softcap"}
+# jax.nn.dot_product_attention places its masks by index, so only cases whose queries start at position 0.
+FUSED_CASES = {n: c for n, c in BLOCKWISE_CASES.items() if n != "gqa_alibi_softcap" and not c.get("q_offset")}
 FUSED_CASES["gqa_alibi"] = dict(kv_len=T, q_valid=[T, 7], kv_valid=[T, 7], causal=True, kv_heads=2, alibi=True)
 
 
