@@ -9,7 +9,7 @@ environment), compiles each distinct program once: many tests build the same ste
 resumed run, the same config on another mesh). It lives in `.pytest_cache/` (git-ignored), one
 folder per host CPU, and outlasts the session, so `pytest -m slow` after `pytest` (the README's
 test command, and CI) reuses the fast suite's programs, and a rerun reuses its own. JAX keys
-each entry by the program, the XLA flags and its own version: an edit that changes a program
+each entry by the program, the XLA flags and the jaxlib version: an edit that changes a program
 misses the cache rather than reading a stale one. A session that finds it over 2 GiB starts
 it afresh. Only programs that took 0.1 s or more to compile are written: the other
 2,900 of the fast suite's 3,360 (mostly single operations run eagerly) compiled in 10 ms each
@@ -23,6 +23,7 @@ all of them, and tracing allocates enough to trigger one every few seconds. test
 """
 
 import atexit
+import contextlib
 import fcntl
 import gc
 import gzip
@@ -52,16 +53,17 @@ def _host_cpu() -> str:
     text = Path("/proc/cpuinfo").read_text()
   except OSError:
     text = platform.processor()
-  lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))][:2]
+  lines = [line for line in text.splitlines() if line.startswith(("model name", "flags", "CPU part", "Features"))][:4]
   return hashlib.sha256(f"{platform.machine()} {lines}".encode()).hexdigest()[:12]
 
 
 CACHE_LIMIT = 2 * 1024**3  # bytes of compiled programs kept between sessions
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _cache = Path(__file__).resolve().parent.parent / ".pytest_cache" / f"jax-compilation-cache-{_host_cpu()}"
-  if "PYTEST_XDIST_WORKER" not in os.environ and _cache.is_dir():  # the first process, before any reads
-    if sum(f.stat().st_size for f in _cache.iterdir() if f.is_file()) > CACHE_LIMIT:
-      shutil.rmtree(_cache, ignore_errors=True)
+  if "PYTEST_XDIST_WORKER" not in os.environ:  # the first process, before any reads
+    with contextlib.suppress(OSError):  # another session may be clearing it too
+      if sum(f.stat().st_size for f in _cache.iterdir() if f.is_file()) > CACHE_LIMIT:
+        shutil.rmtree(_cache, ignore_errors=True)
   os.environ["JAX_COMPILATION_CACHE_DIR"] = str(_cache)
 if "JAXFORMER_TEST_DATA_DIR" not in os.environ:
   os.environ["JAXFORMER_TEST_DATA_DIR"] = tempfile.mkdtemp(prefix="jaxformer-test-data-")

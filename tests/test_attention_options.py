@@ -124,8 +124,8 @@ BLOCKWISE_CASES = {
   # cross-attention shape (T != S); row 1 has no valid key, so its rows are fully masked
   "padding": dict(kv_len=S, q_valid=[T, 9], kv_valid=[S, 0]),
   "causal": dict(kv_len=T, q_valid=[T, 6], kv_valid=[T, 6], causal=True),
-  # keys 13..16 lie after every query: their block is skipped, and row 1's padded queries (fully
-  # masked) still average its values
+  # blocks of 4 keys: the last one (key 16 and padding) lies after every query and is skipped;
+  # row 1's padded queries (fully masked) still average all values
   "causal_keys_past_the_queries": dict(kv_len=T + 4, q_valid=[T, 6], kv_valid=[T + 4, T + 4], causal=True),
   "sliding_window": dict(kv_len=T, q_valid=[T, 8], kv_valid=[T, 8], causal=True, sliding_window=3),
   # queries at positions 8..20: the block of keys 0..3 is out of every query's window and skipped
@@ -183,21 +183,25 @@ def test_blockwise_equals_dense_forward_and_gradients(case):
 
 def test_blocks_masked_by_position_alone_are_recognised():
   """`block_is_masked`: causal (keys after the last query), the sliding window on either side
-  (not with global tokens, which see across it), padding past S ignored; unmasked specs never skip."""
+  (not with global tokens, which see across it); padding keys (past S or invalid) and padding
+  queries are left out, and a side of padding only counts as masked."""
   from jaxformer.layers.blockwise import _Spec, block_is_masked
 
-  def masked(keys, queries, in_range=None, causal=True, window=0, global_tokens=0):
+  def masked(keys, queries, k_ok=None, q_ok=None, causal=True, window=0, global_tokens=0):
     spec = _Spec(causal, window, 0.0, len(keys), None, global_tokens, ())
-    in_range = np.ones(len(keys), bool) if in_range is None else np.asarray(in_range)
-    return bool(block_is_masked(spec, jnp.asarray([keys]), jnp.asarray([in_range]), jnp.asarray([queries])))
+    k_ok = np.ones(len(keys), bool) if k_ok is None else np.asarray(k_ok)
+    q_ok = np.ones(len(queries), bool) if q_ok is None else np.asarray(q_ok)
+    args = (jnp.asarray([keys]), jnp.asarray([k_ok]), jnp.asarray([queries]), jnp.asarray([q_ok]))
+    return bool(block_is_masked(spec, *args))
 
   assert masked([8, 9], [3, 7]) and not masked([7, 8], [3, 7])
-  assert not masked([7, 99], [3, 7], in_range=[True, False])  # the padded key's position is not a key
-  assert masked([99, 8], [3, 7], in_range=[False, True])
+  assert not masked([7, 99], [3, 7], k_ok=[True, False]) and masked([99, 8], [3, 7], k_ok=[False, True])
+  assert masked([8, 9], [3, 7, 12], q_ok=[True, True, False]) and not masked([8, 9], [3, 7, 12])
+  assert masked([0, 1], [4, 6], k_ok=[False, False]) and masked([0, 1], [4, 6], q_ok=[False, False])
   assert masked([0, 1], [4, 6], causal=False, window=3) and not masked([1, 2], [4, 6], causal=False, window=3)
   assert masked([9, 10], [4, 6], causal=False, window=3) and not masked([8, 9], [4, 6], causal=False, window=3)
+  assert masked([0, 1], [4, 6, 0], q_ok=[True, True, False], causal=False, window=3)
   assert not masked([0, 1], [4, 6], causal=False, window=3, global_tokens=1)
-  assert not masked([8, 9], [3, 7], causal=False)
 
 
 def _assert_same_outputs_and_grads(reference_fn, fn, q, k, v, d_out):

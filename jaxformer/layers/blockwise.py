@@ -13,7 +13,7 @@ bias (ALiBi, T5) whose params get their gradient from the recomputing backward p
 average all values).
 
 A key block that the positions alone mask for every query (all its keys after the last query
-under a causal mask, or farther than the sliding window from every query) is skipped: its
+under a causal mask, or farther than the sliding window from every query; padding ignored) is skipped: its
 scores would all be the mask value, so its share of the softmax is added in closed form
 (nothing for a row that sees any key; the block's value sum for a fully masked row) instead of
 computing `[B, N, T, block]` scores. Under context parallelism each device holds a contiguous
@@ -143,24 +143,30 @@ def _block_scores(spec: _Spec, q, k_blk, kpos_blk, kvalid_blk, in_range, kseg_bl
   return jnp.where(in_range[:, None, None, :], scores, -jnp.inf)
 
 
-def block_is_masked(spec: _Spec, kpos_blk, in_range, q_pos) -> jax.Array | bool:
-  """Whether the positions alone mask every (query, key) pair of a key block: bool scalar (a
-  traced one when it depends on the positions), or False when no position mask applies.
+def _may_skip(spec: _Spec) -> bool:
+  """Whether positions alone can mask a whole key block under `spec` (a causal or window mask)."""
+  return spec.causal or bool(spec.sliding_window and not spec.global_tokens)
+
+
+def block_is_masked(spec: _Spec, kpos_blk, k_ok, q_pos, q_ok) -> jax.Array:
+  """Whether the mask covers every (query, key) pair of a key block by position: bool scalar.
 
   Args:
-    kpos_blk: int `[B', block]` key positions; in_range: bool `[1, block]` (False: padding past S).
-    q_pos: int `[B, T]` query positions.
+    kpos_blk: int `[B', block]` key positions; k_ok: bool `[B', block]`, False for a key that
+      is padding (past S, or invalid), masked for every query anyway.
+    q_pos: int `[B, T]` query positions; q_ok: bool `[B, T]`, False for padding queries.
 
-  Causal: every key lies after the last query. Sliding window w (without global tokens, which
-  see across it): every key is at least w positions from every query, on either side. Padding,
-  packing and validity only mask more, so the answer is exact for the mask the block would get.
+  Causal: every real key lies after the last real query. Sliding window w (without global
+  tokens, which see across it): every real key is at least w positions from every real query,
+  on either side. Packing only masks more, so the answer is exact for the mask the block would
+  get. A block of padding only, or a batch of padding queries only, counts as masked.
   """
-  if not spec.causal and not (spec.sliding_window and not spec.global_tokens):
-    return False
-  k_min = jnp.min(jnp.where(in_range, kpos_blk, jnp.iinfo(kpos_blk.dtype).max))
-  k_max = jnp.max(jnp.where(in_range, kpos_blk, jnp.iinfo(kpos_blk.dtype).min))
-  q_min, q_max = jnp.min(q_pos), jnp.max(q_pos)
-  masked = jnp.asarray(False)
+  big, small = jnp.iinfo(kpos_blk.dtype).max, jnp.iinfo(kpos_blk.dtype).min
+  k_min, k_max = jnp.min(jnp.where(k_ok, kpos_blk, big)), jnp.max(jnp.where(k_ok, kpos_blk, small))
+  q_min, q_max = jnp.min(jnp.where(q_ok, q_pos, big)), jnp.max(jnp.where(q_ok, q_pos, small))
+  # Empty sides (all padding): k_min > q_max holds, and the window tests hold too.
+  empty = (k_min > k_max) | (q_min > q_max)
+  masked = empty
   if spec.causal:
     masked = masked | (k_min > q_max)
   if spec.sliding_window and not spec.global_tokens:
@@ -169,17 +175,20 @@ def block_is_masked(spec: _Spec, kpos_blk, in_range, q_pos) -> jax.Array | bool:
   return masked
 
 
-def _unless_masked(spec: _Spec, q_pos, visit, skip):
-  """A scan step that runs `skip` instead of `visit` on a key block the positions mask entirely
-  (`block_is_masked`); both take and return (carry, out) alike."""
-  if not spec.causal and not (spec.sliding_window and not spec.global_tokens):
-    return visit
+def _scan_blocks(spec: _Spec, visit, skip, init, blocks, q_pos, q_valid):
+  """`lax.scan` of `visit` over the key blocks, running `skip` instead on each block that
+  `block_is_masked` (decided for all blocks before the loop); both take and return
+  (carry, out) alike."""
+  if not _may_skip(spec):
+    return jax.lax.scan(visit, init, blocks)
+  _, _, kpos, kvalid, in_range, _ = blocks
+  masked = jax.vmap(lambda p, ok: block_is_masked(spec, p, ok, q_pos, q_valid))(kpos, kvalid & in_range)
 
-  def step(carry, blk):
-    _, _, kpos, _, in_range, _ = blk
-    return jax.lax.cond(block_is_masked(spec, kpos, in_range, q_pos), skip, visit, carry, blk)
+  def step(carry, x):
+    blk, blk_masked = x
+    return jax.lax.cond(blk_masked, skip, visit, carry, blk)
 
-  return step
+  return jax.lax.scan(step, init, (blocks, masked))
 
 
 def _value_sum(v_blk, in_range, heads):
@@ -223,7 +232,7 @@ def _forward(spec: _Spec, q, kv, q_pos, q_valid, q_seg, bias_params):
     jnp.zeros((batch, length, heads, head_dim), jnp.float32),
   )
   init = jax.lax.pcast(init, _varying(q), to="varying")  # the carry meets each device's own values
-  (m, l, acc), _ = jax.lax.scan(_unless_masked(spec, q_pos, visit, skip), init, _kv_blocks(spec, kv))
+  (m, l, acc), _ = _scan_blocks(spec, visit, skip, init, _kv_blocks(spec, kv), q_pos, q_valid)
   out = (acc / jnp.moveaxis(l, 1, 2)[..., None]).astype(q.dtype)
   # Row max and sum [B, N, T], kept apart: for a fully masked row m + log(l) would round
   # away log(l) next to the -1e9 mask value.
@@ -278,7 +287,7 @@ def _flash_bwd(spec, residuals, d_out):
     return carry, (dk, dv.astype(v_blk.dtype))
 
   init = jax.lax.pcast((jnp.zeros(q.shape, jnp.float32), jnp.zeros_like(bias_params)), _varying(q), to="varying")
-  (dq, dbias), (dk, dv) = jax.lax.scan(_unless_masked(spec, q_pos, visit, skip), init, _kv_blocks(spec, kv))
+  (dq, dbias), (dk, dv) = _scan_blocks(spec, visit, skip, init, _kv_blocks(spec, kv), q_pos, q_valid)
   if spec.gather_axes:
     dbias = jax.lax.psum(dbias, spec.gather_axes)
   # Positions, validity, segment ids: integer / bool inputs, no gradient.
