@@ -164,7 +164,7 @@ def block_is_masked(spec: _Spec, kpos_blk, k_ok, q_pos, q_ok) -> jax.Array:
   big, small = jnp.iinfo(kpos_blk.dtype).max, jnp.iinfo(kpos_blk.dtype).min
   k_min, k_max = jnp.min(jnp.where(k_ok, kpos_blk, big)), jnp.max(jnp.where(k_ok, kpos_blk, small))
   q_min, q_max = jnp.min(jnp.where(q_ok, q_pos, big)), jnp.max(jnp.where(q_ok, q_pos, small))
-  # Empty sides (all padding): k_min > q_max holds, and the window tests hold too.
+  # A side of padding only masks the block; its sentinels would overflow the window's differences.
   empty = (k_min > k_max) | (q_min > q_max)
   masked = empty
   if spec.causal:
