@@ -165,8 +165,7 @@ def block_is_masked(spec: _Spec, kpos_blk, k_ok, q_pos, q_ok) -> jax.Array:
   k_min, k_max = jnp.min(jnp.where(k_ok, kpos_blk, big)), jnp.max(jnp.where(k_ok, kpos_blk, small))
   q_min, q_max = jnp.min(jnp.where(q_ok, q_pos, big)), jnp.max(jnp.where(q_ok, q_pos, small))
   # A side of padding only masks the block; its sentinels would overflow the window's differences.
-  empty = (k_min > k_max) | (q_min > q_max)
-  masked = empty
+  masked = (k_min > k_max) | (q_min > q_max)
   if spec.causal:
     masked = masked | (k_min > q_max)
   if spec.sliding_window and not spec.global_tokens:
@@ -275,14 +274,16 @@ def _flash_bwd(spec, residuals, d_out):
     dv = dv.reshape(*v_blk.shape[:3], -1, v_blk.shape[-1]).sum(axis=3)  # sum query heads per kv head
     return (dq + dq_blk.astype(jnp.float32), dbias + dbias_blk), (dk, dv.astype(v_blk.dtype))
 
+  # A masked key's value gradient, the same for every key of every skipped block: the rows'
+  # probability-weighted output gradient (0 but for fully masked rows), summed per kv head.
+  dv_masked = jnp.einsum("bnt,btnh->bnh", jnp.exp(NEG - m) / l, d_out)  # [B, N, H]
+  num_kv_heads = kv[1].shape[2]
+  dv_masked = dv_masked.reshape(dv_masked.shape[0], num_kv_heads, -1, dv_masked.shape[-1]).sum(axis=2)  # [B, K, H]
+
   def skip(carry, blk):
-    # Masked scores are constants: no gradient reaches q, k or the bias. Each in-range value gets
-    # the rows' probability-weighted output gradient, 0 but for fully masked rows.
+    # Masked scores are constants: no gradient reaches q, k or the bias.
     k_blk, v_blk, _, _, in_range, _ = blk
-    p = jnp.exp(NEG - m) / l  # [B, N, T]
-    dv_row = jnp.einsum("bnt,btnh->bnh", p, d_out)  # the same for every key of the block
-    dv_row = dv_row.reshape(dv_row.shape[0], v_blk.shape[2], -1, dv_row.shape[-1]).sum(axis=2)  # [B, K, H]
-    dv = jnp.where(in_range[:, :, None, None], dv_row[:, None], 0.0)  # [B, block, K, H]
+    dv = jnp.where(in_range[:, :, None, None], dv_masked[:, None], 0.0)  # [B, block, K, H]
     dk = jax.lax.pcast(jnp.zeros(k_blk.shape, k_blk.dtype), _varying(q), to="varying")  # as the visited branch's
     return carry, (dk, dv.astype(v_blk.dtype))
 
