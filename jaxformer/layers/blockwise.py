@@ -2,7 +2,7 @@
 
 Keys and values are visited in blocks of `block_size` with an online softmax (running
 max `m` and sum `l`, Milakov & Gimelshein 2018; Rabe & Staats 2021; Dao et al. 2022), so no
-`[T, S]` score matrix is ever materialised: temporaries are `[batch, heads, T, block_size]`
+`[T, S]` score matrix is ever materialised: temporaries are at most `[batch, heads, T, block_size]`
 and grow linearly with the sequence length. The backward pass (a custom VJP) keeps only
 q, k, v, the output and the per-row max and sum, and recomputes each block's scores.
 
@@ -12,13 +12,17 @@ bias (ALiBi, T5) whose params get their gradient from the recomputing backward p
 `dot_product.dot_product_attention` with the same mask (fully masked rows included: they
 average all values).
 
-A key block that the positions alone mask for every query (all its keys after the last query
-under a causal mask, or farther than the sliding window from every query; padding ignored) is skipped: its
-scores would all be the mask value, so its share of the softmax is added in closed form
-(nothing for a row that sees any key; the block's value sum for a fully masked row) instead of
-computing `[B, N, T, block]` scores. Under context parallelism each device holds a contiguous
-range of queries, so a causal model's devices skip the blocks after their own range: at 8 devices
-they compute 36 of the 64 (query shard, key shard) pairs.
+Under a causal or sliding-window mask the queries are split into blocks of the same size too,
+each visiting the key blocks in its own loop, as in Dao et al. 2022's algorithm. A key block
+that the positions alone mask for every query of a query block (all its keys after the block's
+last query under a causal mask, or farther than the sliding window from each of its queries;
+padding ignored) is skipped: its scores would all be the mask value, so its share of the
+softmax is added in closed form (nothing for a row that sees any key; the block's value sum for
+a fully masked row) instead of computing `[B, N, block, block]` scores. A causal mask so
+computes about half the (query block, key block) pairs, and temporaries are per block pair.
+Under context parallelism each device holds a contiguous range of queries, so a causal model's
+devices also skip the blocks after their own range: at 8 devices they compute 36 of the 64
+(query shard, key shard) pairs.
 """
 
 from __future__ import annotations
@@ -75,7 +79,8 @@ def blockwise_attention(
       `scores.attention_scores`.
     position_bias: (bias function, params) as in `positions.PositionBias`, or None; the
       params get gradients.
-    block_size: keys per block; S is padded up to a multiple (padded keys get weight 0).
+    block_size: keys per block; S is padded up to a multiple (padded keys get weight 0). Under
+      a causal or sliding-window mask also queries per block, T padded likewise.
     q_segment_ids, kv_segment_ids: int `[batch, T]` / `[batch, S]` packed-example ids, both
       or neither, as in `scores.attention_mask`.
     gather_axes: context parallelism (`layers.context_parallel`; call inside a map manual over
@@ -196,7 +201,9 @@ def _value_sum(v_blk, in_range, heads):
   return repeat_kv(v[:, None], heads)[:, 0]
 
 
-def _forward(spec: _Spec, q, kv, q_pos, q_valid, q_seg, bias_params):
+def _forward(spec: _Spec, q, blocks, q_pos, q_valid, q_seg, bias_params):
+  """(output `[B, T, N, H]` in q's dtype, (row max, row sum) float32 `[B, N, T]`) of one set of
+  queries against all key blocks (`_kv_blocks`)."""
   batch, length, heads, head_dim = q.shape
 
   def visit(carry, blk):
@@ -231,31 +238,75 @@ def _forward(spec: _Spec, q, kv, q_pos, q_valid, q_seg, bias_params):
     jnp.zeros((batch, length, heads, head_dim), jnp.float32),
   )
   init = jax.lax.pcast(init, _varying(q), to="varying")  # the carry meets each device's own values
-  (m, l, acc), _ = _scan_blocks(spec, visit, skip, init, _kv_blocks(spec, kv), q_pos, q_valid)
+  (m, l, acc), _ = _scan_blocks(spec, visit, skip, init, blocks, q_pos, q_valid)
   out = (acc / jnp.moveaxis(l, 1, 2)[..., None]).astype(q.dtype)
   # Row max and sum [B, N, T], kept apart: for a fully masked row m + log(l) would round
   # away log(l) next to the -1e9 mask value.
   return out, (m, l)
 
 
+def _query_blocks(spec: _Spec, length: int) -> int:
+  """How many blocks the queries are split into: blocks of `block_size` where the mask can skip key
+  blocks (each query block then skips the key blocks masked for it alone: about half of a causal
+  mask's blocks), else 1 (nothing to skip, and one pass over the keys is cheaper)."""
+  return -(-length // spec.block_size) if _may_skip(spec) else 1
+
+
+def _split_queries(n: int, x: jax.Array, fill=0) -> jax.Array:
+  """`[B', T, ...]` -> `[n, B', T_pad / n, ...]`: T padded at the end with `fill` to a multiple of n."""
+  pad = -x.shape[1] % n
+  x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+  return jnp.moveaxis(x.reshape(x.shape[0], n, -1, *x.shape[2:]), 1, 0)
+
+
+def _merge_queries(x: jax.Array, length: int, axis: int) -> jax.Array:
+  """Inverse of `_split_queries` for an array whose query axis is `axis` (of the unsplit array),
+  the padding cut off."""
+  x = jnp.moveaxis(x, 0, axis)
+  return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2 :])[(slice(None),) * axis + (slice(0, length),)]
+
+
+def _per_query_block(n: int, fn, xs):
+  """`lax.map` of `fn` over the leading query-block axis of the arrays `xs`; one direct call for one block."""
+  if n == 1:
+    return jax.tree.map(lambda y: y[None], fn(jax.tree.map(lambda x: x[0], xs)))
+  return jax.lax.map(fn, xs)
+
+
+def _query_side(spec: _Spec, q, q_pos, q_valid, q_seg):
+  """(block count, (q, positions, validity, segment ids) split by `_split_queries`); padding queries
+  are invalid, so they are masked and ignored by `block_is_masked`."""
+  n = _query_blocks(spec, q.shape[1])
+  split = functools.partial(_split_queries, n)
+  return n, (split(q), split(q_pos), split(q_valid, False), None if q_seg is None else split(q_seg))
+
+
+def _flash_forward(spec: _Spec, q, kv, q_pos, q_valid, q_seg, bias_params):
+  """(output `[B, T, N, H]`, residuals of the backward pass: the per-query-block outputs, row
+  maxima and sums, padding queries included)."""
+  blocks = _kv_blocks(spec, kv)
+  n, q_side = _query_side(spec, q, q_pos, q_valid, q_seg)
+  out, (m, l) = _per_query_block(n, lambda x: _forward(spec, x[0], blocks, *x[1:], bias_params), q_side)
+  return _merge_queries(out, q.shape[1], 1), (out, m, l)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(spec, q, kv, q_pos, q_valid, q_seg, bias_params):
-  return _forward(spec, q, kv, q_pos, q_valid, q_seg, bias_params)[0]
+  return _flash_forward(spec, q, kv, q_pos, q_valid, q_seg, bias_params)[0]
 
 
 def _flash_fwd(spec, q, kv, q_pos, q_valid, q_seg, bias_params):
-  out, (m, l) = _forward(spec, q, kv, q_pos, q_valid, q_seg, bias_params)
-  return out, (q, kv, q_pos, q_valid, q_seg, bias_params, out, m, l)
+  out, per_block = _flash_forward(spec, q, kv, q_pos, q_valid, q_seg, bias_params)
+  return out, (q, kv, q_pos, q_valid, q_seg, bias_params, per_block)
 
 
-def _flash_bwd(spec, residuals, d_out):
-  """Recomputes each block's probabilities p = exp(s - m) / l; dS = p * (dP - rowsum(dO * O))."""
-  q, kv, q_pos, q_valid, q_seg, bias_params, out, m, l = residuals
+def _backward(spec: _Spec, blocks, q, q_pos, q_valid, q_seg, bias_local, out, m, l, d_out):
+  """One query block's gradients: (dq float32 `[B, T, N, H]`, its share of the bias gradient, and
+  float32 dk, dv `[nb, B, block, K, H]` per key block). Recomputes each block's probabilities
+  p = exp(s - m) / l; dS = p * (dP - rowsum(dO * O))."""
   heads = q.shape[2]
   d_out = d_out.astype(jnp.float32)
   delta = jnp.einsum("btnh,btnh->bnt", d_out, out.astype(jnp.float32))  # [B, N, T]
-  # Split keys: each device sums its queries' share of the bias gradient, then one psum adds the shares.
-  bias_local = jax.lax.pcast(bias_params, _varying(q), to="varying")
 
   def visit(carry, blk):
     dq, dbias = carry
@@ -272,12 +323,12 @@ def _flash_bwd(spec, residuals, d_out):
     dp = jnp.einsum("btnh,bsnh->bnts", d_out, v_rep.astype(jnp.float32))
     dq_blk, dk, dbias_blk = scores_vjp(p * (dp - delta[..., None]))
     dv = dv.reshape(*v_blk.shape[:3], -1, v_blk.shape[-1]).sum(axis=3)  # sum query heads per kv head
-    return (dq + dq_blk.astype(jnp.float32), dbias + dbias_blk), (dk, dv.astype(v_blk.dtype))
+    return (dq + dq_blk.astype(jnp.float32), dbias + dbias_blk), (dk, dv)
 
   # A masked key's value gradient, the same for every key of every skipped block: the rows'
   # probability-weighted output gradient (0 but for fully masked rows), summed per kv head.
   dv_masked = jnp.einsum("bnt,btnh->bnh", jnp.exp(NEG - m) / l, d_out)  # [B, N, H]
-  num_kv_heads = kv[1].shape[2]
+  num_kv_heads = blocks[1].shape[3]
   dv_masked = dv_masked.reshape(dv_masked.shape[0], num_kv_heads, -1, dv_masked.shape[-1]).sum(axis=2)  # [B, K, H]
 
   def skip(carry, blk):
@@ -285,16 +336,44 @@ def _flash_bwd(spec, residuals, d_out):
     k_blk, v_blk, _, _, in_range, _ = blk
     dv = jnp.where(in_range[:, :, None, None], dv_masked[:, None], 0.0)  # [B, block, K, H]
     dk = jax.lax.pcast(jnp.zeros(k_blk.shape, k_blk.dtype), _varying(q), to="varying")  # as the visited branch's
-    return carry, (dk, dv.astype(v_blk.dtype))
+    return carry, (dk, dv)
 
-  init = jax.lax.pcast((jnp.zeros(q.shape, jnp.float32), jnp.zeros_like(bias_params)), _varying(q), to="varying")
-  (dq, dbias), (dk, dv) = _scan_blocks(spec, visit, skip, init, _kv_blocks(spec, kv), q_pos, q_valid)
+  init = (jax.lax.pcast(jnp.zeros(q.shape, jnp.float32), _varying(q), to="varying"), jnp.zeros_like(bias_local))
+  (dq, dbias), (dk, dv) = _scan_blocks(spec, visit, skip, init, blocks, q_pos, q_valid)
+  return dq, dbias, dk.astype(jnp.float32), dv
+
+
+def _flash_bwd(spec, residuals, d_out):
+  q, kv, q_pos, q_valid, q_seg, bias_params, (out, m, l) = residuals
+  blocks = _kv_blocks(spec, kv)
+  n, q_side = _query_side(spec, q, q_pos, q_valid, q_seg)
+  # Split keys: each device sums its queries' share of the bias gradient, then one psum adds the shares.
+  bias_local = jax.lax.pcast(bias_params, _varying(q), to="varying")
+  xs = (*q_side, out, m, l, _split_queries(n, d_out))
+
+  def one(x):
+    return _backward(spec, blocks, *x[:4], bias_local, *x[4:])
+
+  if n == 1:
+    dq, dbias, dk, dv = one(jax.tree.map(lambda x: x[0], xs))
+    dq = dq[None]
+  else:  # the key and value gradients add up over the query blocks
+
+    def step(carry, x):
+      dq, *shares = one(x)
+      return jax.tree.map(jnp.add, carry, tuple(shares)), dq
+
+    zeros = jax.lax.pcast(
+      (jnp.zeros(blocks[0].shape, jnp.float32), jnp.zeros(blocks[1].shape, jnp.float32)), _varying(q), to="varying"
+    )
+    (dbias, dk, dv), dq = jax.lax.scan(step, (jnp.zeros_like(bias_local), *zeros), xs)
   if spec.gather_axes:
     dbias = jax.lax.psum(dbias, spec.gather_axes)
   # Positions, validity, segment ids: integer / bool inputs, no gradient.
+  k, v = kv[0], kv[1]
   return (
-    dq.astype(q.dtype),
-    (_unblock(spec, dk, kv[0]), _unblock(spec, dv, kv[1]), None, None, None),
+    _merge_queries(dq, q.shape[1], 1).astype(q.dtype),
+    (_unblock(spec, dk, k).astype(k.dtype), _unblock(spec, dv, v).astype(v.dtype), None, None, None),
     None,
     None,
     None,
