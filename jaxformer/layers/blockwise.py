@@ -80,7 +80,8 @@ def blockwise_attention(
     position_bias: (bias function, params) as in `positions.PositionBias`, or None; the
       params get gradients.
     block_size: keys per block; S is padded up to a multiple (padded keys get weight 0). Under
-      a causal or sliding-window mask also queries per block, T padded likewise.
+      a causal or sliding-window mask also the most queries per block: T is split into
+      ceil(T / block_size) equal blocks, padded at the end with invalid queries.
     q_segment_ids, kv_segment_ids: int `[batch, T]` / `[batch, S]` packed-example ids, both
       or neither, as in `scores.attention_mask`.
     gather_axes: context parallelism (`layers.context_parallel`; call inside a map manual over
