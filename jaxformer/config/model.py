@@ -95,7 +95,7 @@ class ModelConfig:
   global_tokens: int = 0  # with sliding_window: positions < N see every key and every query sees them
   attention: str = "dense"  # dense | blockwise (memory-linear) | linformer (encoder) | fused (jax.nn) | splash
   linformer_k: int = 64  # linformer: keys/values projected along the sequence to this many rows
-  attention_block_size: int = 128  # blockwise: keys/values per block; splash: queries and keys per block, tokens
+  attention_block_size: int = 128  # blockwise: keys (and causal/window queries) per block; splash: queries, keys
   remat: str = "none"  # per-block rematerialisation: none | full | save_dots | minimal (layers/remat.py)
   scan_layers: bool = False  # nn.scan over each layer stack (shorter compile; params get a leading layers axis)
   num_experts: int = 0  # >0: every FFN becomes a mixture of this many experts (layers/moe.py); 0 = dense
