@@ -345,6 +345,7 @@ def _backward(spec: _Spec, blocks, q, q_pos, q_valid, q_seg, bias_local, out, m,
 
 
 def _flash_bwd(spec, residuals, d_out):
+  """`_backward` for each query block; the key, value and bias gradients add up over them."""
   q, kv, q_pos, q_valid, q_seg, bias_params, (out, m, l) = residuals
   blocks = _kv_blocks(spec, kv)
   n, q_side = _query_side(spec, q, q_pos, q_valid, q_seg)
@@ -358,7 +359,7 @@ def _flash_bwd(spec, residuals, d_out):
   if n == 1:
     dq, dbias, dk, dv = one(jax.tree.map(lambda x: x[0], xs))
     dq = dq[None]
-  else:  # the key and value gradients add up over the query blocks
+  else:
 
     def step(carry, x):
       dq, *shares = one(x)
@@ -370,11 +371,12 @@ def _flash_bwd(spec, residuals, d_out):
     (dbias, dk, dv), dq = jax.lax.scan(step, (jnp.zeros_like(bias_local), *zeros), xs)
   if spec.gather_axes:
     dbias = jax.lax.psum(dbias, spec.gather_axes)
-  # Positions, validity, segment ids: integer / bool inputs, no gradient.
+  # Positions, validity, segment ids: integer / bool inputs, no gradient. dk and dv are cast
+  # before `_unblock`, so a split sequence's reduce-scatter moves them in the inputs' dtype.
   k, v = kv[0], kv[1]
   return (
     _merge_queries(dq, q.shape[1], 1).astype(q.dtype),
-    (_unblock(spec, dk, k).astype(k.dtype), _unblock(spec, dv, v).astype(v.dtype), None, None, None),
+    (_unblock(spec, dk.astype(k.dtype), k), _unblock(spec, dv.astype(v.dtype), v), None, None, None),
     None,
     None,
     None,
