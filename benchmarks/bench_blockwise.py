@@ -23,7 +23,7 @@ import time
 
 
 def _timed(fn, *args) -> float:
-  """Seconds of one call, after it has compiled."""
+  """Seconds of one call of a compiled function."""
   import jax
 
   start = time.perf_counter()
@@ -69,10 +69,10 @@ def main() -> None:
     impls = {"blockwise": blockwise, **({"dense": dense} if length <= args.dense_max else {})}
     fns = {}
     for name, attend in impls.items():
-      grads = jax.jit(lambda q, k, v, d, attend=attend: jax.vjp(attend, q, k, v)[1](d))
-      fns[name] = (jax.jit(attend), grads, grads.lower(q, k, v, d_out).compile().memory_analysis())
+      grads = jax.jit(lambda q, k, v, d, attend=attend: jax.vjp(attend, q, k, v)[1](d)).lower(q, k, v, d_out).compile()
+      fns[name] = (jax.jit(attend).lower(q, k, v).compile(), grads, grads.memory_analysis())
     times = {(name, part): [] for name in fns for part in ("forward", "backward")}
-    for _ in range(args.rounds + 1):  # the first round compiles and is not counted
+    for _ in range(args.rounds + 1):  # the first round warms up and is not counted
       for name, (forward, grads, _) in fns.items():
         times[(name, "forward")].append(_timed(forward, q, k, v))
         times[(name, "backward")].append(_timed(grads, q, k, v, d_out))

@@ -267,11 +267,13 @@ def _merge_queries(x: jax.Array, length: int, axis: int) -> jax.Array:
   return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2 :])[(slice(None),) * axis + (slice(0, length),)]
 
 
-def _per_query_block(n: int, fn, xs):
-  """`lax.map` of `fn` over the leading query-block axis of the arrays `xs`; one direct call for one block."""
+def _per_query_block(n: int, fn, init, xs):
+  """`lax.scan` of `fn` (carry, x) -> (carry, y) over the leading query-block axis of the arrays
+  `xs`, stacking the y; one direct call when there is one block (the program stays loop-free)."""
   if n == 1:
-    return jax.tree.map(lambda y: y[None], fn(jax.tree.map(lambda x: x[0], xs)))
-  return jax.lax.map(fn, xs)
+    carry, y = fn(init, jax.tree.map(lambda x: x[0], xs))
+    return carry, jax.tree.map(lambda a: a[None], y)
+  return jax.lax.scan(fn, init, xs)
 
 
 def _query_side(spec: _Spec, q, q_pos, q_valid, q_seg):
@@ -287,7 +289,9 @@ def _flash_forward(spec: _Spec, q, kv, q_pos, q_valid, q_seg, bias_params):
   maxima and sums, padding queries included)."""
   blocks = _kv_blocks(spec, kv)
   n, q_side = _query_side(spec, q, q_pos, q_valid, q_seg)
-  out, (m, l) = _per_query_block(n, lambda x: _forward(spec, x[0], blocks, *x[1:], bias_params), q_side)
+  _, (out, (m, l)) = _per_query_block(
+    n, lambda c, x: (c, _forward(spec, x[0], blocks, *x[1:], bias_params)), (), q_side
+  )
   return _merge_queries(out, q.shape[1], 1), (out, m, l)
 
 
@@ -353,22 +357,14 @@ def _flash_bwd(spec, residuals, d_out):
   bias_local = jax.lax.pcast(bias_params, _varying(q), to="varying")
   xs = (*q_side, out, m, l, _split_queries(n, d_out))
 
-  def one(x):
-    return _backward(spec, blocks, *x[:4], bias_local, *x[4:])
+  def step(carry, x):
+    dq, *shares = _backward(spec, blocks, *x[:4], bias_local, *x[4:])
+    return jax.tree.map(jnp.add, carry, tuple(shares)), dq
 
-  if n == 1:
-    dq, dbias, dk, dv = one(jax.tree.map(lambda x: x[0], xs))
-    dq = dq[None]
-  else:
-
-    def step(carry, x):
-      dq, *shares = one(x)
-      return jax.tree.map(jnp.add, carry, tuple(shares)), dq
-
-    zeros = jax.lax.pcast(
-      (jnp.zeros(blocks[0].shape, jnp.float32), jnp.zeros(blocks[1].shape, jnp.float32)), _varying(q), to="varying"
-    )
-    (dbias, dk, dv), dq = jax.lax.scan(step, (jnp.zeros_like(bias_local), *zeros), xs)
+  zeros = jax.lax.pcast(
+    (jnp.zeros(blocks[0].shape, jnp.float32), jnp.zeros(blocks[1].shape, jnp.float32)), _varying(q), to="varying"
+  )
+  (dbias, dk, dv), dq = _per_query_block(n, step, (jnp.zeros_like(bias_local), *zeros), xs)
   if spec.gather_axes:
     dbias = jax.lax.psum(dbias, spec.gather_axes)
   # Positions, validity, segment ids: integer / bool inputs, no gradient. dk and dv are cast
